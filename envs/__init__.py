@@ -1,0 +1,42 @@
+"""Gymnasium-style tool environments that emit session trees (`trajectories.Episode`).
+
+Imports only `trajectories`. Built-in environments register on import.
+"""
+
+from envs.core import (
+    ChatSpace,
+    HermesParser,
+    ParseError,
+    PermissionDenied,
+    TaskMeta,
+    TaskSpec,
+    TextSpace,
+    ToolCall,
+    ToolCallParser,
+    ToolEnv,
+    ToolError,
+    approx_token_count,
+    tool,
+)
+from envs.registry import list_envs, make, register
+
+register("agent_rl/Arithmetic-v0", "envs.arithmetic:ArithmeticEnv")
+
+__all__ = [
+    "ChatSpace",
+    "HermesParser",
+    "ParseError",
+    "PermissionDenied",
+    "TaskMeta",
+    "TaskSpec",
+    "TextSpace",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolEnv",
+    "ToolError",
+    "approx_token_count",
+    "list_envs",
+    "make",
+    "register",
+    "tool",
+]

@@ -1,0 +1,99 @@
+"""Arithmetic-v0: multi-step integer arithmetic, answered with just the number.
+
+Description
+    A chain of 1-3 operations (``+``, ``-``, ``*``) over small integers, e.g.
+    ``(7 + 5) * 3 - 4``. The agent replies with the value. No tools.
+
+Tools
+    None.
+
+Observation
+    ``[system, user]``: instructions and the expression.
+
+Reward
+    Components (each 0 or 1) and weights, so a small model can earn partial credit:
+    ``accuracy`` (the last number in the reply equals the value; weight 0.5), ``format`` (the
+    reply is a bare integer; weight 0.2), ``exact`` (both; weight 0.3). Exact answer: 1.0;
+    right number with extra text: 0.5; a bare wrong number: 0.2; anything else: 0.
+
+Episode end
+    The first reply ends the episode (outcome ``correct`` when accuracy is 1, ``format_error``
+    when the reply holds no number, ``wrong`` otherwise).
+
+Hints
+    Every task carries a hint (its first intermediate result, provenance
+    ``solution-derived``). Hints are shown only with ``hints=True`` and are recorded in
+    ``Episode.hint``; evaluation is hint-free by default.
+
+Version history
+    v0: first release.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from envs.core import TaskMeta, TaskSpec, ToolEnv
+from trajectories import Outcome, RewardBreakdown
+
+_OPS = {"+": ("add", lambda a, b: a + b), "-": ("sub", lambda a, b: a - b),
+        "*": ("mul", lambda a, b: a * b)}
+_NUMBER = re.compile(r"-?\d+")
+WEIGHTS = {"accuracy": 0.5, "format": 0.2, "exact": 0.3}
+
+
+def arithmetic_reward(reply: str, value: int) -> dict[str, float]:
+    """The three reward components of a reply (also used by evaluation)."""
+    numbers = _NUMBER.findall(reply)
+    accuracy = float(bool(numbers) and int(numbers[-1]) == value)
+    bare = float(re.fullmatch(r"\s*-?\d+\s*\.?\s*", reply) is not None)
+    return {"accuracy": accuracy, "format": bare, "exact": accuracy * bare}
+
+
+class ArithmeticEnv(ToolEnv):
+    env_id = "agent_rl/Arithmetic-v0"
+    version = 0
+    instructions = "You are a careful calculator. Reply with just the final number, nothing else."
+    reward_weights = WEIGHTS
+
+    def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
+        rng = np.random.default_rng(seed)
+        return [self._make_task(rng, f"arith-{seed}-{i}") for i in range(n)]
+
+    def _make_task(self, rng: np.random.Generator, task_id: str) -> TaskSpec:
+        n_ops = int(rng.integers(1, 4))
+        value = int(rng.integers(1, 20))
+        expr = str(value)
+        steps = []  # (op, expression so far, its value)
+        for k in range(n_ops):
+            op = str(rng.choice(list(_OPS)))
+            operand = int(rng.integers(2, 10)) if op == "*" else int(rng.integers(1, 20))
+            expr = f"{expr} {op} {operand}" if k == 0 else f"({expr}) {op} {operand}"
+            value = _OPS[op][1](value, operand)
+            steps.append((op, expr, value))
+        _, first_expr, first_value = steps[0]
+        return TaskSpec(
+            task_id=task_id,
+            prompt=f"Compute {expr}. Answer with just the number.",
+            meta=TaskMeta(skills=[_OPS[op][0] for op, _, _ in steps],
+                          structure=">".join(_OPS[op][0] for op, _, _ in steps),
+                          entity_group="integers", length=n_ops, difficulty=n_ops),
+            target=value,
+            hint={"text": f"{first_expr} = {first_value}", "provenance": "solution-derived"},
+        )
+
+    def score(self, task: TaskSpec, answer: str, state: None) -> RewardBreakdown:
+        components = arithmetic_reward(answer, task.target)
+        if components["accuracy"]:
+            outcome = Outcome.correct
+        elif not _NUMBER.search(answer):
+            outcome = Outcome.format_error
+        else:
+            outcome = Outcome.wrong
+        return RewardBreakdown.from_components(components, WEIGHTS, outcome,
+                                               f"{self.env_id}@{self.version}")
+
+    def reference_action(self) -> str | None:
+        return None if self.task is None else str(self.task.target)

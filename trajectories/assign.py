@@ -1,0 +1,128 @@
+"""Credit assignment: turn an episode's verifiable reward into credit per session.
+
+Copying the terminal reward to every session is a credit-assignment *choice*, not a neutral
+default; the method and its reward unit are recorded with every result (``Credit.method``,
+``Credit.unit``). With R the episode reward (``episode.reward.total``) and F the session that
+produced the final answer (``Episode.final_session``):
+
+==================  ===========================================================  ========
+method              credit of session s                                          unit
+==================  ===========================================================  ========
+``broadcast``       R                                                            episode
+``terminal_only``   R if s is F, else 0                                          session
+``uniform_split``   R / number of sessions                                       episode
+``discounted``      R * gamma ** d(s, F), d = tree edges between s and F         session
+``usage_weighted``  used_by_final: R * usage(s); unused: ``unused_value``        session
+==================  ===========================================================  ========
+
+``usage_weighted`` follows Mosaic's idea of crediting sessions by whether their output reached
+the answer. usage(s) is the session's marginal use in [0, 1], read from
+``session.metrics["usage"]`` (1.0 when absent); F always counts as used. A session whose
+``used_by_final`` is None (unknown) is treated as used. Note that usage signals computed with
+the gold answer are a training-time signal, not something available at deployment.
+
+Loss weights are separate from credit (``session_weights``): ``per_episode`` gives each of an
+episode's n sessions 1/n, so an episode cut into more sessions is not up-weighted;
+``per_session`` gives every session 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from trajectories.models import Episode
+
+RewardUnit = Literal["token", "turn", "session", "episode", "candidate_set"]
+Assigner = Callable[..., dict[str, float]]
+
+
+class Credit(dict):
+    """dict[session_id, credit] that remembers how it was made."""
+
+    def __init__(self, values: dict[str, float], method: str, unit: RewardUnit, params: dict):
+        super().__init__(values)
+        self.method = method
+        self.unit = unit
+        self.params = params
+
+    def __repr__(self) -> str:
+        return f"Credit({dict(self)!r}, method={self.method!r}, unit={self.unit!r})"
+
+
+ASSIGNERS: dict[str, tuple[Assigner, RewardUnit]] = {}
+
+
+def register_assigner(name: str, unit: RewardUnit = "session") -> Callable[[Assigner], Assigner]:
+    """Register ``fn(episode, **params) -> dict[session_id, float]`` under ``name``."""
+
+    def decorator(fn: Assigner) -> Assigner:
+        if name in ASSIGNERS:
+            raise ValueError(f"assigner {name!r} is already registered")
+        ASSIGNERS[name] = (fn, unit)
+        return fn
+
+    return decorator
+
+
+def assign(episode: Episode, method: str = "broadcast", **params) -> Credit:
+    try:
+        fn, unit = ASSIGNERS[method]
+    except KeyError:
+        raise ValueError(f"unknown assigner {method!r}; registered: {sorted(ASSIGNERS)}") from None
+    values = fn(episode, **params)
+    ids = [s.session_id for s in episode.sessions]
+    if sorted(values) != sorted(ids):
+        raise ValueError(f"assigner {method!r} must credit exactly the sessions {ids}, got {sorted(values)}")
+    return Credit(values, method, unit, params)
+
+
+@register_assigner("broadcast", unit="episode")
+def broadcast(episode: Episode) -> dict[str, float]:
+    return {s.session_id: episode.reward.total for s in episode.sessions}
+
+
+@register_assigner("terminal_only")
+def terminal_only(episode: Episode) -> dict[str, float]:
+    final = episode.final_session.session_id
+    return {s.session_id: episode.reward.total if s.session_id == final else 0.0 for s in episode.sessions}
+
+
+@register_assigner("uniform_split", unit="episode")
+def uniform_split(episode: Episode) -> dict[str, float]:
+    share = episode.reward.total / len(episode.sessions)
+    return {s.session_id: share for s in episode.sessions}
+
+
+@register_assigner("discounted")
+def discounted(episode: Episode, gamma: float = 0.9) -> dict[str, float]:
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"discounted: gamma must be in [0, 1], got {gamma}")
+    tree = episode.tree
+    final = episode.final_session.session_id
+    return {s.session_id: episode.reward.total * gamma ** tree.distance(s.session_id, final) for s in tree}
+
+
+@register_assigner("usage_weighted")
+def usage_weighted(episode: Episode, unused_value: float = 0.0) -> dict[str, float]:
+    final = episode.final_session.session_id
+    credit = {}
+    for s in episode.sessions:
+        used = s.session_id == final or s.used_by_final is not False
+        usage = 1.0 if s.session_id == final else float(s.metrics.get("usage", 1.0))
+        if not 0.0 <= usage <= 1.0:
+            raise ValueError(f"session {s.session_id}: metrics['usage'] must be in [0, 1], got {usage}")
+        credit[s.session_id] = episode.reward.total * usage if used else unused_value
+    return credit
+
+
+SESSION_WEIGHTINGS = ("per_episode", "per_session")
+
+
+def session_weights(episode: Episode, mode: str = "per_episode") -> dict[str, float]:
+    """Per-session loss weights (separate from credit)."""
+    if mode == "per_episode":
+        return {s.session_id: 1.0 / len(episode.sessions) for s in episode.sessions}
+    if mode == "per_session":
+        return {s.session_id: 1.0 for s in episode.sessions}
+    raise ValueError(f"unknown session_weighting {mode!r}; use one of {SESSION_WEIGHTINGS}")
