@@ -1,0 +1,245 @@
+"""GRPO-family math: group advantages, the clipped policy loss, token log-probs.
+
+Pure torch, no other project imports. Rollout and training both call
+`token_logprobs` / `token_entropy`, so the old and new log-probs of the ratio come from
+one implementation.
+
+Advantages (`group_advantages`), for sample i of group g with G_g members:
+
+    A_i = (r_i - mean_g) / (s + eps),    A_i = 0.0 exactly if the group's rewards are equal
+
+    s = std_g (scale="group": GRPO, DeepSeekMath / DeepSeek-R1), or the std of all rewards
+        in the batch (scale="batch": group-mean baseline with batch-level scale, as in
+        Lite PPO, Liu et al. 2025, and TRL's `scale_rewards="batch"`),
+        population (divide by n) or sample (n - 1; a single-member group has std 0);
+    s = 1, eps = 0 for std="none" (Dr. GRPO, Liu et al. 2025: centring only, no std
+        normalisation, which otherwise up-weights near-saturated groups).
+
+A group with equal rewards carries no learning signal; its advantages are set to exactly
+0.0 (not r - mean, which can be a rounding residue) and it is counted as zero-contrast.
+DAPO's dynamic sampling drops such groups in the rollout; here they are only counted
+(`all_correct`: saturated, `all_wrong`: under-explored, `zero_contrast_other`).
+
+Policy loss (`policy_loss`), per valid token t of sequence b (mask m_bt = 1):
+
+    r_bt = exp(logp_bt - old_logp_bt)
+    l_bt = -min(r_bt * A_b, clip(r_bt, 1 - clip_low, 1 + clip_high) * A_b) + beta * kl_bt
+
+with the PPO clip made asymmetric by DAPO's clip-higher (clip_high > clip_low keeps
+low-probability tokens able to rise). The KL term is against a *fixed reference* policy,
+with Schulman's estimators of KL(pi || ref) on d = ref_logp - logp:
+
+    k1 = -d,    k2 = d**2 / 2,    k3 = exp(d) - 1 - d      (k3: GRPO's choice)
+
+Aggregation over tokens, with per-sequence weights w_b (default 1):
+
+    token_mean              sum_bt w_b l_bt m_bt / sum_bt m_bt               (DAPO)
+    seq_mean_token_mean     mean_b w_b sum_t l_bt m_bt / sum_t m_bt          (GRPO)
+                            (sequences without valid tokens leave the mean)
+    seq_mean_token_sum_norm mean_b w_b sum_t l_bt m_bt / max_len             (Dr. GRPO)
+
+Departures: advantages may also be given per token ([B, T]); the per-sequence weights
+(session weighting) are ours; a batch with no valid token gives loss 0.0 that is still
+attached to the graph (zero gradients), so a training step never sees NaN from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+STD_MODES = ("population", "sample", "none")
+SCALE_MODES = ("group", "batch")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = {
+    "k1": lambda d: -d,
+    "k2": lambda d: d.pow(2) / 2,
+    "k3": lambda d: torch.exp(d) - 1 - d,
+}
+
+
+def _choice(name: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: Sequence[Hashable],
+    std: str = "population",
+    scale: str = "group",
+    eps: float = 1e-6,
+    *,
+    correct_threshold: float = 1.0,
+    wrong_threshold: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """Group-relative advantages `[N]` and counts of zero-contrast groups.
+
+    `stats` keys: `groups`, `zero_contrast`, and its split into `all_correct` (common
+    reward >= correct_threshold), `all_wrong` (<= wrong_threshold), `zero_contrast_other`.
+    """
+    _choice("std", std, STD_MODES)
+    _choice("scale", scale, SCALE_MODES)
+    r = torch.as_tensor(rewards)  # [N]
+    if not r.is_floating_point():
+        r = r.float()
+    if r.dim() != 1 or r.numel() == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {tuple(r.shape)}")
+    if len(group_ids) != r.numel():
+        raise ValueError(f"{r.numel()} rewards but {len(group_ids)} group ids")
+    bad = (~torch.isfinite(r)).nonzero()
+    if bad.numel():
+        i = bad[0].item()
+        raise ValueError(f"reward at index {i} is {r[i].item()}; rewards must be finite")
+
+    index = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    gid = torch.tensor([index[g] for g in group_ids], device=r.device)  # [N]
+    n_groups = len(index)
+    count = torch.bincount(gid, minlength=n_groups).to(r.dtype)  # [G]
+    mean = r.new_zeros(n_groups).index_add_(0, gid, r) / count  # [G]
+    centred = r - mean[gid]  # [N]
+    hi = r.new_full((n_groups,), -torch.inf).scatter_reduce(0, gid, r, "amax")  # [G]
+    lo = r.new_full((n_groups,), torch.inf).scatter_reduce(0, gid, r, "amin")  # [G]
+    flat = hi == lo  # [G] zero-contrast groups
+
+    if std == "none":
+        adv = centred  # [N]
+    else:
+        ddof = 1 if std == "sample" else 0
+        if scale == "group":
+            sq = r.new_zeros(n_groups).index_add_(0, gid, centred.pow(2))  # [G]
+            s = (sq / (count - ddof).clamp(min=1)).sqrt()[gid]  # [N]
+        else:
+            s = r.std(correction=ddof) if r.numel() > ddof else r.new_zeros(())  # []
+        adv = centred / (s + eps)  # [N]
+    adv = torch.where(flat[gid], torch.zeros_like(adv), adv)  # [N]
+
+    common = hi[flat]  # [Z] the shared reward of each zero-contrast group
+    correct = common >= correct_threshold  # [Z]
+    wrong = ~correct & (common <= wrong_threshold)  # [Z]
+    stats = {
+        "groups": n_groups,
+        "zero_contrast": int(flat.sum()),
+        "all_correct": int(correct.sum()),
+        "all_wrong": int(wrong.sum()),
+        "zero_contrast_other": int((~correct & ~wrong).sum()),
+    }
+    return adv, stats
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: str = "token_mean",
+    ref_logprobs: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl: str = "k3",
+    max_len: int | None = None,
+    weights: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate loss (scalar, differentiable in `logprobs`) and float metrics.
+
+    Shapes: logprobs, old_logprobs, mask, ref_logprobs, entropy `[B, T]`; advantages `[B]`
+    or `[B, T]`; weights `[B]`. With no valid token the loss is 0.0 (graph intact) and the
+    metrics are neutral: fractions and KLs 0.0, ratio stats 1.0, tokens 0.0.
+    """
+    _choice("aggregation", aggregation, AGGREGATIONS)
+    _choice("kl", kl, tuple(KL_ESTIMATORS))
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs (the fixed reference policy)")
+    if aggregation == "seq_mean_token_sum_norm" and not (max_len and max_len > 0):
+        raise ValueError("aggregation 'seq_mean_token_sum_norm' needs max_len > 0")
+    if not logprobs.shape == old_logprobs.shape == mask.shape or logprobs.dim() != 2:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"mask {tuple(mask.shape)} must share one [B, T] shape"
+        )
+    B = logprobs.shape[0]
+    valid = mask.bool()  # [B, T]
+    m = valid.to(logprobs.dtype)  # [B, T]
+    old_logprobs = old_logprobs.detach()  # [B, T] constants of the objective, as are A and ref
+    adv = advantages.detach().to(logprobs.dtype)  # [B] or [B, T]
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # [B, 1]
+    adv = adv.expand_as(logprobs)  # [B, T]
+    w = logprobs.new_ones(B) if weights is None else weights.to(logprobs.dtype)  # [B]
+
+    # Padding may hold any value; zero its log-ratios so exp() cannot overflow into NaN.
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
+    loss_t = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if ref_logprobs is not None:
+        d_ref = torch.where(valid, ref_logprobs.detach() - logprobs, 0.0)  # [B, T]
+        kl_ref = KL_ESTIMATORS[kl](d_ref)  # [B, T]
+        if beta > 0:
+            loss_t = loss_t + beta * kl_ref  # [B, T]
+
+    seq_sum = (loss_t * m).sum(-1)  # [B]
+    seq_len = m.sum(-1)  # [B]
+    if aggregation == "token_mean":
+        loss = (w * seq_sum).sum() / seq_len.sum().clamp(min=1)  # []
+    elif aggregation == "seq_mean_token_mean":
+        has_tokens = (seq_len > 0).to(m.dtype)  # [B]
+        per_seq = w * seq_sum / seq_len.clamp(min=1)  # [B]
+        loss = (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)  # []
+    else:
+        loss = (w * seq_sum / max_len).sum() / max(B, 1)  # []
+
+    with torch.no_grad():
+        n = int(valid.sum())
+        r = ratio[valid]  # [n]
+        a = adv[valid]  # [n]
+        denom = max(n, 1)
+        metrics = {
+            "clip/low_frac": float(((a < 0) & (r < 1 - clip_low)).sum()) / denom,
+            "clip/high_frac": float(((a > 0) & (r > 1 + clip_high)).sum()) / denom,
+            "ratio/min": float(r.min()) if n else 1.0,
+            "ratio/mean": float(r.mean()) if n else 1.0,
+            "ratio/max": float(r.max()) if n else 1.0,
+            "kl/approx": float(KL_ESTIMATORS["k3"](-log_ratio[valid]).sum()) / denom,
+            "tokens": float(n),
+        }
+        if ref_logprobs is not None:
+            metrics["kl/ref"] = float(kl_ref[valid].sum()) / denom
+        if entropy is not None:
+            metrics["entropy"] = float(entropy[valid].sum()) / denom
+    return loss, metrics
+
+
+def _scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-softmax of logits[:, :-1] / temperature in at least float32: `[B, T-1, V]`."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = logits[:, :-1]  # [B, T-1, V]
+    if z.dtype in (torch.float16, torch.bfloat16):
+        z = z.float()
+    return F.log_softmax(z / temperature, dim=-1)  # [B, T-1, V]
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-prob of input_ids[:, t] given input_ids[:, :t]: `[B, T]`, position 0 is 0.0.
+
+    logits `[B, T, V]` as a causal LM returns them (logits[:, t] predicts token t + 1);
+    input_ids `[B, T]`. Sampling at `temperature` means the policy is softmax(logits / T),
+    so the same temperature must be used here for rollout and training.
+    """
+    logp = _scaled_log_softmax(logits, temperature)  # [B, T-1, V]
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    return F.pad(picked, (1, 0))  # [B, T]
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the distribution that sampled token t: `[B, T]`, position 0 is 0.0."""
+    logp = _scaled_log_softmax(logits, temperature)  # [B, T-1, V]
+    ent = -(logp.exp() * logp).sum(-1)  # [B, T-1]
+    return F.pad(ent, (1, 0))  # [B, T]

@@ -1,0 +1,135 @@
+"""The vectorised episode runner: many environments, one batched policy (Gymnasium's vector-env
+idea for text).
+
+``run_episodes`` keeps up to ``num_envs`` environments busy. Each round it gathers the active
+session's messages from every environment that is mid-episode, asks the policy for one
+completion per environment in a single ``generate`` call, and steps each environment with its
+completion. Sessions of one episode follow each other (compression, branch, return happen
+inside the env); different episodes interleave. A finished environment is reset with the next
+(task, sample) job. RL rollouts and evaluation both use it.
+
+Determinism: job k (task i, sample j, in order) resets with ``seed + k``, so episode ids and
+any env randomness repeat for the same inputs; the policy's own sampling seed is its business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import gymnasium
+
+from envs.core import TaskSpec
+from envs.registry import make
+from trajectories import Episode
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the policy samples. ``temperature=0`` means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled reply: text, the sampled token ids, their log-probs, why it stopped."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"  # stop | length
+    prompt_tokens: int = 0
+
+    def action(self) -> dict[str, Any]:
+        """The env action carrying the generated tokens into the episode record."""
+        return {"text": self.text, "token_ids": list(self.token_ids) or None,
+                "logprobs": list(self.logprobs) or None, "finish_reason": self.finish_reason}
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Anything that can continue a batch of conversations."""
+
+    def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]: ...
+
+
+@dataclass
+class _Slot:
+    env: gymnasium.Env
+    obs: list[dict[str, Any]] | None = None
+    job: int | None = None
+
+
+def run_episodes(
+    envs: str | Sequence[gymnasium.Env],
+    tasks: Sequence[TaskSpec],
+    policy: Policy,
+    sampling: Sampling | None = None,
+    samples_per_task: int = 1,
+    num_envs: int = 16,
+    seed: int = 0,
+    env_kwargs: dict[str, Any] | None = None,
+    group_prefix: str = "",
+    on_round: Callable[[int, int], None] | None = None,
+) -> list[Episode]:
+    """Run every task ``samples_per_task`` times; returns episodes in job order.
+
+    ``envs`` is an env id (``num_envs`` copies are made with ``env_kwargs``) or ready envs.
+    Episodes of one task share ``group_id`` (``group_prefix + task_id``); ``sample_id`` is
+    the sample index. ``on_round(done, total)`` is called after every policy round.
+    """
+    sampling = sampling or Sampling()
+    jobs = [(task, j) for task in tasks for j in range(samples_per_task)]
+    if not jobs:
+        return []
+    if isinstance(envs, str):
+        pool = [make(envs, **(env_kwargs or {})) for _ in range(min(num_envs, len(jobs)))]
+    else:
+        pool = list(envs)
+        if not pool:
+            raise ValueError("run_episodes needs at least one environment")
+    slots = [_Slot(env) for env in pool]
+    results: list[Episode | None] = [None] * len(jobs)
+    next_job = 0
+
+    def start(slot: _Slot) -> None:
+        nonlocal next_job
+        if next_job >= len(jobs):
+            slot.obs, slot.job = None, None
+            return
+        task, sample = jobs[next_job]
+        slot.obs, _ = slot.env.reset(seed=seed + next_job, options={
+            "task": task, "group_id": group_prefix + task.task_id, "sample_id": sample,
+            "episode_id": f"{group_prefix}{task.task_id}#{sample}@{seed + next_job}",
+            "generation": sampling.to_dict()})
+        slot.job = next_job
+        next_job += 1
+
+    for slot in slots:
+        start(slot)
+    done = 0
+    while any(slot.job is not None for slot in slots):
+        active = [slot for slot in slots if slot.job is not None]
+        completions = policy.generate([slot.obs for slot in active], sampling)
+        if len(completions) != len(active):
+            raise RuntimeError(f"policy returned {len(completions)} completions for "
+                               f"{len(active)} conversations")
+        for slot, completion in zip(active, completions):
+            obs, _, terminated, truncated, info = slot.env.step(completion.action())
+            if terminated or truncated:
+                results[slot.job] = info["episode"]
+                done += 1
+                start(slot)
+            else:
+                slot.obs = obs
+        if on_round is not None:
+            on_round(done, len(jobs))
+    return [episode for episode in results if episode is not None]

@@ -1,0 +1,321 @@
+"""GRPO math against hand-computed numbers (arithmetic in the comments)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent_rl.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
+
+LN2 = math.log(2)
+
+# Group a = [0, 2] (mean 1), group c = [1, 1, 4] (mean 2), interleaved.
+REWARDS = [0.0, 1.0, 2.0, 1.0, 4.0]
+IDS = ["a", "c", "a", "c", "c"]
+# centred by group mean: a -> [-1, 1], c -> [-1, -1, 2]
+CENTRED = [-1.0, -1.0, 1.0, -1.0, 2.0]
+
+
+def close(x, expected, tol=1e-5):
+    return torch.allclose(
+        torch.as_tensor(x, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        atol=tol,
+    )
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+@pytest.mark.parametrize(
+    ("std", "scale", "divisor"),
+    [
+        # no normalisation: centred only
+        ("none", "group", [1, 1, 1, 1, 1]),
+        ("none", "batch", [1, 1, 1, 1, 1]),
+        # population std: a: var (1 + 1) / 2 = 1 -> 1;  c: var (1 + 1 + 4) / 3 = 2 -> sqrt 2
+        ("population", "group", [1, math.sqrt(2), 1, math.sqrt(2), math.sqrt(2)]),
+        # sample std: a: var 2 / 1 = 2 -> sqrt 2;  c: var 6 / 2 = 3 -> sqrt 3
+        ("sample", "group", [math.sqrt(2), math.sqrt(3), math.sqrt(2), math.sqrt(3), math.sqrt(3)]),
+        # batch: mean 8 / 5 = 1.6, deviations [-1.6, -0.6, 0.4, -0.6, 2.4],
+        # squares 2.56 + 0.36 + 0.16 + 0.36 + 5.76 = 9.2
+        # population: var 9.2 / 5 = 1.84;  sample: var 9.2 / 4 = 2.3
+        ("population", "batch", [math.sqrt(1.84)] * 5),
+        ("sample", "batch", [math.sqrt(2.3)] * 5),
+    ],
+)
+def test_advantages_each_mode(std, scale, divisor):
+    adv, stats = group_advantages(REWARDS, IDS, std=std, scale=scale, eps=0.0)
+    assert close(adv, [c / d for c, d in zip(CENTRED, divisor, strict=True)])
+    assert stats == {
+        "groups": 2,
+        "zero_contrast": 0,
+        "all_correct": 0,
+        "all_wrong": 0,
+        "zero_contrast_other": 0,
+    }
+
+
+def test_advantages_eps_added_to_std():
+    # group [0, 2]: centred [-1, 1], population std 1 -> [-1, 1] / (1 + 0.5)
+    adv, _ = group_advantages(torch.tensor([0.0, 2.0]), [0, 0], eps=0.5)
+    assert close(adv, [-1 / 1.5, 1 / 1.5])
+
+
+@pytest.mark.parametrize("std", ["population", "sample", "none"])
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_zero_contrast_groups_are_exactly_zero_and_counted(std, scale):
+    # a: all 1 (correct), b: all 0 (wrong), c: all 0.9 (other; in float32 0.9 - (3 * 0.9) / 3
+    # = 6e-8, which / (std + eps) would give advantages near 0.06),
+    # d: [0, 1] has contrast
+    rewards = [1.0, 1.0, 0.0, 0.0, 0.9, 0.9, 0.9, 0.0, 1.0]
+    ids = ["a", "a", "b", "b", "c", "c", "c", "d", "d"]
+    adv, stats = group_advantages(rewards, ids, std=std, scale=scale)
+    assert adv[:7].tolist() == [0.0] * 7
+    assert (adv[7] < 0) and (adv[8] > 0)
+    assert stats == {
+        "groups": 4,
+        "zero_contrast": 3,
+        "all_correct": 1,
+        "all_wrong": 1,
+        "zero_contrast_other": 1,
+    }
+
+
+def test_zero_contrast_thresholds_and_singletons():
+    # singleton groups are zero-contrast; 0.5 >= correct_threshold 0.5; -1 <= wrong_threshold 0
+    adv, stats = group_advantages(
+        [0.5, -1.0, 0.3], ["x", "y", "z"], std="sample", correct_threshold=0.5
+    )
+    assert adv.tolist() == [0.0, 0.0, 0.0]
+    assert stats == {
+        "groups": 3,
+        "zero_contrast": 3,
+        "all_correct": 1,
+        "all_wrong": 1,
+        "zero_contrast_other": 1,
+    }
+
+
+def test_advantages_errors():
+    with pytest.raises(ValueError, match="index 2"):
+        group_advantages([0.0, 1.0, float("nan")], [0, 0, 0])
+    with pytest.raises(ValueError, match="non-empty"):
+        group_advantages([], [])
+    with pytest.raises(ValueError, match="3 rewards but 2 group ids"):
+        group_advantages([0.0, 1.0, 1.0], [0, 0])
+    with pytest.raises(ValueError, match="population, sample, none"):
+        group_advantages([0.0, 1.0], [0, 0], std="mad")
+    with pytest.raises(ValueError, match="group, batch"):
+        group_advantages([0.0, 1.0], [0, 0], scale="global")
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.floats(-10, 10, allow_nan=False)),
+        min_size=1,
+        max_size=40,
+    ),
+    st.sampled_from(["none", "population", "sample"]),
+    st.sampled_from(["group", "batch"]),
+)
+def test_advantages_sum_to_zero_per_group(samples, std, scale):
+    ids = [g for g, _ in samples]
+    rewards = torch.tensor([r for _, r in samples], dtype=torch.float64)
+    adv, _ = group_advantages(rewards, ids, std=std, scale=scale)
+    for g in set(ids):
+        members = torch.tensor([i == g for i in ids])
+        assert abs(adv[members].sum().item()) < 1e-6
+
+
+# ----------------------------------------------------------------------------- policy loss
+
+# 2 x 3 batch, ratio 1 on valid tokens; padding holds values that would overflow exp().
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+OLD = torch.tensor([[-1.0, -2.0, -100.0], [-0.5, -100.0, -100.0]])
+NEW = torch.tensor([[-1.0, -2.0, 100.0], [-0.5, 100.0, 100.0]])
+ADV = torch.tensor([1.0, 4.0])  # per-token loss -A: row 0 -> [-1, -1], row 1 -> [-4]
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "weights", "expected"),
+    [
+        # (-1 - 1 - 4) / 3 tokens
+        ("token_mean", None, -2.0),
+        # mean(-2 / 2, -4 / 1) = (-1 - 4) / 2
+        ("seq_mean_token_mean", None, -2.5),
+        # mean(-2 / 4, -4 / 4) with max_len 4 = (-0.5 - 1) / 2
+        ("seq_mean_token_sum_norm", None, -0.75),
+        # weights [2, 1]: (2 * (-2) + 1 * (-4)) / 3
+        ("token_mean", [2.0, 1.0], -8 / 3),
+        # (2 * (-1) + 1 * (-4)) / 2
+        ("seq_mean_token_mean", [2.0, 1.0], -3.0),
+        # (2 * (-2) / 4 + (-4) / 4) / 2
+        ("seq_mean_token_sum_norm", [2.0, 1.0], -1.0),
+    ],
+)
+def test_aggregations(aggregation, weights, expected):
+    w = None if weights is None else torch.tensor(weights)
+    loss, metrics = policy_loss(NEW, OLD, ADV, MASK, aggregation=aggregation, max_len=4, weights=w)
+    assert loss.item() == pytest.approx(expected)
+    assert metrics["tokens"] == 3.0
+    assert metrics["ratio/min"] == metrics["ratio/max"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected"),
+    [
+        ("token_mean", -2.0),  # unchanged: the empty row adds no token
+        ("seq_mean_token_mean", -2.5),  # unchanged: the empty row leaves the mean
+        ("seq_mean_token_sum_norm", -0.5),  # (-0.5 - 1 + 0) / 3 rows
+    ],
+)
+def test_empty_sequence(aggregation, expected):
+    mask = torch.cat([MASK, torch.zeros(1, 3, dtype=MASK.dtype)])
+    new, old = torch.cat([NEW, torch.zeros(1, 3)]), torch.cat([OLD, torch.zeros(1, 3)])
+    loss, _ = policy_loss(
+        new, old, torch.tensor([1.0, 4.0, 9.0]), mask, aggregation=aggregation, max_len=4
+    )
+    assert loss.item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
+def test_no_valid_tokens_gives_zero_loss_with_graph(aggregation):
+    new = NEW.clone().requires_grad_()
+    loss, metrics = policy_loss(
+        new, OLD, ADV, torch.zeros_like(MASK), aggregation=aggregation, max_len=4
+    )
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert new.grad.abs().sum().item() == 0.0
+    assert (
+        metrics["tokens"] == 0.0
+        and metrics["ratio/mean"] == 1.0
+        and metrics["clip/low_frac"] == 0.0
+    )
+
+
+def test_ratio_one_gives_minus_mean_advantage():
+    torch.manual_seed(0)
+    logp = -torch.rand(4, 5)  # [B, T]
+    adv = torch.randn(4)  # [B]
+    loss, metrics = policy_loss(logp, logp, adv, torch.ones(4, 5))
+    assert loss.item() == pytest.approx(-adv.mean().item(), abs=1e-6)
+    assert metrics["kl/approx"] == 0.0 and metrics["ratio/mean"] == 1.0
+    # per-token advantages: -mean over valid tokens
+    adv_t = torch.randn(4, 5)  # [B, T]
+    mask = torch.ones(4, 5)
+    mask[:, 3:] = 0
+    loss, _ = policy_loss(logp, logp, adv_t, mask)
+    assert loss.item() == pytest.approx(-adv_t[:, :3].mean().item(), abs=1e-6)
+
+
+def _clip_batch():
+    # row 0: A = +1, ratios [1.5, 1.1];  row 1: A = -1, ratios [0.5, 1.5]
+    ratios = torch.tensor([[1.5, 1.1], [0.5, 1.5]])
+    old = torch.tensor([[-1.0, -2.0], [-0.3, -0.7]])
+    new = (old + ratios.log()).requires_grad_()
+    return new, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2)
+
+
+def test_asymmetric_clipping_and_clip_fractions():
+    new, old, adv, mask = _clip_batch()
+    loss, m = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # row 0 tok 0: -min(1.5, clip 1.28)           = -1.28  (high side clipped)
+    # row 0 tok 1: -min(1.1, 1.1)                 = -1.1
+    # row 1 tok 0: -min(-0.5, -clip 0.8)          =  0.8   (low side clipped)
+    # row 1 tok 1: -min(-1.5, -1.28)              =  1.5   (ratio above 1.28 but A < 0: unclipped)
+    # token_mean: (-1.28 - 1.1 + 0.8 + 1.5) / 4 = -0.08 / 4
+    assert loss.item() == pytest.approx(-0.02, abs=1e-6)
+    assert m["clip/high_frac"] == 0.25 and m["clip/low_frac"] == 0.25
+    assert m["ratio/min"] == pytest.approx(0.5) and m["ratio/max"] == pytest.approx(1.5)
+    assert m["ratio/mean"] == pytest.approx((1.5 + 1.1 + 0.5 + 1.5) / 4)
+    # k3(old - new) = 1/r - 1 + ln r per token
+    k3 = [1 / r - 1 + math.log(r) for r in (1.5, 1.1, 0.5, 1.5)]  # 0.0721, 0.0044, 0.3069, 0.0721
+    assert m["kl/approx"] == pytest.approx(sum(k3) / 4, rel=1e-5)
+    # symmetric 0.2: row 0 tok 0 becomes -1.2 -> (-1.2 - 1.1 + 0.8 + 1.5) / 4 = 0
+    loss_sym, _ = policy_loss(new, old, adv, mask)
+    assert loss_sym.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_clipped_side_has_zero_gradient():
+    new, old, adv, mask = _clip_batch()
+    loss, _ = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    loss.backward()
+    # d/dlogp of -r A / 4 is -A r / 4: row 0 tok 1 -> -1.1 / 4;  row 1 tok 1 -> 1.5 / 4
+    assert close(new.grad, [[0.0, -0.275], [0.0, 0.375]])
+
+
+@pytest.mark.parametrize(
+    ("kl", "expected"),
+    [
+        # d = ref - logp = [ln 2, -ln 2]
+        ("k1", 0.0),  # mean(-ln 2, ln 2)
+        ("k2", LN2**2 / 2),  # mean(ln2^2 / 2, ln2^2 / 2) = 0.2402
+        ("k3", 0.25),  # mean(2 - 1 - ln 2, 0.5 - 1 + ln 2) = mean(0.3069, 0.1931)
+    ],
+)
+def test_kl_estimators(kl, expected):
+    logp = torch.tensor([[-1.0, -1.0]])
+    ref = logp + torch.tensor([[LN2, -LN2]])
+    zero_adv = torch.zeros(1)
+    loss, m = policy_loss(logp, logp, zero_adv, torch.ones(1, 2), ref_logprobs=ref, beta=0.5, kl=kl)
+    assert loss.item() == pytest.approx(0.5 * expected, abs=1e-6)
+    assert m["kl/ref"] == pytest.approx(expected, abs=1e-6)
+    # beta 0 still reports the KL but leaves it out of the loss
+    loss, m = policy_loss(logp, logp, zero_adv, torch.ones(1, 2), ref_logprobs=ref, kl=kl)
+    assert loss.item() == 0.0 and m["kl/ref"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_entropy_metric_over_valid_tokens():
+    ent = torch.tensor([[1.0, 3.0, 50.0], [2.0, 50.0, 50.0]])
+    _, m = policy_loss(NEW, OLD, ADV, MASK, entropy=ent)
+    assert m["entropy"] == pytest.approx(2.0)  # (1 + 3 + 2) / 3
+    assert "kl/ref" not in m
+
+
+def test_policy_loss_errors():
+    args = (NEW, OLD, ADV, MASK)
+    with pytest.raises(
+        ValueError, match="token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"
+    ):
+        policy_loss(*args, aggregation="sum")
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        policy_loss(*args, kl="k4")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(*args, beta=0.1)
+    with pytest.raises(ValueError, match="max_len"):
+        policy_loss(*args, aggregation="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="shape"):
+        policy_loss(NEW, OLD[:, :2], ADV, MASK)
+
+
+# ----------------------------------------------------------------------------- token log-probs
+
+
+def _logits():
+    # position 0 predicts token 1 with probs [0.5, 0.5]; position 1 predicts token 2 with
+    # probs [0.75, 0.25]; position 2 predicts nothing inside the sequence.
+    return torch.tensor([[[0.0, 0.0], [math.log(3), 0.0], [9.0, -9.0]]])  # [1, 3, 2]
+
+
+def test_token_logprobs_alignment_and_temperature():
+    ids = torch.tensor([[1, 0, 1]])
+    assert close(token_logprobs(_logits(), ids), [[0.0, math.log(0.5), math.log(0.25)]])
+    # temperature 2: [ln 3 / 2, 0] -> probs [sqrt 3, 1] / (sqrt 3 + 1)
+    expected = [[0.0, math.log(0.5), math.log(1 / (math.sqrt(3) + 1))]]
+    assert close(token_logprobs(_logits(), ids, temperature=2.0), expected)
+    out = token_logprobs(_logits().bfloat16(), ids)
+    assert out.dtype == torch.float32 and out.shape == (1, 3)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(_logits(), ids, temperature=0.0)
+
+
+def test_token_entropy_alignment():
+    # [0, ln 2, -(0.75 ln 0.75 + 0.25 ln 0.25)] = [0, 0.6931, 0.5623]
+    expected = [[0.0, LN2, -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]]
+    assert close(token_entropy(_logits()), expected)
