@@ -21,6 +21,9 @@ from envs.core import (
 from envs.registry import list_envs, make, register
 
 register("agent_rl/Arithmetic-v0", "envs.arithmetic:ArithmeticEnv")
+register("agent_rl/Records-v0", "envs.records.env:RecordsEnv")
+register("agent_rl/LongRecords-v0", "envs.records.env:LongRecordsEnv")
+register("agent_rl/PIIMask-v0", "envs.piimask:PIIMaskEnv")
 
 __all__ = [
     "ChatSpace",

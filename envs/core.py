@@ -36,6 +36,7 @@ episode ends ``format_error`` only when it ends on one.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import math
@@ -175,10 +176,16 @@ class ToolSpec:
     fn: Callable[..., Any]
 
     def schema(self) -> dict[str, Any]:
-        params = self.args_model.model_json_schema()
-        params.pop("title", None)
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description, "parameters": params}}
+        """The OpenAI-style function schema (a fresh copy each call)."""
+        return copy.deepcopy(_schema(self.name, self.description, self.args_model))
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(name: str, description: str, args_model: type[BaseModel]) -> dict[str, Any]:
+    params = args_model.model_json_schema()
+    params.pop("title", None)
+    return {"type": "function", "function": {
+        "name": name, "description": description, "parameters": params}}
 
 
 def tool(fn: Callable | None = None, *, name: str | None = None, writes: bool = False):
@@ -219,6 +226,22 @@ class ToolCallParser(Protocol):
     def format_instructions(self, tools: list[dict[str, Any]]) -> str: ...
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _strict_json(text: str) -> Any:
+    """json.loads without NaN/Infinity: a non-finite argument would make the episode unhashable."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_reject_constant)
+
+
 class HermesParser:
     """Hermes/Qwen style: ``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``."""
 
@@ -228,9 +251,12 @@ class HermesParser:
         calls: list[ToolCall | ParseError] = []
         for raw in self.pattern.findall(text):
             try:
-                obj = json.loads(raw.strip())
+                obj = _strict_json(raw.strip())
             except json.JSONDecodeError as exc:
                 calls.append(ParseError(f"tool call is not valid JSON ({exc.msg} at char {exc.pos})"))
+                continue
+            except ValueError as exc:  # NaN/Infinity, 1e999, integers of > 4300 digits
+                calls.append(ParseError(f"tool call is not valid JSON ({exc})"))
                 continue
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 calls.append(ParseError('tool call must be an object with a string "name"'))
@@ -238,8 +264,8 @@ class HermesParser:
             args = obj.get("arguments", {})
             if isinstance(args, str):  # some models double-encode
                 try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
+                    args = _strict_json(args)
+                except ValueError:
                     pass
             if not isinstance(args, dict):
                 calls.append(ParseError(f'tool call "{obj["name"]}": "arguments" must be an object'))

@@ -45,7 +45,10 @@ INFRASTRUCTURE_OUTCOMES = frozenset({Outcome.sandbox_error})
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # ser_json_inf_nan="constants": keep inf/nan as floats in model_dump(mode="json") so that
+    # hashing refuses them (the default turns them into None inside dict[str, Any] fields,
+    # which silently changed the stored record and its hash).
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
 
 class RewardBreakdown(_Frozen):
@@ -300,6 +303,11 @@ class Episode(_Frozen):
             if not continuations:
                 return current
             current = continuations[-1]
+
+    def evolve(self, **updates: Any) -> Episode:
+        """A copy with some fields replaced, re-validated, with a fresh content hash."""
+        data = {**self.model_dump(), **updates, "content_hash": ""}
+        return Episode.model_validate(data)
 
     def compute_hash(self) -> str:
         return _hash_payload(self.model_dump(mode="json", exclude={"content_hash"}))

@@ -7,7 +7,8 @@ Crash safety. A process killed mid-write leaves a *torn tail*: a last line witho
 (plain) or an unfinished frame (zstd). Readers ignore it and report it (``store.torn_tail``).
 The next ``append`` moves those bytes, unchanged, to ``<path>.torn`` and cuts the file back to
 its last complete record, so the torn bytes are never merged with new data and never lost.
-Nothing already complete is ever rewritten.
+Nothing already complete is ever rewritten. An undecodable zstd frame with frames after it is
+corruption, not a torn tail: reading raises StoreError, ``verify`` reports it, ``append`` refuses.
 
 Cursor. ``cursor`` is the number of complete records; ``read(cursor=k)`` skips the first k.
 """
@@ -24,6 +25,8 @@ from pathlib import Path
 import zstandard
 
 from trajectories.models import Episode
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 class StoreError(ValueError):
@@ -77,8 +80,11 @@ class RolloutStore:
             try:
                 text = decomp.decompress(data[offset:])
             except zstandard.ZstdError as exc:
-                # A truncated frame never raises (it just lacks eof): this is corruption, not a
-                # torn tail, and must not be quarantined together with the good frames after it.
+                # A truncated frame never raises (it just lacks eof). An unreadable frame with
+                # no frame after it is a garbage tail (e.g. zero-filled after a crash): torn.
+                # With frames after it, it is corruption: never quarantine good frames with it.
+                if data.find(_ZSTD_MAGIC, offset + 1) == -1:
+                    break
                 number = len(lines) + 1
                 reason = f"zstd frame at byte {offset} is corrupt: {exc}"
                 raise StoreError(f"{self.path}: record {number} onward: {reason}", number,

@@ -50,8 +50,8 @@ def episode(
     outcome = Outcome.correct if reward >= 1.0 else Outcome.wrong
     return Episode(
         episode_id=episode_id,
-        env_id="agent_rl/Hand-v0",
-        env_version=0,
+        env_id=fields.pop("env_id", "agent_rl/Hand-v0"),
+        env_version=fields.pop("env_version", 0),
         task_id=fields.pop("task_id", "task-0"),
         group_id=fields.pop("group_id", "group-0"),
         sessions=sessions,

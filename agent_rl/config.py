@@ -1,0 +1,228 @@
+"""ExperimentContract: every input of a run, pinned and hashed before the first rollout.
+
+YAML in (``ExperimentContract.from_yaml``), overrides by dotted path (``--set optim.lr=1e-4``),
+validated (unknown keys and impossible combinations are errors that name the key), hashed
+(``contract_hash``: sha256 of the canonical JSON of the resolved contract). The key names are
+the YAML contract of DESIGN section 7.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EnvSection(_Section):
+    id: str = Field("agent_rl/Arithmetic-v0", description="registered environment id")
+    split: str = Field("train", description="which compositional split the trainer draws from")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to envs.make")
+    pool_size: int = Field(256, ge=1, description="tasks generated before splitting")
+    pool_seed: int = Field(0, description="seed of the task pool")
+
+
+class EvalSection(_Section):
+    split: str = Field("holdout", description="held-out split evaluated during/after training")
+    n: int = Field(64, ge=1, description="held-out tasks per evaluation")
+    every: int = Field(5, ge=0, description="evaluate every N steps (0: only before and after)")
+    seed: int = Field(1234, description="sampling seed, the same for every evaluated policy")
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy")
+
+
+class ModelSection(_Section):
+    id: str = Field("smollm2-135m", description="smollm2-135m | tiny | a local HF folder")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    adapter: Literal["none", "lora"] = Field("lora", description="full fine-tune or LoRA (peft)")
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+
+
+class RolloutSection(_Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    group_size: int = Field(8, ge=1, description="G samples per task form a group")
+    tasks_per_step: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_prompt_tokens: int = Field(512, ge=8)
+    max_response_tokens: int = Field(128, ge=1)
+    truncation: Literal["mask", "penalize", "keep"] = "mask"
+    truncation_penalty: float = Field(0.0, description="reward given to overlong responses under penalize")
+    dynamic_sampling: bool = Field(True, description="drop groups with zero reward contrast")
+    max_policy_lag: int = Field(0, ge=0, description="rollout policy may lag the trained one by N updates")
+
+
+class CreditSection(_Section):
+    assigner: str = Field("broadcast", description="trajectories.ASSIGNERS name")
+    params: dict[str, Any] = Field(default_factory=dict)
+    session_weighting: Literal["per_episode", "per_session"] = "per_episode"
+
+
+class AdvantageSection(_Section):
+    std: Literal["population", "sample", "none"] = "population"
+    scale: Literal["group", "batch"] = "group"
+    eps: float = Field(1e-6, gt=0.0)
+
+
+class KLSection(_Section):
+    beta: float = Field(0.0, ge=0.0)
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+
+
+class LossSection(_Section):
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_high: float = Field(0.28, ge=0.0)
+    kl: KLSection = Field(default_factory=KLSection)
+
+
+class OptimSection(_Section):
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    updates_per_batch: int = Field(1, ge=1)
+    max_steps: int = Field(20, ge=0)
+    seed: int = 0
+
+
+class BackendSection(_Section):
+    name: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: int = Field(0, ge=0, le=3)
+
+
+class CheckpointSection(_Section):
+    every: int = Field(5, ge=0, description="0: only at the end")
+    keep: int = Field(3, ge=1, description="complete bundles kept (the newest is never deleted)")
+
+
+class GuardSection(_Section):
+    max_nonfinite_steps: int = Field(2, ge=1)
+    min_entropy: float = Field(0.05, ge=0.0)
+    max_kl: float = Field(1.0, gt=0.0)
+    max_policy_lag: int = Field(2, ge=0)
+    max_verifier_error_rate: float = Field(0.1, ge=0.0, le=1.0)
+    holdout_patience: int = Field(5, ge=1)
+
+
+class AcceptanceSection(_Section):
+    holdout_min: float | None = None
+    max_error_rate: float = Field(0.05, ge=0.0, le=1.0)
+    critical_slices: list[str] = Field(default_factory=list)
+
+
+class ExperimentContract(_Section):
+    """One training run, fully specified."""
+
+    name: str = "run"
+    env: EnvSection = Field(default_factory=EnvSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    reference: str | None = Field(None, description="fixed KL reference model id; required when loss.kl.beta > 0")
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    credit: CreditSection = Field(default_factory=CreditSection)
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
+    loss: LossSection = Field(default_factory=LossSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    backend: BackendSection = Field(default_factory=BackendSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    guards: GuardSection = Field(default_factory=GuardSection)
+    acceptance: AcceptanceSection = Field(default_factory=AcceptanceSection)
+    run_dir: str = "runs/${name}"
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ExperimentContract:
+        if self.loss.kl.beta > 0 and self.reference is None:
+            raise ValueError("loss.kl.beta > 0 needs `reference` (a fixed model id); got reference: null")
+        if self.reference is not None and self.reference in ("rollout", "policy"):
+            raise ValueError("reference: the KL reference must be a fixed model, never the rollout policy")
+        if self.reference is not None and self.reference == self.model.id and self.model.adapter == "none":
+            raise ValueError(
+                f"reference: {self.reference!r} is the model being trained; with full fine-tuning "
+                "the rollout policy would be its own reference (use a separate frozen copy's path)")
+        if self.rollout.max_policy_lag > self.guards.max_policy_lag:
+            raise ValueError(
+                f"rollout.max_policy_lag ({self.rollout.max_policy_lag}) exceeds "
+                f"guards.max_policy_lag ({self.guards.max_policy_lag})")
+        if self.loss.aggregation == "seq_mean_token_sum_norm" and self.rollout.max_response_tokens < 1:
+            raise ValueError("loss.aggregation seq_mean_token_sum_norm needs rollout.max_response_tokens")
+        if self.rollout.dynamic_sampling and self.rollout.group_size < 2:
+            raise ValueError("rollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one has no contrast)")
+        from trajectories import ASSIGNERS
+
+        if self.credit.assigner not in ASSIGNERS:
+            raise ValueError(f"credit.assigner {self.credit.assigner!r} is not one of {sorted(ASSIGNERS)}")
+        return self
+
+    # --- I/O -------------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> ExperimentContract:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ContractError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ContractError(f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ContractError(f"{path}: the top level must be a mapping of keys")
+        return cls.from_dict(data, overrides, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None,
+                  source: str = "contract") -> ExperimentContract:
+        data = json.loads(json.dumps(data))  # deep copy, plain types
+        for item in overrides or []:
+            apply_override(data, item)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ContractError(f"{source}: {format_errors(exc)}") from None
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir.replace("${name}", self.name))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def contract_hash(self) -> str:
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ContractError(ValueError):
+    """The experiment contract is broken; the message names the key."""
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict in place."""
+    if "=" not in item:
+        raise ContractError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.max_steps=4")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ContractError(f"--set {key}: {part!r} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ContractError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
+
+
+def format_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)

@@ -1,0 +1,104 @@
+"""Pause/abort rules, checked after every step (and after every held-out evaluation).
+
+A triggered guard stops the run cleanly: the trainer writes a checkpoint and ``guard.json``
+(the rule, the action, the evidence). ``pause`` means "look before resuming" (``--resume``
+continues); ``abort`` means the run is not worth resuming as is.
+
+=====================  ==========================================================  ======
+rule                   fires when                                                  action
+=====================  ==========================================================  ======
+nonfinite              loss or grad norm non-finite for ``max_nonfinite_steps``     abort
+                       consecutive steps (one such step only skips its update)
+entropy_collapse       mean token entropy < ``min_entropy``                         abort
+kl_explosion           KL to the reference (or old policy) > ``max_kl``             abort
+length_explosion       truncated fraction of responses >= ``max_truncated_frac``    pause
+                       on two consecutive steps
+policy_lag             rollout policy lags the trained one by > ``max_policy_lag``  abort
+verifier_errors        infrastructure-fault rate > ``max_verifier_error_rate``      pause
+reward_not_holdout     train reward rose over the last ``holdout_patience``         pause
+                       evaluations while the hint-free holdout did not
+=====================  ==========================================================  ======
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GuardTrip:
+    rule: str
+    action: str  # pause | abort
+    message: str
+    evidence: dict[str, Any]
+
+
+@dataclass
+class Guards:
+    max_nonfinite_steps: int = 2
+    min_entropy: float = 0.05
+    max_kl: float = 1.0
+    max_policy_lag: int = 2
+    max_verifier_error_rate: float = 0.1
+    holdout_patience: int = 5
+    max_truncated_frac: float = 0.9
+    _nonfinite_streak: int = 0
+    _long_streak: int = 0
+    _evals: list[tuple[float, float]] = field(default_factory=list)  # (train reward, holdout)
+
+    def after_step(self, m: dict[str, float]) -> GuardTrip | None:
+        """Check one step's metrics (namespaced keys as the trainer logs them)."""
+        loss, grad = m.get("loss/policy", 0.0), m.get("optim/grad_norm", 0.0)
+        if not (math.isfinite(loss) and math.isfinite(grad)):
+            self._nonfinite_streak += 1
+            if self._nonfinite_streak >= self.max_nonfinite_steps:
+                return GuardTrip("nonfinite", "abort",
+                                 f"non-finite loss/gradients on {self._nonfinite_streak} consecutive steps",
+                                 {"loss/policy": loss, "optim/grad_norm": grad,
+                                  "streak": self._nonfinite_streak})
+            return None
+        self._nonfinite_streak = 0
+        entropy = m.get("policy/entropy")
+        if entropy is not None and entropy < self.min_entropy:
+            return GuardTrip("entropy_collapse", "abort",
+                             f"token entropy {entropy:.4f} fell below {self.min_entropy}",
+                             {"policy/entropy": entropy})
+        for key in ("kl/ref", "kl/approx"):
+            kl = m.get(key)
+            if kl is not None and kl > self.max_kl:
+                return GuardTrip("kl_explosion", "abort", f"{key} = {kl:.4f} exceeds {self.max_kl}",
+                                 {key: kl})
+        truncated = m.get("response/truncated_frac", 0.0)
+        self._long_streak = self._long_streak + 1 if truncated >= self.max_truncated_frac else 0
+        if self._long_streak >= 2:
+            return GuardTrip("length_explosion", "pause",
+                             f"{truncated:.0%} of responses hit the length limit two steps running",
+                             {"response/truncated_frac": truncated,
+                              "response/length_mean": m.get("response/length_mean")})
+        lag = m.get("rollout/policy_lag", 0)
+        if lag > self.max_policy_lag:
+            return GuardTrip("policy_lag", "abort", f"policy lag {lag} exceeds {self.max_policy_lag}",
+                             {"rollout/policy_lag": lag})
+        errors = m.get("reward/infra_error_rate", 0.0)
+        if errors > self.max_verifier_error_rate:
+            return GuardTrip("verifier_errors", "pause",
+                             f"verifier/sandbox error rate {errors:.1%} exceeds "
+                             f"{self.max_verifier_error_rate:.1%}", {"reward/infra_error_rate": errors})
+        return None
+
+    def after_eval(self, train_reward: float, holdout_reward: float) -> GuardTrip | None:
+        """Reward rising while the hint-free holdout does not is a warning sign (hacking, hints)."""
+        self._evals.append((train_reward, holdout_reward))
+        window = self._evals[-(self.holdout_patience + 1):]
+        if len(window) <= self.holdout_patience:
+            return None
+        train_gain = window[-1][0] - window[0][0]
+        holdout_gain = max(h for _, h in window[1:]) - window[0][1]
+        if train_gain > 0.05 and holdout_gain <= 0.0:
+            return GuardTrip("reward_not_holdout", "pause",
+                             f"train reward rose by {train_gain:.3f} over {self.holdout_patience} "
+                             "evaluations while the holdout did not improve",
+                             {"train": [t for t, _ in window], "holdout": [h for _, h in window]})
+        return None
