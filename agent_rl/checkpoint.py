@@ -1,0 +1,574 @@
+"""Checkpoint bundles: written atomically, content-addressed, verified before every load.
+
+A bundle is one folder, `root/step-000042/`:
+
+    model.safetensors  parameters keyed by name: the ones that require grad (LoRA adapters,
+                       or the whole model when nothing is frozen), or with
+                       trainable_only=False every parameter and persistent buffer
+    optimizer.pt       torch.save(optimizer.state_dict())                    (when given)
+    scheduler.pt       torch.save(scheduler.state_dict())                    (when given)
+    rng.json           python `random` and numpy global RNG states
+    rng.pt             torch CPU RNG state, and every CUDA device's once CUDA is in use
+    meta.json          the caller's `meta` (token counts, contract hash, reference and
+                       verifier ids, sampler position, data cursor, rollout-store cursor ...)
+                       plus `format_version`, `step`, `created`, `trainable_only`,
+                       `parameter_names` and `parameter_aliases` (tied weights)
+    MANIFEST.json      canonical JSON {"format_version", "files": {name: {"sha256", "size"}}}
+    COMPLETE           sha256 of MANIFEST.json's canonical content: the bundle's address
+
+Write protocol; a crash (SIGKILL, power loss) at any point leaves either the previous bundles
+alone or a folder that readers skip:
+
+    1. every file goes into `root/.tmp-step-000042-<host>-<pid>/`, each fsynced,
+       then MANIFEST.json, then the temp folder is fsynced;
+    2. os.rename(temp, root/step-000042), fsync root;
+    3. COMPLETE is written as COMPLETE.tmp, fsynced, renamed, and the bundle folder fsynced.
+
+A bundle counts only when COMPLETE is there, equals the manifest's hash and every file
+matches its sha256 and size (`verify_bundle`). Folders without COMPLETE, `.tmp-*` and
+`.broken-*` folders are never read; `apply_retention` removes `.tmp-*` folders whose process
+(same host, pid) is dead. One writer per root is assumed.
+
+RNG: a `np.random.Generator` of the caller is not captured; put its
+`generator.bit_generator.state` into `meta` (JSON holds its large integers).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import warnings
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_JSON_FILE = "rng.json"
+RNG_TORCH_FILE = "rng.pt"
+META_FILE = "meta.json"
+MANIFEST_FILE = "MANIFEST.json"
+COMPLETE_FILE = "COMPLETE"
+RESERVED_META_KEYS = (
+    "format_version",
+    "step",
+    "created",
+    "trainable_only",
+    "parameter_names",
+    "parameter_aliases",
+)
+
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# safetensors' Rust writer and torch's zip writer report I/O errors as text, not OSError.
+_DISK_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+class BundleError(RuntimeError):
+    """A bundle is missing, incomplete, corrupt, or does not fit the model; says which file."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: the one write path, fsync, hashing, canonical JSON
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_file(path: Path, write: Callable[[Path], None]) -> None:
+    """Create `path` with `write(path)` and fsync it. Every bundle file goes through here."""
+    write(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _writer_bytes(data: bytes) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+
+    return write
+
+
+def _writer_torch(obj: Any) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        # A Python file object, so a failed write surfaces as OSError (with errno) in the chain.
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+
+    return write
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _is_disk_full(exc: BaseException | None) -> bool:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(text in str(exc) for text in _DISK_FULL_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """`(step, path)` of every `step-NNNNNN` folder, complete or not, ascending by step."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(root):
+        match = _STEP_DIR.match(entry.name)
+        # Only the canonical spelling, so two folders can never claim the same step.
+        if match and entry.name == f"step-{int(match.group(1)):06d}" and entry.is_dir():
+            found.append((int(match.group(1)), Path(entry.path)))
+    return sorted(found)
+
+
+def _aside_path(root: Path, name: str) -> Path:
+    """A fresh `root/.broken-<name>-<utc time>-<pid>[-n]` for a bundle moved out of the way."""
+    stem = f".broken-{name}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
+    path, n = root / stem, 0
+    while path.exists():
+        n += 1
+        path = root / f"{stem}-{n}"
+    return path
+
+
+def _discard(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model tensors and RNG states
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_tensors(
+    model: torch.nn.Module, trainable_only: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors to save by name, and aliases (a tied name -> the saved name)."""
+    if trainable_only:
+        # named_parameters() lists a tied parameter once, under its first name.
+        tensors = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not tensors:
+            raise ValueError(
+                "the model has no parameters that require grad; "
+                "pass trainable_only=False to save the whole model"
+            )
+        return {n: t.detach().contiguous() for n, t in tensors.items()}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[tuple, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() and key in first_name:
+            aliases[name] = first_name[key]
+            continue
+        first_name[key] = name
+        tensors[name] = t.detach().contiguous()
+    return tensors, aliases
+
+
+def _load_model_tensors(model: torch.nn.Module, path: Path, meta: dict) -> None:
+    state = safetensors.torch.load_file(path / MODEL_FILE, device="cpu")
+    aliases = meta.get("parameter_aliases", {})
+    targets = model.state_dict(keep_vars=True)
+    if meta.get("trainable_only", True):
+        needed = {n for n, p in model.named_parameters() if p.requires_grad}
+    else:
+        needed = set(targets)
+    provided = set(state) | set(aliases)
+    missing = sorted(needed - provided)
+    unexpected = sorted(provided - set(targets))
+    mismatched = [
+        f"{n}: bundle {tuple(t.shape)} vs model {tuple(targets[n].shape)}"
+        for n, t in state.items()
+        if n in targets and t.shape != targets[n].shape
+    ]
+    if missing or unexpected or mismatched:
+        raise BundleError(
+            f"{path / MODEL_FILE} does not fit the model: missing keys {missing}, "
+            f"unexpected keys {unexpected}, shape mismatches {mismatched}"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            targets[name].copy_(tensor)
+
+
+def _rng_states() -> tuple[dict, dict]:
+    version, internal, gauss_next = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    as_json = {
+        "python": [version, list(internal), gauss_next],
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": np_state["state"]["key"].tolist(),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+    }
+    as_torch = {"torch_cpu": torch.get_rng_state()}
+    # Only once CUDA is in use: reading the state would otherwise create a CUDA context.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        as_torch["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return as_json, as_torch
+
+
+def _restore_rng(path: Path) -> None:
+    states = json.loads((path / RNG_JSON_FILE).read_text())
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    np_state = states["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": np_state["bit_generator"],
+            "state": {"key": np.asarray(np_state["key"], dtype=np.uint32), "pos": np_state["pos"]},
+            "has_gauss": np_state["has_gauss"],
+            "gauss": np_state["gauss"],
+        }
+    )
+    torch_states = torch.load(path / RNG_TORCH_FILE, map_location="cpu", weights_only=True)
+    torch.set_rng_state(torch_states["torch_cpu"])
+    cuda_states = torch_states.get("torch_cuda")
+    if cuda_states:
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if devices != len(cuda_states):
+            warnings.warn(
+                f"{path / RNG_TORCH_FILE}: saved {len(cuda_states)} CUDA RNG states, "
+                f"{devices} CUDA devices now; restoring the first "
+                f"{min(devices, len(cuda_states))}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        for device, state in enumerate(cuda_states[:devices]):
+            torch.cuda.set_rng_state(state, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def bundle_hash(path: str | os.PathLike) -> str:
+    """sha256 of MANIFEST.json's canonical content: the bundle's content address."""
+    manifest_path = Path(path) / MANIFEST_FILE
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{manifest_path}: cannot read the manifest ({exc})") from exc
+    return hashlib.sha256(_canonical(manifest)).hexdigest()
+
+
+def verify_bundle(path: str | os.PathLike) -> None:
+    """Raise `BundleError` naming the bad file unless the bundle is complete and intact."""
+    path = Path(path)
+    marker = path / COMPLETE_FILE
+    if not marker.is_file():
+        raise BundleError(f"{marker} is missing: the bundle was never finished")
+    expected = marker.read_text().strip()
+    actual = bundle_hash(path)
+    if actual != expected:
+        raise BundleError(
+            f"{path / MANIFEST_FILE}: sha256 {actual} does not match the COMPLETE marker {expected}"
+        )
+    files = json.loads((path / MANIFEST_FILE).read_bytes()).get("files", {})
+    for name, entry in sorted(files.items()):
+        file = path / name
+        if Path(name).name != name or name in (".", ".."):
+            raise BundleError(f"{path / MANIFEST_FILE}: file name {name!r} is not a plain name")
+        if not file.is_file():
+            raise BundleError(f"{file} is listed in the manifest but missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise BundleError(f"{file}: size {size} bytes, the manifest says {entry['size']}")
+        if _sha256_file(file) != entry["sha256"]:
+            raise BundleError(f"{file}: sha256 differs from the manifest (corrupted)")
+    unexpected = sorted(set(os.listdir(path)) - set(files) - {MANIFEST_FILE, COMPLETE_FILE})
+    if unexpected:
+        raise BundleError(f"{path}: files not in the manifest: {unexpected}")
+    if META_FILE not in files:
+        raise BundleError(f"{path / MANIFEST_FILE} does not list {META_FILE}")
+    match = _STEP_DIR.match(path.name)
+    if match:
+        step = json.loads((path / META_FILE).read_text()).get("step")
+        if step != int(match.group(1)):
+            raise BundleError(f"{path / META_FILE}: step {step} does not match the folder name")
+
+
+def save_bundle(
+    root: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    meta: dict[str, Any],
+    trainable_only: bool = True,
+) -> Path:
+    """Write `root/step-{step:06d}/` atomically (see the module docstring) and return it.
+
+    Refuses to overwrite a complete, intact bundle of the same step; an incomplete or corrupt
+    one is moved aside to `root/.broken-step-...`. On a full disk the temp folder is removed
+    and `BundleError("disk full while writing checkpoint ...")` is raised; earlier bundles
+    are never touched.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    clashes = [k for k in RESERVED_META_KEYS if k in meta and not (k == "step" and meta[k] == step)]
+    if clashes:
+        raise ValueError(f"meta keys {clashes} are set by save_bundle; rename them")
+    root = Path(root)
+    name = f"step-{step:06d}"
+    final = root / name
+    if (final / COMPLETE_FILE).exists():
+        try:
+            verify_bundle(final)
+        except BundleError as exc:
+            warnings.warn(
+                f"replacing corrupt checkpoint {final}: {exc}", RuntimeWarning, stacklevel=2
+            )
+        else:
+            raise BundleError(
+                f"checkpoint {final} already exists and is complete; refusing to "
+                "overwrite it (delete it, or save under another step)"
+            )
+
+    tensors, aliases = _model_tensors(model, trainable_only)
+    full_meta = {
+        **meta,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "trainable_only": trainable_only,
+        "parameter_names": sorted(tensors),
+        "parameter_aliases": aliases,
+    }
+    try:
+        meta_bytes = json.dumps(full_meta, indent=2, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"meta must be JSON-serialisable (no NaN/inf): {exc}") from exc
+    rng_json, rng_torch = _rng_states()
+
+    created_root = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    if created_root:
+        _fsync_dir(root.parent)
+    tmp = root / f".tmp-{name}-{_host()}-{os.getpid()}"
+    writes: list[tuple[str, Callable[[Path], None]]] = [
+        (MODEL_FILE, lambda p: safetensors.torch.save_file(tensors, p, {"format": "pt"})),
+        (RNG_JSON_FILE, _writer_bytes(json.dumps(rng_json).encode())),
+        (RNG_TORCH_FILE, _writer_torch(rng_torch)),
+        (META_FILE, _writer_bytes(meta_bytes)),
+    ]
+    if optimizer is not None:
+        writes.append((OPTIMIZER_FILE, _writer_torch(optimizer.state_dict())))
+    if scheduler is not None:
+        writes.append((SCHEDULER_FILE, _writer_torch(scheduler.state_dict())))
+
+    renamed = committed = False
+    try:
+        _discard(tmp)
+        tmp.mkdir()
+        files = {}
+        for file_name, write in writes:
+            _write_file(tmp / file_name, write)
+            files[file_name] = {
+                "sha256": _sha256_file(tmp / file_name),
+                "size": (tmp / file_name).stat().st_size,
+            }
+        manifest = _canonical({"format_version": FORMAT_VERSION, "files": files})
+        _write_file(tmp / MANIFEST_FILE, _writer_bytes(manifest))
+        _fsync_dir(tmp)
+        if final.exists():
+            aside = _aside_path(root, name)
+            os.rename(final, aside)
+            warnings.warn(
+                f"moved unfinished or corrupt checkpoint {final} aside to {aside}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        os.rename(tmp, final)
+        renamed = True
+        _fsync_dir(root)
+        _write_file(
+            final / (COMPLETE_FILE + ".tmp"),
+            _writer_bytes(hashlib.sha256(manifest).hexdigest().encode()),
+        )
+        os.rename(final / (COMPLETE_FILE + ".tmp"), final / COMPLETE_FILE)
+        committed = True
+        _fsync_dir(final)
+    except BaseException as exc:
+        if not committed:
+            _discard(final if renamed else tmp)
+        if isinstance(exc, Exception) and _is_disk_full(exc):
+            raise BundleError(
+                f"disk full while writing checkpoint {final}: {exc}; the partial "
+                "bundle was removed, earlier bundles are untouched"
+            ) from exc
+        raise
+    return final
+
+
+def latest_complete(root: str | os.PathLike) -> Path | None:
+    """The highest-step bundle under `root` that has COMPLETE and verifies, else None.
+
+    Folders without COMPLETE (partial) and hidden ones (`.tmp-*`, `.broken-*`) are ignored
+    silently; complete but corrupt bundles are skipped with a warning.
+    """
+    for _, path in reversed(_step_dirs(Path(root))):
+        if not (path / COMPLETE_FILE).exists():
+            continue
+        try:
+            verify_bundle(path)
+        except BundleError as exc:
+            warnings.warn(f"skipping corrupt checkpoint: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        return path
+    return None
+
+
+def load_bundle(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Verify, then load parameters (by name), optimizer, scheduler and RNG states.
+
+    Returns the bundle's meta. Nothing is loaded when the bundle fails verification or its
+    parameters do not fit the model (the error lists missing, unexpected and mis-shaped keys).
+    """
+    path = Path(path)
+    verify_bundle(path)
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise BundleError(
+            f"{path / META_FILE}: format_version {meta['format_version']} is "
+            f"newer than this code reads ({FORMAT_VERSION}); upgrade agent_rl"
+        )
+    for obj, file_name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
+        if obj is not None and not (path / file_name).exists():
+            raise BundleError(f"{path / file_name} is missing: the bundle was saved without it")
+    _load_model_tensors(model, path, meta)
+    if optimizer is not None:
+        optimizer.load_state_dict(
+            torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        )
+    if scheduler is not None:
+        scheduler.load_state_dict(
+            torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+        )
+    if restore_rng:
+        _restore_rng(path)
+    return meta
+
+
+def apply_retention(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete complete bundles older than the newest `keep` intact ones; return what went.
+
+    The newest intact bundle is never deleted; corrupt bundles newer than the kept ones stay
+    for inspection; partial folders are left alone. Stale `.tmp-*` folders of dead processes
+    on this host are removed. Nothing is deleted when no bundle verifies (then it cannot tell
+    which is newest).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the newest bundle is never deleted), got {keep}")
+    root = Path(root)
+    complete = [(s, p) for s, p in reversed(_step_dirs(root)) if (p / COMPLETE_FILE).exists()]
+    kept: list[int] = []
+    for step, path in complete:
+        if len(kept) == keep:
+            break
+        try:
+            verify_bundle(path)
+        except BundleError as exc:
+            warnings.warn(
+                f"retention keeps corrupt checkpoint for inspection: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        kept.append(step)
+    if not kept:
+        if complete:
+            warnings.warn(
+                f"no checkpoint under {root} verifies; retention deletes nothing",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return []
+
+    deleted = []
+    for step, path in complete:
+        if step >= kept[-1]:
+            continue
+        # Renamed to a temp name first: a crash mid-delete leaves a .tmp-* folder, never a
+        # half-deleted step folder.
+        doomed = root / f".tmp-del-{path.name}-{_host()}-{os.getpid()}"
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            continue
+        _fsync_dir(root)
+        _discard(doomed)
+        deleted.append(path)
+
+    host = _host()
+    for entry in os.scandir(root):
+        if not entry.name.startswith(".tmp-") or not entry.is_dir():
+            continue
+        parts = entry.name.rsplit("-", 2)
+        if len(parts) == 3 and parts[1] == host and parts[2].isdigit():
+            if not _pid_alive(int(parts[2])):
+                _discard(Path(entry.path))
+    return deleted
