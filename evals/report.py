@@ -1,0 +1,299 @@
+"""A self-contained HTML report of a run: curves, per-slice bars with intervals, tables, decision.
+
+One file, no scripts, no network: the plots are inline SVG drawn by two small helpers here,
+``line_chart`` (curves over steps, optional error bars) and ``bar_chart`` (horizontal bars with
+interval whiskers and ``n`` labels). Every piece of text is HTML-escaped. Missing, ``None``,
+NaN and infinite values are skipped (a line is broken where they are); a chart with no finite
+value says so.
+
+Inputs are what the trainer and evaluation write: ``metrics`` (``metrics.jsonl``, one dict per
+step with namespaced keys), ``evals`` (``eval.jsonl``: ``step``, ``tag``, ``reward_mean``,
+``reward_lo``, ``reward_hi``, ...), ``slices`` (rows of ``evals.run.slice_summary``, possibly
+for several policies) and ``decision`` (an ``evals.gates.Decision`` or its dict).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from evals.gates import Decision
+
+# (title, metrics key) of the training curves, in page order.
+CURVES = [("reward/mean", "reward/mean"), ("holdout/reward", "holdout/reward"),
+          ("loss/policy", "loss/policy"), ("kl/approx", "kl/approx"),
+          ("response/length_mean", "response/length_mean"), ("entropy", "policy/entropy")]
+# slice_summary columns that are numbers, not slice keys.
+SLICE_NUMBERS = ("n", "n_tasks", "n_infra_faults", "reward/mean", "reward/lo", "reward/hi",
+                 "success/k", "success/rate", "success/lo", "success/hi")
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+STATUS_COLORS = {"pass": "#2ca02c", "fail": "#d62728", "inconclusive": "#ff7f0e"}
+
+
+def _num(value: Any) -> float | None:
+    """A finite float, or None for anything else (None, NaN, inf, strings, lists)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _fmt(value: Any) -> str:
+    x = _num(value)
+    return "–" if x is None else f"{x:.4g}"
+
+
+def _ticks(lo: float, hi: float, n: int = 6) -> list[float]:
+    """About ``n`` round tick values (1, 2 or 5 times a power of ten apart) inside [lo, hi]."""
+    raw = (hi - lo) / (n - 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _span(values: Sequence[float]) -> tuple[float, float]:
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        pad = abs(lo) * 0.1 or 1.0
+        return lo - pad, hi + pad
+    pad = (hi - lo) * 0.05
+    return lo - pad, hi + pad
+
+
+def _svg(width: int, height: int, title: str, body: list[str]) -> str:
+    return (f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
+            f'<title>{escape(title)}</title>'
+            f'<text x="{width / 2}" y="16" text-anchor="middle" class="t">{escape(title)}</text>'
+            + "".join(body) + "</svg>")
+
+
+def line_chart(title: str, series: Mapping[str, Sequence[tuple[Any, Any, Any, Any]]],
+               width: int = 460, height: int = 240) -> str:
+    """Curves as SVG: ``series`` maps a name to points ``(x, y, lo, hi)`` (lo/hi may be None:
+    no error bar). Non-finite points are skipped and break the line."""
+    left, right, top, bottom = 56, 12, 26, 36
+    pts = {name: [(_num(x), _num(y), _num(lo), _num(hi)) for x, y, lo, hi in points]
+           for name, points in series.items()}
+    finite = [(x, y, lo, hi) for p in pts.values() for x, y, lo, hi in p
+              if x is not None and y is not None]
+    if not finite:
+        return _svg(width, 60, title, [f'<text x="{width / 2}" y="44" text-anchor="middle">'
+                                       "no finite values</text>"])
+    x0, x1 = _span([p[0] for p in finite])
+    y0, y1 = _span([v for p in finite for v in p[1:] if v is not None])
+    sx = lambda x: left + (x - x0) / (x1 - x0) * (width - left - right)  # noqa: E731
+    sy = lambda y: height - bottom - (y - y0) / (y1 - y0) * (height - top - bottom)  # noqa: E731
+    body = [f'<rect x="{left}" y="{top}" width="{width - left - right}" '
+            f'height="{height - top - bottom}" class="frame"/>']
+    for y in _ticks(y0, y1):
+        body.append(f'<line x1="{left}" x2="{width - right}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
+                    f'class="grid"/><text x="{left - 4}" y="{sy(y) + 4:.1f}" '
+                    f'text-anchor="end">{y:.3g}</text>')
+    for x in _ticks(x0, x1):
+        body.append(f'<text x="{sx(x):.1f}" y="{height - bottom + 14}" '
+                    f'text-anchor="middle">{x:.3g}</text>')
+    body.append(f'<text x="{(left + width - right) / 2}" y="{height - 4}" '
+                f'text-anchor="middle">step</text>')
+    for i, (name, points) in enumerate(pts.items()):
+        color = COLORS[i % len(COLORS)]
+        segments, current = [], []
+        for x, y, lo, hi in points:
+            if x is None or y is None:
+                segments.append(current)
+                current = []
+                continue
+            current.append(f"{sx(x):.1f},{sy(y):.1f}")
+            if lo is not None and hi is not None:
+                body.append(f'<line x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{sy(lo):.1f}" '
+                            f'y2="{sy(hi):.1f}" stroke="{color}" class="bar"/>')
+        segments.append(current)
+        for seg in segments:
+            if len(seg) > 1:
+                body.append(f'<polyline points="{" ".join(seg)}" stroke="{color}" class="line"/>')
+            for point in seg:
+                cx, cy = point.split(",")
+                body.append(f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{color}"/>')
+        if len(pts) > 1:
+            body.append(f'<text x="{left + 8}" y="{top + 14 + 14 * i}" fill="{color}">'
+                        f'{escape(name)}</text>')
+    return _svg(width, height, title, body)
+
+
+def bar_chart(title: str, rows: Sequence[tuple[str, Any, Any, Any, Any]],
+              colors: Sequence[str] | None = None, width: int = 640) -> str:
+    """Horizontal bars as SVG, one per ``(label, value, lo, hi, n)`` row, with an interval
+    whisker from lo to hi and an ``n=`` label; a row without a finite value shows ``n/a``."""
+    label_w, right, top, row_h = 240, 70, 26, 22
+    height = top + row_h * max(len(rows), 1) + 24
+    vals = [v for _, *nums, _ in rows for v in map(_num, nums) if v is not None]
+    if not vals:
+        return _svg(width, 60, title, [f'<text x="{width / 2}" y="44" text-anchor="middle">'
+                                       "no finite values</text>"])
+    x0, x1 = _span([0.0, *vals])
+    x0 = min(x0, 0.0)
+    sx = lambda x: label_w + (x - x0) / (x1 - x0) * (width - label_w - right)  # noqa: E731
+    body = [f'<line x1="{sx(0):.1f}" x2="{sx(0):.1f}" y1="{top}" y2="{height - 24}" class="axis"/>']
+    for x in _ticks(x0, x1):
+        body.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle">{x:.3g}</text>')
+    for i, (label, value, lo, hi, n) in enumerate(rows):
+        y = top + row_h * i
+        color = (colors or COLORS)[i % len(colors or COLORS)]
+        v, lo, hi = _num(value), _num(lo), _num(hi)
+        body.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">'
+                    f'{escape(str(label))}</text>')
+        if v is not None:
+            a, b = sorted((sx(0), sx(v)))
+            body.append(f'<rect x="{a:.1f}" y="{y + 4}" width="{max(b - a, 1):.1f}" '
+                        f'height="{row_h - 8}" fill="{color}" opacity="0.75"/>')
+        if lo is not None and hi is not None:
+            body.append(f'<line x1="{sx(lo):.1f}" x2="{sx(hi):.1f}" y1="{y + 11}" y2="{y + 11}" '
+                        f'class="whisker"/>' + "".join(
+                            f'<line x1="{sx(e):.1f}" x2="{sx(e):.1f}" y1="{y + 6}" '
+                            f'y2="{y + 16}" class="whisker"/>' for e in (lo, hi)))
+        note = f"{_fmt(v) if v is not None else 'n/a'}  n={_fmt(n)}"
+        body.append(f'<text x="{width - right + 4}" y="{y + 15}">{note}</text>')
+    return _svg(width, height, title, body)
+
+
+def _cell(value: Any) -> str:
+    """A table cell: numbers to 4 significant digits, missing or non-finite as a dash."""
+    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _fmt(value)
+    return escape(str(value))
+
+
+def _table(columns: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> str:
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in columns) + "</tr>"
+                   for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _slice_label(row: Mapping[str, Any]) -> str:
+    keys = [k for k in row if k not in SLICE_NUMBERS]
+    return " · ".join(f"{k}={row[k]}" for k in keys) or "all"
+
+
+def _metrics_section(metrics: Sequence[Mapping[str, Any]]) -> str:
+    if not metrics:
+        return "<p>No training metrics.</p>"
+    charts, summary = [], []
+    for title, key in CURVES:
+        if not any(key in m for m in metrics):
+            continue
+        # steps without the key (holdout/reward is logged on eval steps only) are left out;
+        # a logged None or NaN breaks the line
+        points = [(m.get("step", i), m.get(key), None, None)
+                  for i, m in enumerate(metrics) if key in m]
+        charts.append(line_chart(title, {key: points}))
+        finite = [v for _, v, _, _ in points if _num(v) is not None]
+        summary.append({"metric": key, "first": finite[0] if finite else None,
+                        "last": finite[-1] if finite else None,
+                        "min": min(finite) if finite else None,
+                        "max": max(finite) if finite else None, "points": len(finite)})
+    if not charts:
+        return "<p>No plotted metrics in the training log.</p>"
+    return ('<div class="charts">' + "".join(charts) + "</div>"
+            + _table(["metric", "first", "last", "min", "max", "points"], summary))
+
+
+def _evals_section(evals: Sequence[Mapping[str, Any]]) -> str:
+    if not evals:
+        return "<p>No held-out evaluations.</p>"
+    points = [(e.get("step"), e.get("reward_mean"), e.get("reward_lo"), e.get("reward_hi"))
+              for e in evals]
+    chart = line_chart("held-out reward (95% interval)", {"holdout": points})
+    columns = ["step", "tag", "reward_mean", "reward_lo", "reward_hi", "success", "success_lo",
+               "success_hi", "n"]
+    return f'<div class="charts">{chart}</div>' + _table(columns, evals)
+
+
+def _slices_section(slices: Sequence[Mapping[str, Any]]) -> str:
+    if not slices:
+        return "<p>No slices.</p>"
+    labels = [_slice_label(r) for r in slices]
+    policies = list(dict.fromkeys(str(r.get("policy_name", "")) for r in slices))
+    colors = [COLORS[policies.index(str(r.get("policy_name", ""))) % len(COLORS)] for r in slices]
+    reward = bar_chart("reward/mean per slice (95% interval)", [
+        (label, r.get("reward/mean"), r.get("reward/lo"), r.get("reward/hi"), r.get("n"))
+        for label, r in zip(labels, slices, strict=True)], colors)
+    success = bar_chart("success/rate per slice (95% Wilson interval)", [
+        (label, r.get("success/rate"), r.get("success/lo"), r.get("success/hi"), r.get("n"))
+        for label, r in zip(labels, slices, strict=True)], colors)
+    keys = list(dict.fromkeys(k for r in slices for k in r if k not in SLICE_NUMBERS))
+    return (f'<div class="charts">{reward}{success}</div>'
+            + _table([*keys, *SLICE_NUMBERS], slices))
+
+
+def _decision_section(decision: Decision | Mapping[str, Any]) -> str:
+    d = decision.model_dump() if isinstance(decision, Decision) else dict(decision)
+    status = str(d.get("status", "?"))
+    color = STATUS_COLORS.get(status, "#555")
+    reasons = "".join(f"<li>{escape(str(r))}</li>" for r in d.get("reasons", []))
+    blocking = d.get("blocking") or []
+    block = (f"<p>Blocked by critical criteria: {escape(', '.join(map(str, blocking)))}</p>"
+             if blocking else "")
+    return (f'<p class="status" style="background:{color}">{escape(status.upper())}</p>'
+            f"{block}<ul>{reasons}</ul>")
+
+
+CSS = """
+body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
+h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
+.charts{display:flex;flex-wrap:wrap;gap:12px}
+svg{font-size:11px;background:#fff;border:1px solid #eee}
+svg .t{font-size:13px;font-weight:600}
+.frame{fill:none;stroke:#999}.grid{stroke:#eee}.axis{stroke:#999}
+.line{fill:none;stroke-width:1.8}.bar{stroke-width:1.2}.whisker{stroke:#222;stroke-width:1.2}
+table{border-collapse:collapse;margin:12px 0;font-size:12px}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#f4f4f4}
+.status{display:inline-block;color:#fff;padding:4px 12px;font-weight:700;border-radius:4px}
+"""
+
+
+def write_report(
+    path: str | Path,
+    *,
+    title: str,
+    metrics: Sequence[Mapping[str, Any]] | None = None,
+    evals: Sequence[Mapping[str, Any]] | None = None,
+    slices: Sequence[Mapping[str, Any]] | None = None,
+    decision: Decision | Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the HTML report to ``path`` (parents created); returns the path."""
+    sections = [("Training curves", _metrics_section(metrics or [])),
+                ("Held-out evaluation", _evals_section(evals or [])),
+                ("Slices", _slices_section(slices or []))]
+    if decision is not None:
+        sections.insert(0, ("Decision", _decision_section(decision)))
+    html = ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
+            f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
+            f"<h1>{escape(title)}</h1>"
+            + "".join(f"<h2>{escape(h)}</h2>{s}" for h, s in sections)
+            + "</body></html>\n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(html, encoding="utf-8")
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def write_run_report(run_dir: str | Path, path: str | Path | None = None, *,
+                     slices: Sequence[Mapping[str, Any]] | None = None,
+                     decision: Decision | Mapping[str, Any] | None = None) -> Path:
+    """The report of a run directory (``metrics.jsonl``, ``eval.jsonl``; either may be missing),
+    written to ``run_dir/report.html`` unless ``path`` says otherwise."""
+    run_dir = Path(run_dir)
+    return write_report(path or run_dir / "report.html", title=f"agent-rl run {run_dir.name}",
+                        metrics=_read_jsonl(run_dir / "metrics.jsonl"),
+                        evals=_read_jsonl(run_dir / "eval.jsonl"), slices=slices,
+                        decision=decision)

@@ -1,0 +1,220 @@
+"""OpenAIPolicy against a local stub OpenAI-compatible server (127.0.0.1 only): episodes recorded
+with the stub's answers, token ids and log-probs when the server gives them, clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import envs
+from agent_rl.openai_policy import OpenAIPolicy, OpenAIPolicyError, chat_url, to_openai_messages
+from envs.arithmetic import WEIGHTS, arithmetic_reward
+from envs.runner import Policy, Sampling, run_episodes
+
+ARITH = "agent_rl/Arithmetic-v0"
+MAX_REQUESTS = 200  # the stub answers 503 after this many: a runaway loop fails, never hangs
+
+
+def stub_answer(messages) -> str:
+    """The stub's deterministic reply: the last number of the last user message, plus one."""
+    user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+    return str(int(re.findall(r"-?\d+", user)[-1]) + 1)
+
+
+def stub_reply(request: dict) -> dict:
+    answer = stub_answer(request["messages"])
+    text = answer[: request["max_tokens"]]
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "finish_reason": "length" if len(text) < len(answer) else "stop"}
+    if request.get("logprobs"):
+        as_ids = request.get("return_tokens_as_token_ids")
+        choice["logprobs"] = {"content": [
+            {"token": f"token_id:{ord(c)}" if as_ids else c, "logprob": -0.1 * (i + 1),
+             "bytes": [ord(c)], "top_logprobs": []} for i, c in enumerate(text)]}
+    if request.get("return_token_ids"):
+        choice["token_ids"] = [ord(c) for c in text]
+    return {"id": "stub", "object": "chat.completion", "model": request["model"],
+            "choices": [choice], "usage": {"prompt_tokens": 11, "completion_tokens": len(text)}}
+
+
+class StubHandler(BaseHTTPRequestHandler):
+    """``/v1/chat/completions``: answers; ``/fail/...``: HTTP 500; ``/bad/...``: not JSON;
+    ``/nologprobs/...``: HTTP 400 whenever ``logprobs`` is asked for."""
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        server = self.server
+        with server.lock:
+            server.log.append((self.path, request, dict(self.headers)))
+            over_budget = len(server.log) > MAX_REQUESTS
+        if over_budget:
+            self.send(503, b'{"error": "stub request budget exhausted"}')
+        elif self.path.startswith("/fail/"):
+            self.send(500, b'{"error": "internal error"}')
+        elif self.path.startswith("/bad/"):
+            self.send(200, b'{"choices": [ this is not json')
+        elif self.path.startswith("/nologprobs/") and "logprobs" in request:
+            self.send(400, b'{"error": "unknown parameter: logprobs"}')
+        elif self.path.endswith("/v1/chat/completions"):
+            self.send(200, json.dumps(stub_reply(request)).encode())
+        else:
+            self.send(404, b'{"error": "not found"}')
+
+
+@pytest.fixture
+def stub(request, monkeypatch):
+    for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
+    server.daemon_threads = True
+    server.lock = threading.Lock()
+    server.log = []
+    server.base = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+
+    def stop():
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    request.addfinalizer(stop)
+    return server
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return envs.make(ARITH).unwrapped.task_pool(6, seed=0)
+
+
+def reward_of(reply: str, target: int) -> float:
+    return sum(WEIGHTS[k] * v for k, v in arithmetic_reward(reply, target).items())
+
+
+def test_episodes_record_the_stubs_answers(stub, tasks):
+    policy = OpenAIPolicy(stub.base + "/v1", "stub-model", api_key="sk-test",
+                          extra_body={"return_token_ids": True}, backoff_s=0)
+    assert isinstance(policy, Policy) and not policy.trainable
+    sampling = Sampling(temperature=0.0, top_p=0.9, max_new_tokens=16, seed=7)
+    episodes = run_episodes(ARITH, tasks, policy, sampling, num_envs=3)
+
+    assert [e.task_id for e in episodes] == [t.task_id for t in tasks]
+    for episode, task in zip(episodes, tasks, strict=True):
+        expected = str(int(re.findall(r"-?\d+", task.prompt)[-1]) + 1)
+        (turn,) = [t for t in episode.sessions[0].turns if t.role == "assistant"]
+        assert turn.content == expected
+        assert turn.token_ids == [ord(c) for c in expected]
+        assert turn.logprobs == pytest.approx([-0.1 * (i + 1) for i in range(len(expected))])
+        assert turn.finish_reason == "stop"
+        assert episode.reward.total == pytest.approx(reward_of(expected, task.target))
+
+    assert len(stub.log) == len(tasks)
+    path, body, headers = stub.log[0]
+    assert path == "/v1/chat/completions"
+    assert headers["Authorization"] == "Bearer sk-test"
+    assert {k: body[k] for k in ("model", "temperature", "top_p", "max_tokens", "logprobs",
+                                 "return_token_ids")} == {
+        "model": "stub-model", "temperature": 0.0, "top_p": 0.9, "max_tokens": 16,
+        "logprobs": True, "return_token_ids": True}
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    assert {b["seed"] for _, b, _ in stub.log} <= {7, 8, 9}  # seed + index in the batch
+
+
+def test_without_token_ids_logprobs_are_dropped(stub, tasks):
+    policy = OpenAIPolicy(stub.base, "stub-model", backoff_s=0)
+    (completion,) = policy.generate([[{"role": "user", "content": "Compute 2 + 40."}]],
+                                    Sampling(max_new_tokens=8))
+    assert completion.text == "41" and completion.token_ids == [] and completion.logprobs == []
+    assert completion.prompt_tokens == 11
+    episodes = run_episodes(ARITH, tasks[:2], policy, Sampling(max_new_tokens=8))
+    turn = episodes[0].sessions[0].turns[-1]
+    assert turn.token_ids is None and turn.logprobs is None
+
+
+def test_token_ids_parsed_from_logprob_tokens_and_length_finish(stub):
+    policy = OpenAIPolicy(stub.base, "m", extra_body={"return_tokens_as_token_ids": True},
+                          backoff_s=0)
+    batch = [[{"role": "user", "content": "what is 99"}], [{"role": "user", "content": "and 4"}]]
+    long, short = policy.generate(batch, Sampling(max_new_tokens=2))
+    assert (long.text, long.token_ids, long.finish_reason) == ("10", [ord("1"), ord("0")], "length")
+    assert (short.text, short.token_ids, short.finish_reason) == ("5", [ord("5")], "stop")
+    assert long.logprobs == pytest.approx([-0.1, -0.2])
+
+
+def test_server_500_fails_after_retries_naming_the_url(stub):
+    policy = OpenAIPolicy(stub.base + "/fail", "m", max_retries=2, backoff_s=0)
+    with pytest.raises(OpenAIPolicyError) as info:
+        policy.generate([[{"role": "user", "content": "1"}]], Sampling())
+    message = str(info.value)
+    assert f"{stub.base}/fail/v1/chat/completions" in message
+    assert "HTTP 500" in message and "3 attempts" in message
+    assert len(stub.log) == 3
+
+
+def test_malformed_json_is_a_clear_error(stub):
+    policy = OpenAIPolicy(stub.base + "/bad/v1/chat/completions", "m", backoff_s=0)
+    with pytest.raises(OpenAIPolicyError, match="malformed") as info:
+        policy.generate([[{"role": "user", "content": "1"}]], Sampling())
+    assert f"{stub.base}/bad/v1/chat/completions" in str(info.value)
+    assert len(stub.log) == 1  # not retried
+
+
+def test_connection_refused_is_a_clear_error(monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    policy = OpenAIPolicy(f"http://127.0.0.1:{port}", "m", max_retries=1, timeout=5, backoff_s=0)
+    with pytest.raises(OpenAIPolicyError) as info:
+        policy.generate([[{"role": "user", "content": "1"}]], Sampling())
+    message = str(info.value)
+    assert f"http://127.0.0.1:{port}/v1/chat/completions" in message
+    assert "connection failed" in message and "2 attempts" in message
+
+
+def test_logprobs_dropped_when_the_server_rejects_them(stub):
+    policy = OpenAIPolicy(stub.base + "/nologprobs", "m", backoff_s=0)
+    batch = [[{"role": "user", "content": "7"}]]
+    assert policy.generate(batch, Sampling())[0].text == "8"
+    assert policy.generate(batch, Sampling())[0].text == "8"
+    assert ["logprobs" in body for _, body, _ in stub.log] == [True, False, False]
+
+
+def test_urls_and_messages():
+    assert chat_url("http://h:1") == "http://h:1/v1/chat/completions"
+    assert chat_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
+    assert chat_url("http://h:1/x/chat/completions") == "http://h:1/x/chat/completions"
+    messages = to_openai_messages([
+        {"role": "system", "content": "s"},
+        {"role": "assistant", "content": '<tool_call>{"name": "f"}</tool_call>',
+         "tool_calls": [{"name": "f"}]},
+        {"role": "tool", "name": "f", "content": "42"}])
+    assert messages == [
+        {"role": "system", "content": "s"},
+        {"role": "assistant", "content": '<tool_call>{"name": "f"}</tool_call>'},
+        {"role": "user", "content": '<tool_response name="f">42</tool_response>'}]
+
+
+def test_client_errors_are_not_retried(stub):
+    policy = OpenAIPolicy(stub.base + "/nowhere/chat/completions", "m", backoff_s=0)
+    with pytest.raises(OpenAIPolicyError, match="HTTP 404") as info:
+        policy.generate([[{"role": "user", "content": "1"}]], Sampling())
+    assert f"{stub.base}/nowhere/chat/completions" in str(info.value)
+    assert len(stub.log) == 1
