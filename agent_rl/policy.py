@@ -1,0 +1,201 @@
+"""Policy backends. ``HFPolicy``: transformers on CPU or one GPU, sampling with its own loop.
+
+Why our own loop rather than ``model.generate``: the rollout must report, for every sampled
+token, the log-prob the trainer will later recompute for the same token, with the same
+function (``agent_rl.grpo.token_logprobs``) and the same temperature, so that the PPO ratio
+is exactly 1 (up to float noise, ~1e-6 in float32) on the first update after a rollout.
+
+The loop, per batch of up to ``batch_size`` conversations:
+
+    prompt_b   = chat template(messages_b, add_generation_prompt=True)   left-padded to [B, L]
+    positions  = cumsum(attention_mask) - 1  (padding does not shift positions)
+    step s:    logits_s = model(last token, KV cache)[:, -1]                         [B, V]
+               x_s ~ softmax(logits_s / T), top-p truncated;  argmax when T == 0
+               logp_s = log_softmax(logits_s / T')[x_s]      T' = scoring_temperature(T)
+    stop:      a row stops after sampling EOS / ``<|im_end|>`` (kept in its token ids) or
+               after ``max_new_tokens`` tokens (finish_reason "length")
+
+What transfers between rollout and trainer is one rule, ``scoring_temperature``: the policy
+being optimised is softmax(logits / T) for the sampling temperature T; greedy decoding
+(T == 0) has no such distribution, so its tokens are scored at T' = 1.0 (the model's own
+distribution). Reported log-probs ignore top-p truncation (they are log-probs under the full
+softmax(logits / T'), as the trainer computes them), as vLLM's are.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from agent_rl.grpo import token_logprobs
+from agent_rl.render import chat_ids, stop_token_ids
+from envs.runner import Completion, Sampling
+
+
+def scoring_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at, for a given sampling temperature.
+
+    Rollout and trainer both call this: T for T > 0, 1.0 for greedy (T == 0).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return float(temperature) if temperature > 0 else 1.0
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a left- or right-padded ``[B, T]`` mask: 0 at each row's first token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+
+
+def sequence_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob of every token given the ones before it, one forward pass: ``[B, T]``.
+
+    input_ids ``[B, T]``; attention_mask ``[B, T]`` (padding) or ``[B, 1, T, T]`` (packed
+    rows, see ``agent_rl.render.packed_attention_mask``); ``temperature`` is the *sampling*
+    temperature (mapped by ``scoring_temperature``). Position 0 of each row is 0.0. Runs with
+    gradients unless the caller disables them: the trainer uses this for the new log-probs.
+    """
+    if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
+        position_ids = positions_from_mask(attention_mask)  # [B, T]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits  # [B, T, V]
+    return token_logprobs(logits, input_ids, scoring_temperature(temperature))  # [B, T]
+
+
+def _step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """grpo.token_logprobs for one decoding step: logits ``[B, V]``, tokens ``[B]`` -> ``[B]``."""
+    pair_logits = logits.unsqueeze(1).expand(-1, 2, -1)  # [B, 2, V] a view; row 0 predicts row 1
+    pair_ids = tokens.unsqueeze(1).expand(-1, 2)  # [B, 2]
+    return token_logprobs(pair_logits, pair_ids, temperature)[:, 1]  # [B]
+
+
+def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from logits ``[B, V]``: ``[B]``."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)  # [B]
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # [B, V]
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
+        before = sorted_probs.cumsum(-1) - sorted_probs  # [B, V] mass of the better tokens
+        sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)  # [B, V]
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [B, V]
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+
+
+class HFPolicy:
+    """A transformers causal LM as a ``envs.runner.Policy``. The model is moved to ``device``."""
+
+    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu", batch_size: int = 16):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.stop_ids = stop_token_ids(tokenizer)
+        # transformers >= 5.x names the KV-cache argument `cache`; older versions `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
+
+    # --- rollout -------------------------------------------------------------------------
+    def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
+        """One completion per conversation, in order. Reproducible for a given ``sampling.seed``."""
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
+        generator = torch.Generator(device=self.device)
+        if sampling.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(sampling.seed)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            completions: list[Completion] = []
+            for start in range(0, len(batch), self.batch_size):
+                chunk = batch[start:start + self.batch_size]
+                completions.extend(self._generate_chunk(chunk, sampling, generator))
+            return completions
+        finally:
+            self.model.train(was_training)
+
+    @torch.inference_mode()
+    def _generate_chunk(
+        self, chunk: Sequence[list[dict[str, Any]]], sampling: Sampling, generator: torch.Generator
+    ) -> list[Completion]:
+        prompts = [chat_ids(self.tokenizer, messages, add_generation_prompt=True) for messages in chunk]
+        B, L = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # [B, L] left-padded
+        attention_mask = torch.zeros(B, L, dtype=torch.long)  # [B, L]
+        for b, p in enumerate(prompts):
+            input_ids[b, L - len(p):] = torch.tensor(p)
+            attention_mask[b, L - len(p):] = 1
+        input_ids = input_ids.to(self.device)
+        attention_mask = attention_mask.to(self.device)
+        position_ids = positions_from_mask(attention_mask)  # [B, L]
+        temperature = scoring_temperature(sampling.temperature)
+        stops = torch.tensor(sorted(self.stop_ids), device=self.device)  # [S]
+
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logprobs: list[list[float]] = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)  # [B]
+        cache = DynamicCache(config=self.model.config)
+        step_ids, next_pos = input_ids, position_ids
+        for _ in range(sampling.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids, attention_mask=attention_mask, position_ids=next_pos,
+                use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
+            )  # the cache is updated in place
+            logits = out.logits[:, -1]  # [B, V]
+            token = _sample(logits, sampling, generator)  # [B]
+            logp = _step_logprobs(logits, token, temperature)  # [B]
+            token = token.masked_fill(done, self.pad_id)  # [B] finished rows idle on padding
+            step_tokens, step_logprobs = token.tolist(), logp.tolist()  # one device sync
+            for b in (~done).nonzero().flatten().tolist():
+                tokens[b].append(step_tokens[b])
+                logprobs[b].append(step_logprobs[b])
+            done |= torch.isin(token, stops)
+            if bool(done.all()):
+                break
+            step_ids = token.unsqueeze(-1)  # [B, 1]
+            next_pos = next_pos[:, -1:] + 1  # [B, 1]
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], -1)
+
+        return [
+            Completion(
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                token_ids=ids,
+                logprobs=lps,
+                finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length",
+                prompt_tokens=len(prompt),
+            )
+            for ids, lps, prompt in zip(tokens, logprobs, prompts, strict=True)
+        ]
+
+    # --- training ------------------------------------------------------------------------
+    def logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """``sequence_logprobs`` with this policy's model (inputs moved to its device): ``[B, T]``."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device)
+
+        return sequence_logprobs(
+            self.model, move(input_ids), move(attention_mask), move(position_ids), temperature
+        )

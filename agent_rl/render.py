@@ -1,0 +1,361 @@
+"""Render sessions into training sequences: token ids, loss mask, old log-probs, turn spans.
+
+``render_session(tokenizer, session)`` walks the session's turns, keeping two token lists: the
+template's own rendering of the messages so far (``template``) and the sequence we train on
+(``ids``), which differs from it only inside policy-generated turns.
+
+* A non-generated turn (system, user, tool, hand-written assistant): the template renders the
+  messages up to and including it; the new rendering must start with the previous one (the
+  template round-trips), and the extra tokens are appended as prompt (mask 0).
+* A generated assistant turn (``token_ids`` set): the template renders the messages before it
+  with ``add_generation_prompt=True``; the extra tokens (``<|im_start|>assistant\\n``) are
+  prompt. Then the sampled ``token_ids`` are appended exactly as generated, never
+  re-tokenized, with mask 1 and the turn's old log-probs. Then the end of turn: the template
+  renders the turn itself, and its tokens from the last end-of-turn token (``<|im_end|>``) on
+  are the closing (``<|im_end|>\\n`` in ChatML). If the policy sampled the end-of-turn token
+  (finish_reason "stop") it is already in ``token_ids`` and trained; only the rest of the
+  closing (the newline) is appended, as prompt. If the turn was cut by length, the whole
+  closing is appended as prompt: nothing after the last sampled token is trained.
+
+Checking against the template's own rendering rather than against ``ids`` keeps rendering
+correct when the sampled tokens are not what the template would produce from the text: a
+non-canonical tokenization ("4" + "2" for "42"), or a reply starting with whitespace, which
+re-tokenized merges with the header's newline ("\n" + "  The" becomes "\n  " + "The").
+We keep the sampled ids after the header exactly as the policy saw them. They must still
+decode to the turn's text (ignoring special tokens and whitespace, or up to a difflib ratio
+of 0.9), or the record is inconsistent and rendering fails.
+
+Templates without tool support (SmolLM2's ChatML) render a ``tool`` turn like any role:
+``<|im_start|>tool\\n{result}<|im_end|>\\n``; the tool schemas live in the system message.
+
+``pack(rendered, max_tokens)`` puts several sequences into one row: position ids restart at
+0 for each sequence and ``packed_attention_mask(seq_index)`` blocks attention across them, so
+every token sees exactly what it saw unpacked.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trajectories import Episode, Session, Turn
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+TEXT_MATCH_RATIO = 0.9
+
+# Span kinds: "system" | "user" | "tool" | "assistant" (hand-written, untrained)
+# | "prompt" (the generation header before a generated turn) | "generated" (sampled, trained)
+# | "end" (template tokens closing a generated turn that the policy did not sample).
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens [start, end) of the rendered sequence, from turn ``turn`` of the session."""
+
+    kind: str
+    start: int
+    end: int
+    turn: int
+
+
+@dataclass
+class Rendered:
+    """One session as a training sequence."""
+
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool, True exactly on policy-sampled tokens
+    old_logprobs: torch.Tensor  # [T] float32, the rollout log-probs; 0.0 where the mask is 0
+    spans: list[Span]
+    session_id: str
+    episode_id: str
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat-template helpers (shared with the policy)
+# ---------------------------------------------------------------------------------------------
+
+
+def chat_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int]:
+    """The tokenizer's chat template applied to ``messages``, as token ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has no chat template. Fix: set "
+            "`tokenizer.chat_template` (e.g. agent_rl.models.CHATML_TEMPLATE) or load an "
+            "instruct/chat model whose tokenizer ships one"
+        )
+    if not messages:
+        if add_generation_prompt:
+            raise ValueError("a reply needs at least one message before it (chat templates "
+                             "cannot render an empty conversation)")
+        return []
+    out = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return [int(i) for i in out]
+
+
+def end_of_turn_id(tokenizer: Any) -> int:
+    """The token that closes an assistant turn: ``<|im_end|>`` (ChatML) or the like, else EOS."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    vocab = tokenizer.get_vocab()
+    for token in END_OF_TURN_TOKENS:
+        tid = vocab.get(token)
+        if tid is not None and tid != unk:
+            return int(tid)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has neither an end-of-turn token nor an EOS token")
+    return int(tokenizer.eos_token_id)
+
+
+def stop_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Sampled tokens that end a turn: the end-of-turn token and EOS."""
+    ids = {end_of_turn_id(tokenizer)}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", "", text.replace("\ufffd", ""))
+
+
+def _check_text(tokenizer: Any, turn: Turn, where: str) -> None:
+    decoded = _normalise(tokenizer.decode(turn.token_ids, skip_special_tokens=True))
+    content = _normalise(turn.content)
+    if decoded == content:
+        return
+    matcher = difflib.SequenceMatcher(None, decoded, content, autojunk=False)
+    if matcher.real_quick_ratio() >= TEXT_MATCH_RATIO and matcher.ratio() >= TEXT_MATCH_RATIO:
+        return
+    raise ValueError(
+        f"{where}: token_ids decode to {decoded[:80]!r} but the turn's content is "
+        f"{content[:80]!r} (whitespace and special tokens ignored): the record's tokens and "
+        "text disagree"
+    )
+
+
+def _check_extends(before: list[int], after: list[int], where: str, tokenizer: Any) -> None:
+    if after[: len(before)] != before:
+        at = next((k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after)))
+        raise ValueError(
+            f"{where}: the chat template does not round-trip: rendering one more message changed "
+            f"earlier tokens (first difference at token {at}: "
+            f"{tokenizer.decode(before[at:at + 8])!r} became {tokenizer.decode(after[at:at + 8])!r}). "
+            "Training needs a template whose rendering of a conversation is a prefix of its "
+            "rendering of any continuation"
+        )
+
+
+def render_session(tokenizer: Any, session: Session, require_logprobs: bool = True) -> Rendered:
+    """One session as input ids, loss mask, old log-probs and spans (see the module docstring).
+
+    ``require_logprobs=False`` accepts generated turns without log-probs (their old log-probs
+    are 0.0; the caller must recompute them).
+    """
+    eot = end_of_turn_id(tokenizer)
+    stops = stop_token_ids(tokenizer)
+    vocab_size = len(tokenizer)
+    ids: list[int] = []
+    mask: list[bool] = []
+    old: list[float] = []
+    spans: list[Span] = []
+    template: list[int] = []  # the template's rendering of the messages so far
+    messages: list[dict[str, Any]] = []
+
+    def add(kind: str, tokens: Sequence[int], turn: int, logprobs: Sequence[float] | None = None) -> None:
+        if not tokens:
+            return
+        spans.append(Span(kind, len(ids), len(ids) + len(tokens), turn))
+        ids.extend(tokens)
+        mask.extend([logprobs is not None] * len(tokens))
+        old.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+
+    for i, turn in enumerate(session.turns):
+        where = f"episode {session.episode_id}, session {session.session_id}, turn {i} ({turn.role})"
+        message = turn.message()
+        if not turn.generated:
+            rendered = chat_ids(tokenizer, messages + [message], add_generation_prompt=False)
+            _check_extends(template, rendered, where, tokenizer)
+            add(turn.role, rendered[len(template):], i)
+            template = rendered
+            messages.append(message)
+            continue
+
+        sampled = list(turn.token_ids)
+        if not sampled:
+            raise ValueError(f"{where}: a generated turn with no token_ids")
+        bad = [t for t in sampled if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token ids {bad[:5]} are outside the vocabulary ({vocab_size})")
+        if turn.logprobs is None and require_logprobs:
+            raise ValueError(f"{where}: a generated turn without logprobs cannot be trained on")
+        _check_text(tokenizer, turn, where)
+
+        prompt = chat_ids(tokenizer, messages, add_generation_prompt=True)
+        _check_extends(template, prompt, where, tokenizer)
+        add("prompt", prompt[len(template):], i)
+        add("generated", sampled, i, turn.logprobs if turn.logprobs is not None else [0.0] * len(sampled))
+
+        rendered = chat_ids(tokenizer, messages + [message], add_generation_prompt=False)
+        _check_extends(template, rendered, where, tokenizer)
+        # The template's own tokens for this turn. Not compared with prompt + sampled: text
+        # starting with whitespace can merge with the header's newline when re-tokenized.
+        own = rendered[len(template):]
+        if eot not in own:
+            raise ValueError(
+                f"{where}: the chat template closes an assistant turn without the end-of-turn "
+                f"token {tokenizer.convert_ids_to_tokens(eot)!r}; cannot tell where it ends"
+            )
+        closing = own[len(own) - 1 - own[::-1].index(eot):]  # from the last end-of-turn token on
+        if sampled[-1] in stops:  # the policy sampled its end of turn: trained above
+            closing = closing[1:]
+        add("end", closing, i)
+        template = rendered
+        messages.append(message)
+
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[:2] == [bos, bos]:
+        raise ValueError(
+            f"session {session.session_id}: the rendering starts with two BOS tokens (the "
+            "template writes one and the tokenizer adds another)"
+        )
+    return Rendered(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        loss_mask=torch.tensor(mask, dtype=torch.bool),
+        old_logprobs=torch.tensor(old, dtype=torch.float32),
+        spans=spans,
+        session_id=session.session_id,
+        episode_id=session.episode_id,
+    )
+
+
+def render_episode(tokenizer: Any, episode: Episode, require_logprobs: bool = True) -> list[Rendered]:
+    """One ``Rendered`` per session, in ``episode.sessions`` order."""
+    return [render_session(tokenizer, s, require_logprobs) for s in episode.sessions]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedRow:
+    """Several rendered sequences side by side in one row."""
+
+    input_ids: torch.Tensor  # [T] long
+    position_ids: torch.Tensor  # [T] long, restarting at 0 for each sequence
+    loss_mask: torch.Tensor  # [T] bool
+    old_logprobs: torch.Tensor  # [T] float32
+    seq_index: torch.Tensor  # [T] long, which member each token belongs to (0..len(members)-1)
+    members: list[int] = field(default_factory=list)  # indices into the list given to pack()
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The block-diagonal causal mask of this row: ``[1, 1, T, T]``."""
+        return packed_attention_mask(self.seq_index, dtype)
+
+
+def pack(rendered: Sequence[Rendered], max_tokens: int) -> list[PackedRow]:
+    """First-fit packing, in the given order, into rows of at most ``max_tokens`` tokens."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for k, r in enumerate(rendered):
+        n = len(r)
+        if n > max_tokens:
+            raise ValueError(
+                f"session {r.session_id} (episode {r.episode_id}) has {n} tokens, more than "
+                f"max_tokens={max_tokens}: raise max_tokens or truncate it at rollout"
+            )
+        if n and bool(r.loss_mask[0]):
+            # The first token of a packed sequence would be scored from the previous one's logits.
+            raise ValueError(f"session {r.session_id}: its first token is trained; cannot pack it")
+        slot = next((j for j, free in enumerate(room) if free >= n), None)
+        if slot is None:
+            rows.append([])
+            room.append(max_tokens)
+            slot = len(rows) - 1
+        rows[slot].append(k)
+        room[slot] -= n
+    out = []
+    for members in rows:
+        parts = [rendered[k] for k in members]
+        out.append(PackedRow(
+            input_ids=torch.cat([p.input_ids for p in parts]),
+            position_ids=torch.cat([torch.arange(len(p)) for p in parts]),
+            loss_mask=torch.cat([p.loss_mask for p in parts]),
+            old_logprobs=torch.cat([p.old_logprobs for p in parts]),
+            seq_index=torch.cat([torch.full((len(p),), j, dtype=torch.long) for j, p in enumerate(parts)]),
+            members=members,
+        ))
+    return out
+
+
+def collate_rows(rows: Sequence[PackedRow], pad_id: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Right-pad rows into one batch: ``[B, T]`` tensors and a ``[B, 1, T, T]`` attention mask.
+
+    Padding has ``seq_index`` -1, mask 0 and attends only to itself.
+    """
+    T = max(len(r) for r in rows)
+
+    def padded(name: str, value: float | int | bool) -> torch.Tensor:
+        return torch.stack([
+            torch.cat([getattr(r, name), getattr(r, name).new_full((T - len(r),), value)]) for r in rows
+        ])
+
+    seq_index = padded("seq_index", -1)  # [B, T]
+    return {
+        "input_ids": padded("input_ids", pad_id),  # [B, T]
+        "position_ids": padded("position_ids", 0),  # [B, T]
+        "loss_mask": padded("loss_mask", False),  # [B, T]
+        "old_logprobs": padded("old_logprobs", 0.0),  # [B, T]
+        "seq_index": seq_index,  # [B, T]
+        "attention_mask": packed_attention_mask(seq_index, dtype),  # [B, 1, T, T]
+    }
+
+
+def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal attention within each packed sequence only: ``[B, 1, T, T]`` from ``[T]``/``[B, T]``.
+
+    Token i attends to token j iff j <= i and both belong to the same sequence (index >= 0).
+    Padding (index -1) attends only to itself, so no softmax row is empty. ``dtype=torch.bool``
+    gives True where attention is allowed; a float dtype gives an additive mask (0 allowed,
+    the dtype's minimum blocked) as eager and SDPA attention both accept.
+    """
+    if seq_index.dim() == 1:
+        seq_index = seq_index.unsqueeze(0)  # [1, T]
+    T = seq_index.shape[-1]
+    same = seq_index.unsqueeze(-1) == seq_index.unsqueeze(-2)  # [B, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seq_index.device).tril()  # [T, T]
+    real = (seq_index >= 0).unsqueeze(-2)  # [B, 1, T] the key is a real token
+    eye = torch.eye(T, dtype=torch.bool, device=seq_index.device)  # [T, T]
+    allowed = (same & causal & real) | eye  # [B, T, T]
+    allowed = allowed.unsqueeze(1)  # [B, 1, T, T]
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=seq_index.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )

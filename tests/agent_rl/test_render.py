@@ -1,0 +1,293 @@
+"""render_session / render_episode / pack, token by token, with SmolLM2's and the tiny tokenizer."""
+
+import copy
+
+import pytest
+import torch
+
+from agent_rl.models import smollm2_tokenizer, tiny_model, tiny_tokenizer
+from agent_rl.policy import sequence_logprobs
+from agent_rl.render import (
+    collate_rows,
+    pack,
+    packed_attention_mask,
+    render_episode,
+    render_session,
+)
+from trajectories import Session, Turn
+from trajectories.testing import episode
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+ANSWER = "The answer is 42."
+
+
+def _sampled(tok, text, stop=True, lp=-0.25):
+    ids = tok.encode(text, add_special_tokens=False)
+    if stop:
+        ids = ids + [tok.convert_tokens_to_ids("<|im_end|>")]
+    logprobs = [lp - 0.01 * k for k in range(len(ids))]  # distinct, to catch misalignment
+    return Turn(role="assistant", content=text, token_ids=ids, logprobs=logprobs,
+                finish_reason="stop" if stop else "length")
+
+
+def tool_session(tok, session_id="s0", episode_id="ep-0"):
+    return Session(session_id=session_id, episode_id=episode_id, turns=[
+        Turn(role="system", content="You can call tools: add(a, b)."),
+        Turn(role="user", content="What is 12 + 30?"),
+        _sampled(tok, CALL, lp=-0.1),
+        Turn(role="tool", name="add", content="42"),
+        _sampled(tok, ANSWER, lp=-0.5),
+    ])
+
+
+@pytest.fixture(params=[pytest.param("smollm2", marks=pytest.mark.model), "tiny"])
+def tok(request):
+    """SmolLM2's tokenizer (parsed from the GGUF once per process) or the tiny one."""
+    return smollm2_tokenizer() if request.param == "smollm2" else tiny_tokenizer()
+
+
+def _pieces(tok, r):
+    """(decoded token, mask) pairs, for readable assertions."""
+    return [(tok.decode([int(i)]), bool(m)) for i, m in zip(r.input_ids, r.loss_mask, strict=True)]
+
+
+def test_mask_is_exactly_the_sampled_tokens(tok):
+    s = tool_session(tok)
+    r = render_session(tok, s)
+    T = len(r)
+    assert r.input_ids.shape == r.loss_mask.shape == r.old_logprobs.shape == (T,)
+    assert r.input_ids.dtype == torch.long and r.loss_mask.dtype == torch.bool
+    assert (r.session_id, r.episode_id) == ("s0", "ep-0")
+
+    # The whole sequence is the template's rendering (the sampled ids are canonical here).
+    expected = tok.apply_chat_template(s.messages(), tokenize=True, return_dict=False)
+    assert r.input_ids.tolist() == list(expected)
+
+    # Trained positions are exactly the two sampled id lists, in place, including <|im_end|>.
+    sampled = [t for t in s.turns if t.generated]
+    trained = r.loss_mask.nonzero().flatten().tolist()
+    assert len(trained) == sum(len(t.token_ids) for t in sampled)
+    ids = r.input_ids.tolist()
+    runs, start = [], None
+    for k in range(T + 1):
+        on = k < T and bool(r.loss_mask[k])
+        if on and start is None:
+            start = k
+        if not on and start is not None:
+            runs.append((start, k))
+            start = None
+    assert [ids[a:b] for a, b in runs] == [t.token_ids for t in sampled]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    for a, b in runs:
+        assert ids[b - 1] == eot and bool(r.loss_mask[b - 1])  # the sampled end of turn is trained
+        assert tok.decode(ids[b:b + 1]) == "\n" and not bool(r.loss_mask[b])  # the newline is not
+        assert tok.decode(ids[a - 5:a]).endswith("<|im_start|>assistant\n")  # header untrained
+        assert not r.loss_mask[a - 5:a].any()
+
+    # No system / user / tool token is trained.
+    pieces = _pieces(tok, r)
+    text_untrained = "".join(p for p, m in pieces if not m)
+    for fragment in ("You can call tools", "What is 12", "<|im_start|>tool\n42<|im_end|>\n",
+                     "<|im_start|>assistant\n"):
+        assert fragment in text_untrained
+    text_trained = "".join(p for p, m in pieces if m)
+    assert text_trained == CALL + "<|im_end|>" + ANSWER + "<|im_end|>"
+
+    # Old log-probs: the turn's on masked positions, 0.0 elsewhere.
+    expected_old = [lp for t in sampled for lp in t.logprobs]
+    assert r.old_logprobs[r.loss_mask].tolist() == pytest.approx(expected_old)
+    assert (r.old_logprobs[~r.loss_mask] == 0).all()
+
+
+def test_spans_partition_the_sequence(tok):
+    r = render_session(tok, tool_session(tok))
+    assert [(s.kind, s.turn) for s in r.spans] == [
+        ("system", 0), ("user", 1), ("prompt", 2), ("generated", 2), ("end", 2),
+        ("tool", 3), ("prompt", 4), ("generated", 4), ("end", 4)]
+    assert r.spans[0].start == 0 and r.spans[-1].end == len(r)
+    assert all(a.end == b.start for a, b in zip(r.spans, r.spans[1:], strict=False))
+    for s in r.spans:
+        assert r.loss_mask[s.start:s.end].all() == (s.kind == "generated")
+        assert r.loss_mask[s.start:s.end].any() == (s.kind == "generated")
+
+
+def test_length_truncated_turn_trains_nothing_after_the_last_sampled_token(tok):
+    cut = _sampled(tok, "<tool_call>{\"name\": \"ad", stop=False)
+    s = Session(session_id="s1", episode_id="ep-1", turns=[
+        Turn(role="user", content="What is 12 + 30?"), cut,
+        Turn(role="user", content="Your reply was cut. Try again."),
+        _sampled(tok, ANSWER)])
+    r = render_session(tok, s)
+    gen = [sp for sp in r.spans if sp.kind == "generated"]
+    end = [sp for sp in r.spans if sp.kind == "end"]
+    assert r.input_ids[gen[0].start:gen[0].end].tolist() == cut.token_ids
+    # The template's <|im_end|>\n after the cut turn is there, untrained.
+    assert tok.decode(r.input_ids[end[0].start:end[0].end]) == "<|im_end|>\n"
+    assert not r.loss_mask[gen[0].end:gen[1].start].any()
+    assert r.num_trained == len(cut.token_ids) + len(s.turns[3].token_ids)
+    # SmolLM2's default system turn opens a conversation that has none; it is prompt.
+    assert tok.decode(r.input_ids[:r.spans[0].end]).startswith("<|im_start|>system\n")
+    assert r.spans[0].kind == "user"
+
+
+def test_non_canonical_sampled_tokens_are_kept_as_generated(tok):
+    # "42" sampled as "4" + "2": the template would tokenize the text differently.
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("4", add_special_tokens=False) + tok.encode("2", add_special_tokens=False) + [eot]
+    assert ids[:-1] != tok.encode("42", add_special_tokens=False) or len(ids) == 3
+    turn = Turn(role="assistant", content="42", token_ids=ids, logprobs=[-1.0] * len(ids))
+    s = Session(session_id="s", episode_id="e", turns=[
+        Turn(role="user", content="12 + 30?"), turn, Turn(role="user", content="sure?"),
+        _sampled(tok, "yes")])
+    r = render_session(tok, s)
+    gen = [sp for sp in r.spans if sp.kind == "generated"]
+    assert r.input_ids[gen[0].start:gen[0].end].tolist() == ids
+    assert r.num_trained == len(ids) + len(s.turns[3].token_ids)
+
+
+def test_reply_starting_with_whitespace_keeps_the_header_the_policy_saw(tok):
+    # Re-tokenized, "\n" + "  The" may merge into "\n  " + "The"; the policy saw a lone "\n".
+    reply = _sampled(tok, "  The answer is 42.")
+    s = Session(session_id="s", episode_id="e", turns=[
+        Turn(role="user", content="q"), reply, Turn(role="user", content="thanks"), _sampled(tok, "ok")])
+    r = render_session(tok, s)
+    prompt = tok.apply_chat_template(s.messages()[:1], add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+    assert r.input_ids[:len(prompt)].tolist() == list(prompt)
+    assert r.input_ids[len(prompt):len(prompt) + len(reply.token_ids)].tolist() == reply.token_ids
+    assert r.num_trained == len(reply.token_ids) + len(s.turns[3].token_ids)
+
+
+def test_a_reply_needs_a_message_before_it(tok):
+    s = Session(session_id="s", episode_id="e", turns=[_sampled(tok, "hello")])
+    with pytest.raises(ValueError, match="at least one message"):
+        render_session(tok, s)
+
+
+def test_hand_written_assistant_turns_are_prompt(tok):
+    s = Session(session_id="s", episode_id="e", turns=[
+        Turn(role="user", content="hi"), Turn(role="assistant", content="hello, how can I help?"),
+        Turn(role="user", content="add 1 and 2"), _sampled(tok, "3")])
+    r = render_session(tok, s)
+    kinds = [sp.kind for sp in r.spans]
+    assert kinds == ["user", "assistant", "user", "prompt", "generated", "end"]
+    assert r.num_trained == len(s.turns[3].token_ids)
+
+
+def test_render_episode_gives_one_rendered_per_session(tok):
+    from trajectories import Boundary
+
+    root = tool_session(tok, "root", "ep-7")
+    child = Session(
+        session_id="c1", parent_id="root", episode_id="ep-7", origin="compression",
+        boundary=Boundary.compression(root.messages(), [{"role": "user", "content": "summary"}],
+                                      summary="summary"),
+        turns=[Turn(role="user", content="summary"), _sampled(tok, ANSWER)])
+    ep = episode([root, child], episode_id="ep-7")
+    rendered = render_episode(tok, ep)
+    assert [(r.session_id, r.episode_id) for r in rendered] == [("root", "ep-7"), ("c1", "ep-7")]
+    assert rendered[1].num_trained == len(child.turns[1].token_ids)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_template_that_does_not_round_trip_is_refused(tok):
+    bad = copy.deepcopy(tok)
+    bad.chat_template = (
+        "<|im_start|>system\n{{ messages|length }} messages<|im_end|>\n"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ValueError, match=r"episode ep-0, session s0, turn 1 .*does not round-trip"):
+        render_session(bad, tool_session(tok))
+
+
+def test_tokens_that_do_not_match_the_text_are_refused(tok):
+    wrong = Turn(role="assistant", content="something else entirely",
+                 token_ids=tok.encode(ANSWER, add_special_tokens=False), logprobs=None)
+    s = Session(session_id="s9", episode_id="e", turns=[Turn(role="user", content="q"), wrong])
+    with pytest.raises(ValueError, match=r"session s9, turn 1 .*decode to"):
+        render_session(tok, s, require_logprobs=False)
+    # whitespace and special tokens do not count as a mismatch
+    ids = tok.encode(ANSWER, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    ok = Turn(role="assistant", content=f"  {ANSWER}\n", token_ids=ids, logprobs=[-1.0] * len(ids))
+    render_session(tok, Session(session_id="s", episode_id="e", turns=[Turn(role="user", content="q"), ok]))
+
+
+def test_missing_logprobs_and_bad_ids_are_refused(tok):
+    ids = tok.encode(ANSWER, add_special_tokens=False)
+    no_lp = Session(session_id="s", episode_id="e", turns=[
+        Turn(role="user", content="q"), Turn(role="assistant", content=ANSWER, token_ids=ids)])
+    with pytest.raises(ValueError, match="without logprobs"):
+        render_session(tok, no_lp)
+    r = render_session(tok, no_lp, require_logprobs=False)
+    assert r.num_trained == len(ids) and (r.old_logprobs == 0).all()
+    oov = Session(session_id="s", episode_id="e", turns=[
+        Turn(role="user", content="q"),
+        Turn(role="assistant", content=ANSWER, token_ids=[len(tok) + 5], logprobs=[-1.0])])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        render_session(tok, oov)
+
+
+def test_tokenizer_without_chat_template_is_refused(tok):
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="no chat template.*Fix"):
+        render_session(bare, tool_session(tok))
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_packed_attention_mask_blocks_other_sequences():
+    seq = torch.tensor([0, 0, 1, 1, 1, -1])
+    allowed = packed_attention_mask(seq, torch.bool)[0, 0]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],  # padding sees only itself
+    ], dtype=torch.bool)
+    assert torch.equal(allowed, expected)
+    additive = packed_attention_mask(seq)[0, 0]
+    assert (additive[allowed] == 0).all() and (additive[~allowed] == torch.finfo(torch.float32).min).all()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logprobs_equal_unpacked(attn):
+    model, tok = tiny_model(seed=0)
+    model.set_attn_implementation(attn)
+    a = render_session(tok, tool_session(tok, "a"))
+    b = render_session(tok, Session(session_id="b", episode_id="ep-0", turns=[
+        Turn(role="user", content="hello"), _sampled(tok, ANSWER)]))
+    c = render_session(tok, Session(session_id="c", episode_id="ep-0", turns=[
+        Turn(role="user", content="x"), _sampled(tok, "y")]))
+    rows = pack([a, b, c], max_tokens=len(a) + len(b))
+    assert [r.members for r in rows] == [[0, 1], [2]]
+    row = rows[0]
+    assert row.position_ids.tolist() == list(range(len(a))) + list(range(len(b)))
+    assert row.seq_index.tolist() == [0] * len(a) + [1] * len(b)
+    assert torch.equal(row.loss_mask, torch.cat([a.loss_mask, b.loss_mask]))
+    assert torch.equal(row.old_logprobs, torch.cat([a.old_logprobs, b.old_logprobs]))
+
+    batch = collate_rows(rows, tok.pad_token_id)  # two rows, the second right-padded
+    assert batch["input_ids"].shape == (2, len(a) + len(b))
+    assert batch["attention_mask"].shape == (2, 1, len(a) + len(b), len(a) + len(b))
+    with torch.no_grad():
+        packed = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                   batch["position_ids"])  # [2, T]
+        alone = [sequence_logprobs(model, r.input_ids[None])[0] for r in (a, b, c)]
+    got = [packed[0, :len(a)], packed[0, len(a):], packed[1, :len(c)]]
+    for g, ref in zip(got, alone, strict=True):
+        # position 0 of a packed sequence is scored from its neighbour; it is never trained
+        torch.testing.assert_close(g[1:], ref[1:], atol=1e-5, rtol=0)
+    assert not batch["loss_mask"][1, len(c):].any()
+
+
+def test_pack_refuses_a_sequence_longer_than_a_row():
+    tok = tiny_tokenizer()
+    r = render_session(tok, tool_session(tok))
+    with pytest.raises(ValueError, match="more than max_tokens"):
+        pack([r], max_tokens=len(r) - 1)
