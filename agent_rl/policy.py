@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from agent_rl.grpo import token_logprobs
+from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
 from agent_rl.render import chat_ids, stop_token_ids
 from envs.runner import Completion, Sampling
 
@@ -105,7 +106,9 @@ class HFPolicy:
         self.batch_size = batch_size
         self.stop_ids = stop_token_ids(tokenizer)
         # transformers >= 5.x names the KV-cache argument `cache`; older versions `past_key_values`
-        params = inspect.signature(model.forward).parameters
+        # (a peft wrapper's forward takes **kwargs: look at the wrapped model's signature)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(base.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)

@@ -1,8 +1,9 @@
 """Arithmetic-v0: multi-step integer arithmetic, answered with just the number.
 
 Description
-    A chain of 1-3 operations (``+``, ``-``, ``*``) over small integers, e.g.
-    ``(7 + 5) * 3 - 4``. The agent replies with the value. No tools.
+    A chain of 1 to ``max_ops`` (default 3) operations (``+``, ``-``, ``*``) over integers up
+    to ``max_operand`` (default 19; multipliers up to 9), e.g. ``(7 + 5) * 3 - 4``. The agent
+    replies with the value. No tools.
 
 Tools
     None.
@@ -58,18 +59,28 @@ class ArithmeticEnv(ToolEnv):
     instructions = "You are a careful calculator. Reply with just the final number, nothing else."
     reward_weights = WEIGHTS
 
+    def __init__(self, max_ops: int = 3, max_operand: int = 19, **kwargs):
+        if not 1 <= max_ops <= 6:
+            raise ValueError(f"max_ops must be in 1..6, got {max_ops}")
+        if max_operand < 2:
+            raise ValueError(f"max_operand must be >= 2, got {max_operand}")
+        super().__init__(**kwargs)
+        self.max_ops = max_ops
+        self.max_operand = max_operand
+
     def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
         rng = np.random.default_rng(seed)
         return [self._make_task(rng, f"arith-{seed}-{i}") for i in range(n)]
 
     def _make_task(self, rng: np.random.Generator, task_id: str) -> TaskSpec:
-        n_ops = int(rng.integers(1, 4))
-        value = int(rng.integers(1, 20))
+        n_ops = int(rng.integers(1, self.max_ops + 1))
+        value = int(rng.integers(1, self.max_operand + 1))
         expr = str(value)
         steps = []  # (op, expression so far, its value)
         for k in range(n_ops):
             op = str(rng.choice(list(_OPS)))
-            operand = int(rng.integers(2, 10)) if op == "*" else int(rng.integers(1, 20))
+            operand = (int(rng.integers(2, min(9, self.max_operand) + 1)) if op == "*"
+                       else int(rng.integers(1, self.max_operand + 1)))
             expr = f"{expr} {op} {operand}" if k == 0 else f"({expr}) {op} {operand}"
             value = _OPS[op][1](value, operand)
             steps.append((op, expr, value))

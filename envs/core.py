@@ -180,7 +180,7 @@ class ToolSpec:
         return copy.deepcopy(_schema(self.name, self.description, self.args_model))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema(name: str, description: str, args_model: type[BaseModel]) -> dict[str, Any]:
     params = args_model.model_json_schema()
     params.pop("title", None)

@@ -122,7 +122,7 @@ def run_episodes(
         if len(completions) != len(active):
             raise RuntimeError(f"policy returned {len(completions)} completions for "
                                f"{len(active)} conversations")
-        for slot, completion in zip(active, completions):
+        for slot, completion in zip(active, completions, strict=True):
             obs, _, terminated, truncated, info = slot.env.step(completion.action())
             if terminated or truncated:
                 results[slot.job] = info["episode"]

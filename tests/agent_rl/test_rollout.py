@@ -1,0 +1,571 @@
+"""agent_rl.rollout: truncation, dynamic sampling, acceptance, the budget report, credit ->
+advantages -> sequences (hand-computed), a real multi-session LongRecords-v0 episode rendered
+token by token, and rollout_batch end to end with the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import envs
+from agent_rl.models import tiny_model, tiny_tokenizer
+from agent_rl.policy import HFPolicy, sequence_logprobs
+from agent_rl.render import chat_ids, end_of_turn_id, render_episode, render_session
+from agent_rl.rollout import (
+    apply_truncation,
+    budget_report,
+    build_sequences,
+    filter_groups,
+    generated_tokens,
+    rollout_batch,
+)
+from envs.runner import Sampling
+from trajectories import (
+    Boundary,
+    Episode,
+    Outcome,
+    RewardBreakdown,
+    RolloutStore,
+    Session,
+    Turn,
+    assign,
+)
+
+EPS = 1e-6
+BUILD = {"assigner": "broadcast", "assigner_params": {}, "session_weighting": "per_episode",
+         "std": "population", "scale": "group", "eps": EPS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matmuls are too small to share: with several threads on a busy CPU a
+    forward pass over a 2,400-token session takes ~0.8 s instead of ~0.05 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+# --- hand-built episodes with genuine token ids ------------------------------------------------
+
+
+def sampled(tok, text: str, finish: str = "stop", lp: float = -0.3) -> Turn:
+    """An assistant turn as a policy would leave it: the text's ids (+ <|im_end|> if stopped)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    if finish == "stop":
+        ids = ids + [end_of_turn_id(tok)]
+    return Turn(role="assistant", content=text, token_ids=ids,
+                logprobs=[lp - 0.01 * k for k in range(len(ids))], finish_reason=finish)
+
+
+def turns(tok, text: str, finish: str = "stop") -> list[Turn]:
+    return [Turn(role="system", content="You are a careful calculator."),
+            Turn(role="user", content="What is 12 + 30?"), sampled(tok, text, finish)]
+
+
+def make_episode(tok, episode_id: str, group_id: str, reward: float, *, sessions: int = 1,
+                 outcome: Outcome | None = None, finish: str = "stop", env_id: str = "agent_rl/Hand-v0",
+                 skills: tuple[str, ...] = ("add",), difficulty: int = 1) -> Episode:
+    """An episode whose root is followed by ``sessions - 1`` compression continuations."""
+    chain: list[Session] = []
+    for k in range(sessions):
+        text = f"The answer is {k + 40}." if k < sessions - 1 or finish == "stop" else "The answer is"
+        parent = chain[-1] if chain else None
+        boundary = None
+        if parent is not None:
+            summary = parent.turns[-1].content
+            boundary = Boundary.compression(parent.messages(),
+                                            [{"role": "user", "content": f"task\n{summary}"}], summary)
+        chain.append(Session(
+            session_id=f"{episode_id}/s{k}", episode_id=episode_id,
+            parent_id=parent.session_id if parent else None,
+            origin="compression" if parent else "root", boundary=boundary,
+            turns=turns(tok, text, finish if k == sessions - 1 else "stop"), used_by_final=True))
+    if outcome is None:
+        outcome = Outcome.correct if reward >= 1.0 else Outcome.wrong
+    return Episode(
+        episode_id=episode_id, env_id=env_id, env_version=0, task_id=group_id, group_id=group_id,
+        task_meta={"skills": list(skills), "difficulty": difficulty}, sessions=chain,
+        reward=RewardBreakdown.from_components({"accuracy": reward}, {"accuracy": 1.0}, outcome, "hand@1"),
+    )
+
+
+def tokens_of(episode: Episode) -> int:
+    """Generated tokens, counted straight from the turns."""
+    return sum(len(t.token_ids) for s in episode.sessions for t in s.turns if t.token_ids is not None)
+
+
+def groups_of_every_kind(tok) -> list[Episode]:
+    """all_correct, all_wrong, zero_contrast, mixed, mixed plus a fault, one valid plus a fault."""
+    spec = {"g-correct": [1.0, 1.0], "g-wrong": [0.0, 0.0], "g-half": [0.5, 0.5],
+            "g-mixed": [1.0, 0.0], "g-fault": [1.0, 0.0, None], "g-lonely": [1.0, None]}
+    episodes = []
+    for group, rewards in spec.items():
+        for j, r in enumerate(rewards):
+            fault = r is None
+            episodes.append(make_episode(tok, f"{group}#{j}", group, 0.0 if fault else r,
+                                         outcome=Outcome.sandbox_error if fault else None))
+    return episodes
+
+
+def by_id(episodes: list[Episode]) -> dict[str, Episode]:
+    return {e.episode_id: e for e in episodes}
+
+
+# --- dynamic sampling --------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_drops_groups_without_contrast_and_says_why(tok):
+    episodes = groups_of_every_kind(tok)
+    decided, drops = filter_groups(episodes, dynamic_sampling=True)
+    assert [e.episode_id for e in decided] == [e.episode_id for e in episodes]  # order kept
+    assert all(e.hash_ok() for e in decided)
+
+    reasons = {d["group_id"]: d["reason"] for d in drops}
+    assert reasons == {"g-correct": "all_correct", "g-wrong": "all_wrong", "g-half": "zero_contrast",
+                       "g-lonely": "too_few_valid"}
+    d = next(d for d in drops if d["group_id"] == "g-correct")
+    assert d["env"] == "agent_rl/Hand-v0" and d["skills"] == ["add"] and d["difficulty"] == 1
+    assert d["episodes"] == 2
+    assert d["tokens"] == sum(tokens_of(e) for e in episodes if e.group_id == "g-correct")
+
+    f = {e.episode_id: (e.filter["kept"], e.filter["reason"]) for e in decided}
+    assert f["g-correct#0"] == (False, "all_correct") and f["g-half#1"] == (False, "zero_contrast")
+    assert f["g-mixed#0"] == f["g-mixed#1"] == (True, "kept")
+    # The fault leaves its group: the two valid members still have contrast and are kept.
+    assert f["g-fault#0"] == f["g-fault#1"] == (True, "kept")
+    assert f["g-fault#2"] == (False, "infrastructure_fault")
+    assert f["g-lonely#0"] == (False, "too_few_valid")
+    assert f["g-lonely#1"] == (False, "infrastructure_fault")
+
+
+def test_infrastructure_faults_leave_the_baseline_and_the_loss_and_are_counted(tok):
+    episodes = [make_episode(tok, f"g#{j}", "g", r) for j, r in enumerate([1.0, 0.0])]
+    # A fault scored 1.0 would pull the baseline up if it were counted.
+    episodes.append(make_episode(tok, "g#2", "g", 1.0, outcome=Outcome.sandbox_error))
+    decided, drops = filter_groups(episodes, dynamic_sampling=True)
+    assert drops == []
+    sequences, stats = build_sequences(tok, decided, **BUILD)
+    assert [q.episode_id for q in sequences] == ["g#0", "g#1"]
+    a = 0.5 / (0.5 + EPS)  # mean 0.5, population std 0.5
+    assert [q.advantage for q in sequences] == pytest.approx([a, -a], abs=1e-12)
+    assert stats["groups"] == 1
+
+    report = budget_report(decided, drops, "mask")
+    assert report["infrastructure_faults"] == 1
+    assert report["episodes"] == 3 and report["episodes_kept"] == 2
+    assert report["tokens_generated"] == sum(tokens_of(e) for e in episodes)
+    assert report["tokens_discarded"] == tokens_of(episodes[2])
+
+
+def test_without_dynamic_sampling_zero_contrast_groups_train_with_zero_advantage(tok):
+    episodes = groups_of_every_kind(tok)
+    decided, drops = filter_groups(episodes, dynamic_sampling=False)
+    assert drops == []  # g-lonely has one valid member: enough without dynamic sampling
+    kept = [e.episode_id for e in decided if e.filter["kept"]]
+    assert kept == [e.episode_id for e in episodes if not e.reward.is_infrastructure_fault]
+    sequences, stats = build_sequences(tok, decided, **BUILD)
+    adv = {q.episode_id: q.advantage for q in sequences}
+    for group in ("g-correct", "g-wrong", "g-half", "g-lonely"):
+        members = [v for k, v in adv.items() if k.startswith(group + "#")]
+        assert members and all(v == 0.0 for v in members), group  # exactly 0, not a residue
+    assert adv["g-mixed#0"] > 0 > adv["g-mixed#1"]
+    assert stats["zero_contrast"] == 4
+    assert stats["all_correct"] == 2 and stats["all_wrong"] == 1  # g-lonely's lone 1.0 counts
+
+
+# --- acceptance --------------------------------------------------------------------------------
+
+
+def test_acceptance_rates_per_env_skill_and_difficulty(tok):
+    spec = [  # (group, env, skills, difficulty, rewards)
+        ("G1", "env/A-v0", ("search", "get"), 2, [1.0, 0.0]),  # kept
+        ("G2", "env/A-v0", ("search",), 1, [1.0, 1.0]),  # dropped
+        ("G3", "env/B-v0", ("get",), 1, [0.0, 0.5]),  # kept
+        ("G4", "env/B-v0", ("get", "transform"), 2, [0.0, 0.0]),  # dropped
+        ("G5", "env/A-v0", ("update",), 3, [0.5, 1.0]),  # kept
+    ]
+    episodes = [make_episode(tok, f"{g}#{j}", g, r, env_id=env, skills=skills, difficulty=diff)
+                for g, env, skills, diff, rewards in spec for j, r in enumerate(rewards)]
+    decided, drops = filter_groups(episodes, dynamic_sampling=True)
+    assert sorted(d["group_id"] for d in drops) == ["G2", "G4"]
+    report = budget_report(decided, drops, "mask")
+    assert report["acceptance"] == {
+        "env": {"env/A-v0": pytest.approx(2 / 3), "env/B-v0": 0.5},
+        "skill": {"search": 0.5, "get": pytest.approx(2 / 3), "transform": 0.0, "update": 1.0},
+        "difficulty": {"2": 0.5, "1": 0.5, "3": 1.0},
+    }
+    assert report["groups"] == 5 and report["groups_dropped"] == 2
+    assert report["drop_reasons"] == {"all_correct": 1, "all_wrong": 1}
+
+
+# --- budget report -----------------------------------------------------------------------------
+
+
+def test_budget_report_counts_every_generated_token(tok):
+    episodes = groups_of_every_kind(tok)
+    episodes.append(make_episode(tok, "g-long#0", "g-long", 1.0, sessions=3))
+    episodes.append(make_episode(tok, "g-long#1", "g-long", 0.0, finish="length"))
+    decided, drops = filter_groups([apply_truncation(e, "mask", 0.0) for e in episodes], True)
+    report = budget_report(decided, drops, "mask")
+
+    every = sum(tokens_of(e) for e in episodes)
+    kept = sum(tokens_of(e) for e in decided if e.filter["kept"])
+    assert every == sum(generated_tokens(e) for e in episodes) > 0
+    assert report["tokens_generated"] == every
+    assert report["tokens_kept"] == kept
+    assert report["tokens_discarded"] == every - kept
+    faults = sum(tokens_of(e) for e in decided if e.reward.is_infrastructure_fault
+                 and e.group_id not in {d["group_id"] for d in drops})
+    assert report["tokens_discarded"] == sum(d["tokens"] for d in drops) + faults
+    assert report["episodes"] == len(episodes) == 15
+    assert report["episodes_kept"] == 6  # g-mixed 2, g-fault 2, g-long 2
+    assert report["overlong"] == 1 and report["truncation"] == "mask"
+    assert report["infrastructure_faults"] == 2
+    assert report["drop_reasons"] == {"all_correct": 1, "all_wrong": 1, "zero_contrast": 1,
+                                      "too_few_valid": 1}
+    assert set(report) == {"episodes", "episodes_kept", "groups", "groups_dropped", "drop_reasons",
+                           "tokens_generated", "tokens_kept", "tokens_discarded", "overlong",
+                           "truncation", "infrastructure_faults", "acceptance"}
+
+
+# --- truncation --------------------------------------------------------------------------------
+
+
+def overlong_group(tok) -> list[Episode]:
+    """[overlong 1.0, 0.0, 1.0]: the overlong one is cut by length in its only session."""
+    return [make_episode(tok, "t#0", "t", 1.0, finish="length"),
+            make_episode(tok, "t#1", "t", 0.0), make_episode(tok, "t#2", "t", 1.0)]
+
+
+def test_mask_keeps_an_overlong_episode_in_the_baseline_but_out_of_the_loss(tok):
+    group = overlong_group(tok)
+    assert group[0].sessions[0].turns[-1].token_ids[-1] != end_of_turn_id(tok)
+    truncated = [apply_truncation(e, "mask", -1.0) for e in group]
+    assert truncated[0].reward == group[0].reward
+    assert truncated[0].filter == {"overlong": True, "truncation": "mask"}
+    assert truncated[1].filter == {"overlong": False, "truncation": "mask"}
+    decided, drops = filter_groups(truncated, dynamic_sampling=True)
+    assert drops == [] and all(e.filter["kept"] for e in decided)
+    assert decided[0].filter == {"overlong": True, "truncation": "mask", "kept": True, "reason": "kept"}
+
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    assert [q.episode_id for q in sequences] == ["t#1", "t#2"]  # t#0 has weight 0: not returned
+    mean = 2 / 3  # the overlong 1.0 is in the baseline
+    std = math.sqrt(((1 - mean) ** 2 * 2 + mean ** 2) / 3)
+    assert [q.advantage for q in sequences] == pytest.approx(
+        [(0 - mean) / (std + EPS), (1 - mean) / (std + EPS)], abs=1e-12)
+    assert all(q.weight == 1.0 for q in sequences)
+    report = budget_report(decided, drops, "mask")
+    assert report["overlong"] == 1 and report["truncation"] == "mask"
+
+
+def test_penalize_replaces_the_reward_and_keeps_the_original_in_audit(tok):
+    group = overlong_group(tok)
+    penalized = apply_truncation(group[0], "penalize", -0.5)
+    assert penalized.hash_ok() and penalized.filter == {"overlong": True, "truncation": "penalize"}
+    r = penalized.reward
+    assert r.total == -0.5 and r.components == {"overlong": 1.0} and r.weights == {"overlong": -0.5}
+    assert r.outcome == Outcome.truncated and r.verifier == "hand@1"
+    assert r.audit["unpenalized"] == group[0].reward.model_dump(mode="json")
+    assert r.audit["unpenalized"]["total"] == 1.0
+    # An episode that was not cut is left alone.
+    assert apply_truncation(group[1], "penalize", -0.5).reward == group[1].reward
+
+    decided, _ = filter_groups([penalized, *group[1:]], dynamic_sampling=True)
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    rewards = [-0.5, 0.0, 1.0]
+    mean = sum(rewards) / 3
+    std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / 3)
+    assert [q.episode_id for q in sequences] == ["t#0", "t#1", "t#2"]
+    assert [q.advantage for q in sequences] == pytest.approx([(x - mean) / (std + EPS) for x in rewards])
+
+
+def test_a_group_of_penalized_episodes_is_all_wrong_not_all_correct(tok):
+    # penalty 0 and -1: the penalty's weight sum is not the verifier's maximum (bug fixed).
+    for penalty in (0.0, -1.0):
+        group = [apply_truncation(make_episode(tok, f"p#{j}", "p", 1.0, finish="length"),
+                                  "penalize", penalty) for j in range(2)]
+        _, drops = filter_groups(group, dynamic_sampling=True)
+        assert [d["reason"] for d in drops] == ["all_wrong"]
+    # One penalized (0) and one wrong (0): all wrong too, whichever comes first.
+    group = [apply_truncation(make_episode(tok, "q#0", "q", 1.0, finish="length"), "penalize", 0.0),
+             make_episode(tok, "q#1", "q", 0.0)]
+    _, drops = filter_groups(group, dynamic_sampling=True)
+    assert [d["reason"] for d in drops] == ["all_wrong"]
+
+
+def test_keep_leaves_an_overlong_episode_alone_and_unknown_policies_fail(tok):
+    group = overlong_group(tok)
+    kept = apply_truncation(group[0], "keep", -1.0)
+    assert kept.reward == group[0].reward
+    assert kept.filter == {"overlong": True, "truncation": "keep"}
+    decided, _ = filter_groups([kept, *group[1:]], dynamic_sampling=True)
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    assert [q.episode_id for q in sequences] == ["t#0", "t#1", "t#2"]
+    assert sequences[0].weight == 1.0 and sequences[0].advantage > 0
+    # The cut turn renders: its sampled tokens are trained, the closing <|im_end|> is not.
+    r = sequences[0].rendered
+    assert r.num_trained == tokens_of(group[0])
+    assert r.spans[-1].kind == "end" and not r.loss_mask[r.spans[-1].start:].any()
+    for e in group:  # a typo fails even when nothing is overlong (bug fixed)
+        with pytest.raises(ValueError, match="unknown truncation policy 'maks'"):
+            apply_truncation(e, "maks", 0.0)
+
+
+# --- build_sequences ---------------------------------------------------------------------------
+
+
+def test_build_sequences_advantages_and_weights_by_hand(tok):
+    episodes = [
+        make_episode(tok, "A#0", "A", 1.0), make_episode(tok, "A#1", "A", 0.0),
+        make_episode(tok, "A#2", "A", 0.5),
+        make_episode(tok, "B#0", "B", 0.2, sessions=3), make_episode(tok, "B#1", "B", 0.8),
+    ]
+    decided, drops = filter_groups(episodes, dynamic_sampling=True)
+    assert drops == []
+    sequences, stats = build_sequences(tok, decided, **BUILD)
+    # broadcast: each session is one member of its group, with the episode reward.
+    # A: [1, 0, 0.5], mean 0.5, population std sqrt(1/6); B: [0.2, 0.2, 0.2, 0.8], mean 0.35,
+    # population std sqrt((3 * 0.15**2 + 0.45**2) / 4) = sqrt(0.0675).
+    sa, sb = math.sqrt(1 / 6), math.sqrt(0.0675)
+    expected = [0.5 / (sa + EPS), -0.5 / (sa + EPS), 0.0,
+                -0.15 / (sb + EPS), -0.15 / (sb + EPS), -0.15 / (sb + EPS), 0.45 / (sb + EPS)]
+    assert [q.advantage for q in sequences] == pytest.approx(expected, abs=1e-9)
+    assert sequences[2].advantage == 0.0  # the group mean exactly
+    assert [q.session_id for q in sequences] == [s.session_id for e in episodes for s in e.sessions]
+    assert [q.group_id for q in sequences] == ["A"] * 3 + ["B"] * 4
+    # per_episode: the 3-session episode's sequences share weight 1.
+    assert [q.weight for q in sequences] == pytest.approx([1, 1, 1, 1 / 3, 1 / 3, 1 / 3, 1])
+    assert stats == {"groups": 2, "zero_contrast": 0, "all_correct": 0, "all_wrong": 0,
+                     "zero_contrast_other": 0}
+    for q, s in zip(sequences, (s for e in episodes for s in e.sessions), strict=True):
+        ref = render_session(tok, s)
+        assert torch.equal(q.rendered.input_ids, ref.input_ids)
+        assert torch.equal(q.rendered.loss_mask, ref.loss_mask)
+        assert q.rendered.num_trained == s.generated_tokens
+
+    per_session, _ = build_sequences(tok, decided, **{**BUILD, "session_weighting": "per_session"})
+    assert [q.weight for q in per_session] == [1.0] * 7
+    uniform, _ = build_sequences(tok, decided, **{**BUILD, "assigner": "uniform_split", "std": "none"})
+    # uniform_split: B#0's sessions get 0.2 / 3 each; std none: advantage = credit - group mean.
+    b = [0.2 / 3] * 3 + [0.8]
+    mb = sum(b) / 4
+    assert [q.advantage for q in uniform[3:]] == pytest.approx([x - mb for x in b], abs=1e-12)
+
+
+def branching_episode(tok, episode_id: str, reward: float, branch_used: bool) -> Episode:
+    """root -> (branch, compression continuation that answers)."""
+    root = Session(session_id=f"{episode_id}/s0", episode_id=episode_id, used_by_final=True,
+                   turns=[Turn(role="system", content="Solve it."), Turn(role="user", content="task"),
+                          sampled(tok, '<tool_call>{"name": "spawn", "arguments": {"task": "find 7"}}'
+                                       '</tool_call>'),
+                          Turn(role="tool", name="spawn", content="3.25"),
+                          sampled(tok, "Summary: record 7 is 3.25.")])
+    branch = Session(
+        session_id=f"{episode_id}/s1", parent_id=root.session_id, episode_id=episode_id,
+        origin="branch", used_by_final=branch_used,
+        boundary=Boundary(kind="branch", parent_turn=2, returned="3.25",
+                          after=[{"role": "user", "content": "find 7"}]),
+        turns=[Turn(role="system", content="You are a sub-agent."), Turn(role="user", content="find 7"),
+               sampled(tok, "3.25")])
+    child = Session(
+        session_id=f"{episode_id}/s2", parent_id=root.session_id, episode_id=episode_id,
+        origin="compression", used_by_final=True,
+        boundary=Boundary.compression(root.messages(), [{"role": "user", "content": "task"}],
+                                      "Summary: record 7 is 3.25."),
+        turns=[Turn(role="system", content="Solve it."), Turn(role="user", content="task"),
+               sampled(tok, "Final answer: 3.25")])
+    return Episode(episode_id=episode_id, env_id="agent_rl/Hand-v0", env_version=0, task_id="u",
+                   group_id="u", sessions=[root, branch, child],
+                   reward=RewardBreakdown.from_components({"accuracy": reward}, {"accuracy": 1.0},
+                                                          Outcome.correct if reward else Outcome.wrong,
+                                                          "hand@1"))
+
+
+def test_usage_weighted_credits_an_unused_branch_with_zero(tok):
+    good = branching_episode(tok, "u#0", 1.0, branch_used=False)
+    bad = make_episode(tok, "u#1", "u", 0.0)
+    assert good.final_session.session_id == "u#0/s2"
+    assert dict(assign(good, "usage_weighted")) == {"u#0/s0": 1.0, "u#0/s1": 0.0, "u#0/s2": 1.0}
+    decided, _ = filter_groups([good, bad], dynamic_sampling=True)
+    sequences, _ = build_sequences(tok, decided, **{**BUILD, "assigner": "usage_weighted"})
+    # credits [1, 0, 1 | 0]: mean 0.5, std 0.5
+    a = 0.5 / (0.5 + EPS)
+    assert [(q.session_id, q.advantage) for q in sequences] == [
+        ("u#0/s0", pytest.approx(a)), ("u#0/s1", pytest.approx(-a)),
+        ("u#0/s2", pytest.approx(a)), ("u#1/s0", pytest.approx(-a))]
+    assert [q.weight for q in sequences] == pytest.approx([1 / 3] * 3 + [1])
+    # Under broadcast the unused branch gets the episode reward like the others.
+    broad, _ = build_sequences(tok, decided, **BUILD)
+    assert broad[0].advantage > 0 and broad[1].advantage == pytest.approx(broad[0].advantage)
+    # unused_value is passed through.
+    custom, _ = build_sequences(tok, decided, **{**BUILD, "assigner": "usage_weighted",
+                                                 "assigner_params": {"unused_value": -1.0},
+                                                 "std": "none"})
+    mean = (1 - 1 + 1 + 0) / 4
+    assert [q.advantage for q in custom] == pytest.approx([1 - mean, -1 - mean, 1 - mean, 0 - mean])
+
+
+# --- a real multi-session LongRecords-v0 episode --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = tiny_model(seed=0)
+    return model, tokenizer
+
+
+def scripted_episode(model, tok, task, episode_id: str, final_answer: str | None = None,
+                     sample_id: int = 0) -> Episode:
+    """Drive LongRecords-v0 with its scripted solver, each action as tiny-tokenizer token ids
+    (+ <|im_end|>) scored by the tiny model in the context the env showed."""
+    env = envs.make("agent_rl/LongRecords-v0")  # branching on, default context budget
+    obs, _ = env.reset(seed=0, options={"task": task, "episode_id": episode_id, "group_id": "lr",
+                                        "sample_id": sample_id})
+    eot = end_of_turn_id(tok)
+    for _ in range(100):
+        text = env.unwrapped.reference_action()
+        assert text
+        last = not env.unwrapped.in_branch and not env.unwrapped.awaiting_summary \
+            and "<tool_call>" not in text
+        if last and final_answer is not None:
+            text = final_answer
+        ids = tok.encode(text, add_special_tokens=False)
+        # The tiny byte-level tokenizer gives the solver's text back (render checks it).
+        assert tok.decode(ids, skip_special_tokens=True) == text
+        ids.append(eot)
+        prompt = chat_ids(tok, obs, add_generation_prompt=True)
+        with torch.no_grad():
+            lp = sequence_logprobs(model, torch.tensor([prompt + ids]))[0, len(prompt):]  # [n]
+        obs, _, terminated, truncated, info = env.step(
+            {"text": text, "token_ids": ids, "logprobs": lp.tolist(), "finish_reason": "stop"})
+        if terminated or truncated:
+            return info["episode"]
+    raise AssertionError("the scripted solver did not finish")
+
+
+@pytest.fixture(scope="module")
+def long_episodes(tiny):
+    model, tok = tiny
+    pool = envs.make("agent_rl/LongRecords-v0").unwrapped.task_pool(12, seed=1)
+    task = min(pool, key=lambda t: t.meta.length)  # 10 steps: still compresses and branches
+    solved = scripted_episode(model, tok, task, "lr#0")
+    wrong = scripted_episode(model, tok, task, "lr#1", final_answer="I do not know.", sample_id=1)
+    return task, solved, wrong
+
+
+def test_a_scripted_long_records_episode_renders_every_session(tiny, long_episodes):
+    model, tok = tiny
+    task, episode, _ = long_episodes
+    assert episode.reward.outcome == Outcome.correct and episode.reward.total == pytest.approx(1.0)
+    origins = [s.origin for s in episode.sessions]
+    assert origins[0] == "root" and "compression" in origins and "branch" in origins
+
+    rendered = render_episode(tok, episode)
+    assert [r.session_id for r in rendered] == [s.session_id for s in episode.sessions]
+    for s, r in zip(episode.sessions, rendered, strict=True):
+        generated = [t for t in s.turns if t.generated]
+        assert generated, s.session_id
+        # Loss mask 1 exactly on the sampled ids (im_end included), with their log-probs.
+        ids = r.input_ids[r.loss_mask].tolist()
+        assert ids == [i for t in generated for i in t.token_ids]
+        assert r.num_trained == s.generated_tokens == s.metrics["generated_tokens"]
+        assert r.old_logprobs[r.loss_mask].tolist() == pytest.approx(
+            [lp for t in generated for lp in t.logprobs], abs=1e-6)
+        assert not r.old_logprobs[~r.loss_mask].any()
+        # The rendered sequence is what the policy saw: rescoring it gives the old log-probs.
+        with torch.no_grad():
+            new = sequence_logprobs(model, r.input_ids[None])[0]  # [T]
+        assert torch.allclose(new[r.loss_mask], r.old_logprobs[r.loss_mask], atol=1e-4)
+
+    sessions = {s.session_id: s for s in episode.sessions}
+    for s in episode.sessions:
+        if s.origin == "compression":
+            b = s.boundary
+            parent = sessions[s.parent_id]
+            assert b.before_hash and b.summary
+            assert b.summary == [t for t in parent.turns if t.generated][-1].content
+            assert b.summary in s.turns[1].content  # the child's opening carries it
+            assert b.after == [t.message() for t in s.turns[:2]]
+        if s.origin == "branch":
+            assert s.boundary.returned == task.target["solution"][0]["returns"]
+            spawn_result = [t for t in sessions[s.parent_id].turns if t.role == "tool" and t.name == "spawn"]
+            assert spawn_result and spawn_result[0].content == s.boundary.returned
+
+    assert all(s.used_by_final for s in episode.sessions)
+    R = episode.reward.total
+    assert dict(assign(episode, "broadcast")) == {s.session_id: R for s in episode.sessions}
+    assert dict(assign(episode, "usage_weighted")) == {s.session_id: R for s in episode.sessions}
+
+
+def test_scripted_long_records_group_builds_sequences_by_hand(tiny, long_episodes):
+    _, tok = tiny
+    _, solved, wrong = long_episodes
+    assert wrong.reward.outcome == Outcome.wrong
+    assert wrong.reward.total == pytest.approx(0.3)  # the writes were right, the answer not
+    decided, drops = filter_groups([solved, wrong], dynamic_sampling=True)
+    assert drops == [] and all(e.filter["kept"] for e in decided)
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    n0, n1 = len(solved.sessions), len(wrong.sessions)
+    credits = [solved.reward.total] * n0 + [wrong.reward.total] * n1
+    mean = sum(credits) / len(credits)
+    std = math.sqrt(sum((c - mean) ** 2 for c in credits) / len(credits))
+    assert [q.advantage for q in sequences] == pytest.approx([(c - mean) / (std + EPS) for c in credits])
+    assert [q.weight for q in sequences] == pytest.approx([1 / n0] * n0 + [1 / n1] * n1)
+    report = budget_report(decided, drops, "mask")
+    assert report["tokens_generated"] == tokens_of(solved) + tokens_of(wrong) == report["tokens_kept"]
+
+
+# --- rollout_batch end to end ------------------------------------------------------------------
+
+
+def test_rollout_batch_end_to_end_with_the_tiny_model(tiny, tmp_path):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(2, seed=0)
+    store = RolloutStore(tmp_path / "rollouts.jsonl")
+    sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=0)
+    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
+                          sampling=sampling, seed=5, store=store, group_prefix="step0/")
+
+    assert len(batch.episodes) == 4
+    assert sorted({e.group_id for e in batch.episodes}) == sorted(f"step0/{t.task_id}" for t in tasks)
+    for e in batch.episodes:
+        assert {"kept", "reason", "overlong", "truncation"} <= set(e.filter)
+        assert e.filter["truncation"] == "mask"
+        assert 1 <= generated_tokens(e) <= 8
+        assert e.filter["overlong"] == (e.sessions[0].turns[-1].finish_reason == "length")
+    r = batch.report
+    assert r["episodes"] == 4 and r["groups"] == 2
+    assert r["tokens_generated"] == sum(tokens_of(e) for e in batch.episodes)
+    assert r["tokens_discarded"] == r["tokens_generated"] - sum(
+        tokens_of(e) for e in batch.kept)
+    assert set(r["acceptance"]) == {"env", "skill", "difficulty"}
+    assert r["acceptance"]["env"]["agent_rl/Arithmetic-v0"] == (2 - r["groups_dropped"]) / 2
+    trained = {e.episode_id for e in batch.kept if not e.filter["overlong"]}
+    assert {q.episode_id for q in batch.sequences} == trained
+
+    # The store holds every episode, kept or dropped, exactly as returned, and verifies.
+    assert store.cursor == 4
+    assert [e.content_hash for e in store.read()] == [e.content_hash for e in batch.episodes]
+    assert [e.filter for e in store.read()] == [e.filter for e in batch.episodes]
+    assert store.verify().ok
+
+    # Without dynamic sampling and with keep, every episode trains; the rollout's log-probs are
+    # the trainer's (ratio 1 on the rendered sequences).
+    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
+                          sampling=sampling, seed=5, truncation="keep", dynamic_sampling=False)
+    assert len(batch.sequences) == 4 and all(q.weight == 1.0 for q in batch.sequences)
+    for q in batch.sequences:
+        with torch.no_grad():
+            new = policy.logprobs(q.rendered.input_ids[None])[0]  # [T]
+        mask = q.rendered.loss_mask
+        assert torch.allclose(new[mask], q.rendered.old_logprobs[mask], atol=1e-4)
