@@ -4,18 +4,29 @@ Each subcommand is one small function ``run(args) -> exit code`` registered with
 ``@command(name, help, arguments)``, where ``arguments(parser)`` adds its flags. Keep heavy
 imports (torch, transformers) inside the command function so ``agent-rl inspect`` stays fast.
 
-Exit codes: 0 success, 1 a check failed (e.g. ``inspect --verify`` found bad records), 2 a
-usage error, a missing file or an unreadable record.
+Commands: ``train CONFIG``, ``report RUN_DIR``, ``eval``, ``canary``, ``envs list|new|check``,
+``inspect EPISODES``. A policy is named ``base`` (the base model), ``PATH`` (a checkpoint bundle
+or a run directory) or ``openai:URL``; ``load_policy`` is the one place that turns it into one.
+
+Exit codes: 0 success; 1 a check failed (``inspect --verify`` found bad records, ``envs check``
+failed, ``canary`` rolled back or stopped); 2 a usage error, a broken contract (the message names
+the key), a missing file, model or bundle, or an unreadable record; 3 ``train`` stopped by a
+guard; 130 ``train`` interrupted (Ctrl-C or SIGTERM; ``--resume`` continues from the last
+complete checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class CLIError(Exception):
@@ -43,6 +54,528 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
         return run
 
     return decorator
+
+
+# --- shared helpers: policies from `base | PATH | openai:URL`, bundles, tables ----------------
+
+DEFAULT_MODEL = "smollm2-135m"
+SPLIT_NAMES = "train, holdout, holdout_structure, holdout_entity, holdout_length"
+POLICY_HELP = ("base (the --model weights), PATH (a checkpoint bundle folder, or a run dir: its "
+               "newest complete bundle) or openai:URL (an OpenAI-compatible server, evaluation "
+               "only; --model names the served model, $OPENAI_API_KEY is sent when set)")
+
+
+@dataclass
+class LoadedPolicy:
+    """A policy with what evaluation records about it."""
+
+    policy: Any
+    name: str
+    bundle: Path | None = None
+    bundle_hash: str | None = None
+    contract: Any = None  # the ExperimentContract of the run the bundle came from, if found
+
+
+def load_model_or_fail(model_id: str, dtype: str = "float32"):
+    """``agent_rl.models.load_model``; a missing or unreadable model file is a ``CLIError``."""
+    from agent_rl.models import load_model
+
+    try:
+        return load_model(model_id, dtype=dtype)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
+        raise CLIError(f"cannot load model {model_id!r}: {exc}") from exc
+
+
+def resolve_bundle(path: str | Path) -> Path:
+    """A bundle folder as given, or the newest complete bundle of a run dir / checkpoints dir."""
+    from agent_rl import checkpoint
+
+    path = Path(path)
+    if not path.exists():
+        raise CLIError(f"no checkpoint bundle or run directory at {path}")
+    if (path / checkpoint.COMPLETE_FILE).exists():
+        return path
+    for root in (path / "checkpoints", path):
+        found = checkpoint.latest_complete(root)
+        if found is not None:
+            return found
+    raise CLIError(f"{path} holds no complete checkpoint bundle (a folder with a COMPLETE marker)")
+
+
+def contract_of(bundle: Path):
+    """The contract of the run a bundle belongs to (``RUN_DIR/checkpoints/step-N``), or None."""
+    from agent_rl.config import ContractError, ExperimentContract
+
+    for folder in (bundle.parent.parent, bundle.parent, bundle):
+        if (folder / "contract.yaml").is_file():
+            try:
+                return ExperimentContract.from_yaml(folder / "contract.yaml")
+            except ContractError as exc:
+                raise CLIError(f"the run's contract is unreadable: {exc}") from exc
+    return None
+
+
+def lora_rank(bundle: Path, names: list[str]) -> int:
+    """The LoRA rank of a bundle without a contract: rows of its first ``lora_A`` weight."""
+    from safetensors import safe_open
+
+    from agent_rl.checkpoint import MODEL_FILE
+
+    name = next(n for n in names if "lora_A" in n)
+    with safe_open(bundle / MODEL_FILE, framework="pt") as f:
+        return int(f.get_slice(name).get_shape()[0])
+
+
+def load_bundle_policy(path: str | Path, model_id: str | None, device: str) -> LoadedPolicy:
+    """A bundle loaded onto its base model. LoRA bundles (parameter names with ``lora_``) get
+    the adapter first, with the rank and alpha of the run's contract (rank read off the
+    tensors, alpha the contract default, when the contract is gone)."""
+    from agent_rl import checkpoint
+    from agent_rl.config import ModelSection
+    from agent_rl.policy import HFPolicy
+    from agent_rl.train import add_lora
+
+    bundle = resolve_bundle(path)
+    contract = contract_of(bundle)
+    model_id = model_id or (contract.model.id if contract else DEFAULT_MODEL)
+    model, tokenizer = load_model_or_fail(model_id, contract.model.dtype if contract else "float32")
+    names = json.loads((bundle / checkpoint.META_FILE).read_text()).get("parameter_names", [])
+    if any("lora_" in n for n in names):
+        section = contract.model if contract else ModelSection()
+        rank = section.lora_rank if contract else lora_rank(bundle, names)
+        model = add_lora(model, rank, section.lora_alpha)
+    try:
+        checkpoint.load_bundle(bundle, model, restore_rng=False)
+    except checkpoint.BundleError as exc:
+        text = str(exc) if len(str(exc)) <= 600 else str(exc)[:600] + " ..."
+        if "does not fit the model" in text:
+            text += f" (is {model_id!r} the model this bundle was trained from? pass --model)"
+        raise CLIError(text) from exc
+    digest = checkpoint.bundle_hash(bundle)
+    return LoadedPolicy(HFPolicy(model.eval(), tokenizer, device=device),
+                        f"{bundle.parent.parent.name}/{bundle.name}", bundle, digest, contract)
+
+
+def load_policy(spec: str, model_id: str | None, device: str) -> LoadedPolicy:
+    """``base`` | ``PATH`` | ``openai:URL`` -> a policy (see ``POLICY_HELP``)."""
+    if spec.startswith("openai:"):
+        from agent_rl.policy import OpenAIPolicy
+
+        url = spec.removeprefix("openai:")
+        return LoadedPolicy(OpenAIPolicy(url, model=model_id or "default",
+                                         api_key=os.environ.get("OPENAI_API_KEY")), spec)
+    if spec == "base":
+        from agent_rl.policy import HFPolicy
+
+        model_id = model_id or DEFAULT_MODEL
+        model, tokenizer = load_model_or_fail(model_id)
+        return LoadedPolicy(HFPolicy(model, tokenizer, device=device), f"base:{model_id}")
+    return load_bundle_policy(spec, model_id, device)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def interval(lo: Any, hi: Any) -> str:
+    return "–" if lo is None or hi is None else f"[{lo:.3f}, {hi:.3f}]"
+
+
+def number(value: Any) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def console():
+    from rich.console import Console
+
+    return Console()
+
+
+# --- train --------------------------------------------------------------------------------
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="experiment contract (YAML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a contract key by its dotted path, e.g. optim.max_steps=4")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in run_dir from its newest complete checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+class _StopSignal:
+    """While active, SIGTERM raises KeyboardInterrupt, so a run stops the way Ctrl-C stops it
+    (a checkpoint being written is discarded whole; finished bundles stay)."""
+
+    def __enter__(self):
+        def stop(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        self.previous = signal.signal(signal.SIGTERM, stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def before_after_table(result):
+    """Held-out reward of the starting and the trained policy, and the paired difference."""
+    from rich.table import Table
+
+    table = Table(title="held-out reward before/after")
+    for column in ("policy", "reward mean", "95% interval", "n", "success", "95% Wilson"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for tag, summary in (("before", result.before), ("after", result.after)):
+        if summary:
+            table.add_row(tag, number(summary["reward_mean"]),
+                          interval(summary["reward_lo"], summary["reward_hi"]), str(summary["n"]),
+                          number(summary["success"]),
+                          interval(summary["success_lo"], summary["success_hi"]))
+    if result.comparison:
+        c = result.comparison
+        table.add_row("paired diff", f"{c['reward_diff']:+.3f}",
+                      interval(c["lo"], c["hi"]), str(c["n"]), "", "")
+    return table
+
+
+@command("train", "run GRPO training from an experiment contract", _train_arguments)
+def train(args: argparse.Namespace) -> int:
+    from agent_rl.config import ContractError, ExperimentContract
+
+    try:  # a broken contract fails before torch is imported
+        contract = ExperimentContract.from_yaml(args.config, args.overrides)
+    except ContractError as exc:
+        raise CLIError(str(exc)) from exc
+    import gymnasium
+
+    from agent_rl import checkpoint
+    from agent_rl import train as trainer
+    from evals.report import write_run_report
+
+    load_model_or_fail(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
+    run_dir = contract.resolved_run_dir
+    out = console()
+    try:
+        with _StopSignal():
+            result = trainer.run(contract, resume=args.resume, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        latest = checkpoint.latest_complete(run_dir / "checkpoints")
+        where = f"from {latest}" if latest else "from the start (no complete checkpoint yet)"
+        print(f"agent-rl train: interrupted; `agent-rl train {args.config} --resume` (same "
+              f"--set options) continues {where}", file=sys.stderr)
+        if run_dir.is_dir():
+            write_run_report(run_dir)
+        return 130
+    except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
+        raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
+    report = write_run_report(run_dir)
+    if result.before or result.after:
+        out.print(before_after_table(result))
+    out.print(f"report: {report}", highlight=False)
+    out.print(f"run dir: {run_dir}", highlight=False)
+    if result.stopped is not None:
+        trip = result.stopped
+        print(f"agent-rl train: stopped by guard {trip.rule} ({trip.action}) at step "
+              f"{result.steps}: {trip.message}", file=sys.stderr)
+        return 3
+    return 0
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory")
+
+
+@command("report", "write RUN_DIR/report.html (reward, holdout, KL and length curves)",
+         _report_arguments)
+def report(args: argparse.Namespace) -> int:
+    from evals.report import write_run_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise CLIError(f"no run directory at {run_dir}")
+    if not any((run_dir / name).exists() for name in ("metrics.jsonl", "eval.jsonl")):
+        raise CLIError(f"{run_dir} is not a run directory: no metrics.jsonl or eval.jsonl")
+    print(write_run_report(run_dir))
+    return 0
+
+
+# --- eval ---------------------------------------------------------------------------------
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env", default=None, metavar="ID",
+                        help="environment id (default: the env of the run PATH came from)")
+    parser.add_argument("--split", default="holdout", metavar="NAME",
+                        help=f"task split: {SPLIT_NAMES} (default: holdout)")
+    parser.add_argument("--policy", default="base", metavar="SPEC", help=POLICY_HELP)
+    parser.add_argument("--model", default=None, metavar="ID",
+                        help="smollm2-135m | tiny | a local HF folder (default: the run's model, "
+                             f"else {DEFAULT_MODEL}); for openai:URL the served model's name")
+    parser.add_argument("--n", type=int, default=64, help="tasks evaluated (default: 64)")
+    parser.add_argument("--seed", type=int, default=1234, help="sampling and episode seed")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="where records.jsonl and report.html go (default: runs/eval-ENV-SPLIT)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, metavar="M",
+                        help="per reply (default: the run's max_response_tokens, else 128)")
+
+
+def eval_tasks(env_id: str, split: str, n: int, contract) -> tuple[list, dict]:
+    """The first ``n`` tasks of a default split and the env kwargs; the pool is the run's
+    (``env.pool_size``, ``env.pool_seed``) when the contract trained on this env, so its
+    held-out tasks are exactly the ones the trainer held out."""
+    import gymnasium
+
+    from agent_rl.config import EnvSection
+    from evals.splits import default_splits
+
+    section = contract.env if contract and contract.env.id == env_id else EnvSection(id=env_id)
+    try:
+        splits = default_splits(env_id, section.pool_size, section.pool_seed)
+        tasks = list(splits[split])[:n]
+    except gymnasium.error.Error as exc:
+        raise CLIError(str(exc)) from exc
+    except KeyError as exc:
+        raise CLIError(f"unknown split {split!r}; splits: {SPLIT_NAMES}") from exc
+    if not tasks:
+        raise CLIError(f"split {split!r} of {env_id} is empty (pool of {section.pool_size})")
+    return tasks, section.kwargs
+
+
+def slice_rows(records) -> list[dict[str, Any]]:
+    """Overall, then per structure, entity group and composition (atomic / composed)."""
+    from evals.run import slice_summary
+
+    return [row for by in ((), "structure", "entity_group", "composition")
+            for row in slice_summary(records, by, n_boot=2000)]
+
+
+def slice_table(rows: list[dict[str, Any]], title: str):
+    from rich.table import Table
+
+    from evals.report import SLICE_NUMBERS
+
+    table = Table(title=title)
+    for column in ("slice", "n", "reward mean", "95% interval", "success", "95% Wilson"):
+        table.add_column(column, justify="left" if column == "slice" else "right", overflow="fold")
+    for row in rows:
+        label = " ".join(f"{k}={row[k]}" for k in row if k not in SLICE_NUMBERS) or "all"
+        table.add_row(label, str(row["n"]), number(row["reward/mean"]),
+                      interval(row["reward/lo"], row["reward/hi"]), number(row["success/rate"]),
+                      interval(row["success/lo"], row["success/hi"]))
+    return table
+
+
+@command("eval", "evaluate a policy on a task split, per slice, with intervals", _eval_arguments)
+def eval_(args: argparse.Namespace) -> int:
+    from envs.runner import Sampling
+    from evals.report import write_report
+    from evals.run import evaluate, write_records
+
+    if args.n < 1:
+        raise CLIError(f"--n must be >= 1, got {args.n}")
+    loaded = load_policy(args.policy, args.model, default_device())
+    contract = loaded.contract
+    env_id = args.env or (contract.env.id if contract else None)
+    if env_id is None:
+        raise CLIError("pass --env ID (e.g. agent_rl/Arithmetic-v0)")
+    tasks, env_kwargs = eval_tasks(env_id, args.split, args.n, contract)
+    max_new = args.max_new_tokens or (contract.rollout.max_response_tokens if contract else 128)
+    sampling = Sampling(temperature=args.temperature, top_p=1.0, max_new_tokens=max_new,
+                        seed=args.seed)
+    records = evaluate(loaded.policy, env_id, tasks, sampling, seed=args.seed,
+                       env_kwargs=env_kwargs, policy_name=loaded.name,
+                       bundle_hash=loaded.bundle_hash)
+    out = Path(args.out or f"runs/eval-{env_id.rsplit('/', 1)[-1]}-{args.split}")
+    write_records(records, out / "records.jsonl")
+    rows = slice_rows(records)
+    title = f"{loaded.name} on {env_id} {args.split} (n={len(records)})"
+    report = write_report(out / "report.html", title=title, slices=rows)
+    console().print(slice_table(rows, title))
+    print(f"records: {out / 'records.jsonl'}\nreport: {report}")
+    return 0
+
+
+# --- canary -------------------------------------------------------------------------------
+
+
+def _canary_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--candidate", required=True, metavar="BUNDLE",
+                        help="bundle (or run dir) to release")
+    parser.add_argument("--baseline", required=True, metavar="BUNDLE",
+                        help="bundle (or run dir) now serving")
+    parser.add_argument("--env", default=None, metavar="ID",
+                        help="environment id (default: the candidate run's env)")
+    parser.add_argument("--n", type=int, default=32,
+                        help="offline and shadow tasks; the canary serves about as many")
+    parser.add_argument("--canary-fraction", type=float, default=0.25,
+                        help="share of live traffic the candidate serves (default: 0.25)")
+    parser.add_argument("--model", default=None, metavar="ID",
+                        help="base model of both bundles (default: from their runs)")
+    parser.add_argument("--seed", type=int, default=1234, help="episode seeds and traffic split")
+
+
+CANARY_MARGIN = 0.05  # allowed drop of held-out reward against the baseline, offline and shadow
+
+
+def canary_criteria(contract) -> tuple[list, list]:
+    """(offline/shadow criteria, canary criteria) from the contract's ``acceptance`` (or its
+    defaults): no held-out reward regression beyond ``CANARY_MARGIN``, plus the acceptance
+    bounds; the canary arms serve different tasks, so it keeps only the min/max bounds."""
+    from agent_rl.config import AcceptanceSection
+    from evals.gates import Criterion, criteria_from_acceptance
+
+    acceptance = contract.acceptance if contract else AcceptanceSection()
+    bounds = criteria_from_acceptance(acceptance.holdout_min, acceptance.max_error_rate)
+    gate = [Criterion(name="no reward regression", metric="reward/mean", kind="no_regression",
+                      margin=CANARY_MARGIN), *bounds,
+            *criteria_from_acceptance(critical_slices=acceptance.critical_slices,
+                                      margin=CANARY_MARGIN)]
+    return gate, bounds
+
+
+def canary_plan(env_id: str, contract, n: int, fraction: float, seed: int, live_serving: str):
+    """Offline: held-out tasks; shadow: train tasks; live: the next train tasks, enough that the
+    candidate's share is about ``n``. The live store is the first live task's ``data``."""
+    import math
+
+    from envs.runner import Sampling
+    from evals.canary import CanaryPlan, LiveSystem, state_hash
+
+    if not 0 < fraction < 1:
+        raise CLIError(f"--canary-fraction must be in (0, 1), got {fraction}")
+    holdout, env_kwargs = eval_tasks(env_id, "holdout", n, contract)
+    traffic, _ = eval_tasks(env_id, "train", n + math.ceil(n / fraction), contract)
+    shadow, live = traffic[:n], traffic[n:]
+    if not live:
+        raise CLIError(f"the train split of {env_id} has {len(traffic)} tasks: too few for "
+                       f"{n} shadow tasks and a live stage; lower --n")
+    if len({state_hash(t.data) for t in live}) > 1:
+        print(f"agent-rl canary: warning: {env_id} tasks carry their own stores; shadow and live "
+              "tasks are rebased onto one store (the first live task's), so some may not be "
+              "solvable there. For a faithful live stage build the plan with evals.canary.",
+              file=sys.stderr)
+    gate, bounds = canary_criteria(contract)
+    max_new = contract.rollout.max_response_tokens if contract else 128
+    return CanaryPlan(env_id=env_id, offline_tasks=holdout, criteria=gate, shadow_tasks=shadow,
+                      live_tasks=live, canary_fraction=fraction, canary_criteria=bounds,
+                      sampling=Sampling(temperature=0.0, max_new_tokens=max_new, seed=seed),
+                      seed=seed, env_kwargs=env_kwargs,
+                      live=LiveSystem(store=live[0].data, serving=live_serving))
+
+
+@command("canary", "release a bundle: offline gate -> shadow -> canary -> promote, or roll back",
+         _canary_arguments)
+def canary(args: argparse.Namespace) -> int:
+    from agent_rl.checkpoint import bundle_hash
+    from evals import canary as release
+
+    if args.n < 1:
+        raise CLIError(f"--n must be >= 1, got {args.n}")
+    device = default_device()
+    cand, base = (load_bundle_policy(p, args.model, device) for p in (args.candidate, args.baseline))
+    if cand.bundle_hash == base.bundle_hash:
+        raise CLIError(f"candidate and baseline are the same bundle ({cand.bundle_hash[:12]})")
+    contract = cand.contract or base.contract
+    env_id = args.env or (contract.env.id if contract else None)
+    if env_id is None:
+        raise CLIError("pass --env ID: neither bundle comes from a run with a contract")
+    plan = canary_plan(env_id, contract, args.n, args.canary_fraction, args.seed, base.bundle_hash)
+    candidate, baseline = (
+        release.Candidate(who.name, who.bundle_hash, who.policy,
+                          current_hash=lambda path=who.bundle: bundle_hash(path))
+        for who in (cand, base))
+    result = release.run(candidate, baseline, plan)
+    out = console()
+    for stage in result.stages:
+        out.print(f"[bold]{stage.stage}[/bold]: {stage.status.upper()}")
+        for reason in stage.reasons:
+            out.print(f"  {reason}", markup=False, highlight=False)
+    out.print(f"result: {result.status} at {result.stage}; serving {result.serving[:12]}",
+              highlight=False)
+    if result.rollback is not None:
+        out.print(f"rollback: live store restored to {result.rollback.store_hash[:12]}",
+                  highlight=False)
+    return 0 if result.status == "promoted" else 1
+
+
+# --- envs ---------------------------------------------------------------------------------
+
+
+def _envs_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="envs_command", metavar="ACTION", required=True)
+    sub.add_parser("list", help="registered environment ids").set_defaults(_envs=envs_list)
+    new = sub.add_parser("new", help="scaffold an installable environment package")
+    new.add_argument("name", metavar="NAME", help="lowercase identifier, e.g. letter_count")
+    new.add_argument("--dest", default=".", metavar="DIR", help="parent folder (default: .)")
+    new.set_defaults(_envs=envs_new)
+    check = sub.add_parser("check", help="run the contract checks on an environment id")
+    check.add_argument("id", metavar="ID", help="registered environment id")
+    check.add_argument("--episodes", type=int, default=20, help="episodes per check")
+    check.set_defaults(_envs=envs_check)
+
+
+@command("envs", "list, scaffold or check environments", _envs_arguments)
+def envs_(args: argparse.Namespace) -> int:
+    return args._envs(args)
+
+
+def describe_env(env_id: str) -> tuple[str, str]:
+    """(version, first docstring line) of an env's class (its module's, when it has none)."""
+    import envs
+
+    env = envs.make(env_id)
+    try:
+        cls = type(env.unwrapped)
+        doc = cls.__doc__ or sys.modules[cls.__module__].__doc__ or ""
+        return f"v{getattr(cls, 'version', '?')}", (doc.strip().splitlines() or [""])[0]
+    finally:
+        env.close()
+
+
+def envs_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    import envs
+
+    table = Table(title="registered environments")
+    for column in ("id", "version", "description"):
+        table.add_column(column)
+    for env_id in envs.list_envs():
+        table.add_row(env_id, *describe_env(env_id))
+    console().print(table)
+    return 0
+
+
+def envs_new(args: argparse.Namespace) -> int:
+    from envs.scaffold import new_env_package, package_names
+
+    try:
+        root = new_env_package(args.name, args.dest)
+    except (ValueError, FileExistsError) as exc:
+        raise CLIError(str(exc)) from exc
+    print(f"{root}\nnext: pip install -e {root} && agent-rl envs check "
+          f"{package_names(args.name)['env_id']}")
+    return 0
+
+
+def envs_check(args: argparse.Namespace) -> int:
+    import envs
+    from envs.checks import check_env_id
+
+    if args.id not in envs.list_envs():
+        try:
+            envs.make(args.id)  # raises with suggestions and the fix
+        except Exception as exc:  # noqa: BLE001 - shown to the user as is
+            raise CLIError(str(exc)) from exc
+    report = check_env_id(args.id, episodes=args.episodes)
+    print(report)
+    return 0 if report.passed else 1
 
 
 # --- inspect ------------------------------------------------------------------------------

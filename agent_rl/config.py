@@ -4,6 +4,13 @@ YAML in (``ExperimentContract.from_yaml``), overrides by dotted path (``--set op
 validated (unknown keys and impossible combinations are errors that name the key), hashed
 (``contract_hash``: sha256 of the canonical JSON of the resolved contract). The key names are
 the YAML contract of DESIGN section 7.
+
+What the hash leaves out: ``optim.max_steps`` (``UNHASHED``). It says where the run stops, not
+how any step is computed: the learning-rate schedule is constant and nothing else reads the
+horizon, so the first j steps of a K-step run are exactly a j-step run. Leaving it out is what
+lets ``--resume --set optim.max_steps=K`` extend a finished or killed run under the same
+contract. A schedule that depends on the horizon (warm-up or decay to ``max_steps``) must put
+it back in the hash.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ class GuardSection(_Section):
     max_policy_lag: int = Field(2, ge=0)
     max_verifier_error_rate: float = Field(0.1, ge=0.0, le=1.0)
     holdout_patience: int = Field(5, ge=1)
+    max_truncated_frac: float = Field(0.9, gt=0.0, description="pause when this fraction of responses hits the length limit two steps running (> 1 disables)")
 
 
 class AcceptanceSection(_Section):
@@ -192,9 +200,42 @@ class ExperimentContract(_Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    def hashed_fields(self) -> dict[str, Any]:
+        """The resolved contract as plain JSON types, less the ``UNHASHED`` keys."""
+        data = self.model_dump(mode="json")
+        for dotted in UNHASHED:
+            *sections, key = dotted.split(".")
+            node = data
+            for section in sections:
+                node = node[section]
+            del node[key]
+        return data
+
     def contract_hash(self) -> str:
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        text = json.dumps(self.hashed_fields(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def changes_from(self, other: ExperimentContract) -> list[str]:
+        """``key: other's value -> this value`` for every hashed key that differs (dotted)."""
+        mine, theirs = _leaves(self), _leaves(other)
+        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}"
+                for key in mine if key not in UNHASHED and mine[key] != theirs[key]]
+
+
+UNHASHED = ("optim.max_steps",)  # where a run stops, not what it computes (module docstring)
+
+
+def _leaves(section: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value down through the sections (a free-form dict such as env.kwargs is
+    one value), in field order."""
+    out: dict[str, Any] = {}
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            out.update(_leaves(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
 
 
 class ContractError(ValueError):

@@ -88,6 +88,17 @@ class Guards:
                              f"{self.max_verifier_error_rate:.1%}", {"reward/infra_error_rate": errors})
         return None
 
+    def state(self) -> dict[str, Any]:
+        """The streaks and evaluation history, for checkpoints: a resumed run then trips
+        exactly where the uninterrupted one would."""
+        return {"nonfinite_streak": self._nonfinite_streak, "long_streak": self._long_streak,
+                "evals": [list(e) for e in self._evals]}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self._long_streak = int(state.get("long_streak", 0))
+        self._evals = [(float(t), float(h)) for t, h in state.get("evals", [])]
+
     def after_eval(self, train_reward: float, holdout_reward: float) -> GuardTrip | None:
         """Reward rising while the hint-free holdout does not is a warning sign (hacking, hints)."""
         self._evals.append((train_reward, holdout_reward))

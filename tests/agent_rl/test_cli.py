@@ -1,0 +1,288 @@
+"""Every `agent-rl` entry point run as a user runs it (the console script, in a subprocess), on
+the tiny random model and a few steps: train, report, eval, canary, envs list|new|check, and the
+exit codes of their failures (2 usage / missing input, 1 a failed check or release, 3 a guard
+stop, 130 an interrupted run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+import envs
+from agent_rl import checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny.yaml"
+SCRIPT = Path(sys.executable).with_name("agent-rl")
+ENV = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def command(*args: str) -> list[str]:
+    exe = str(SCRIPT) if SCRIPT.exists() else shutil.which("agent-rl") or "agent-rl"
+    return [exe, *map(str, args)]
+
+
+def agent_rl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command(*args), capture_output=True, text=True, env=ENV, cwd=cwd,
+                          timeout=300)
+
+
+def train_tiny(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    sets = [x for o in (f"run_dir={run_dir}", *overrides) for x in ("--set", o)]
+    return agent_rl("train", TINY, *sets, "--no-progress", cwd=run_dir.parent)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("cli") / "tiny-run"
+    return run_dir, train_tiny(run_dir)
+
+
+# --- train ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_train_prints_before_after_and_writes_the_run(tiny_run):
+    run_dir, result = tiny_run
+    assert result.returncode == 0, result.stderr
+    for name in ("contract.yaml", "metrics.jsonl", "eval.jsonl", "report.html", "result.json"):
+        assert (run_dir / name).is_file(), name
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert checkpoint.latest_complete(run_dir / "checkpoints") is not None
+    out = result.stdout
+    assert "held-out reward before/after" in out
+    for row in ("before", "after", "paired diff", "95% interval", "95% Wilson"):
+        assert row in out, row
+    assert f"run dir: {run_dir}" in out
+    assert "<svg" in (run_dir / "report.html").read_text()
+
+
+def test_bad_config_key_exits_2_naming_the_key(tmp_path):
+    result = agent_rl("train", TINY, "--set", "optim.lrr=1", "--set", f"run_dir={tmp_path}/r")
+    assert result.returncode == 2
+    assert "optim.lrr" in result.stderr and "unknown key" in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    result = agent_rl("train", tmp_path / "nope.yaml")
+    assert result.returncode == 2 and "not found" in result.stderr
+
+
+@pytest.mark.slow
+def test_missing_model_exits_2_with_a_clear_message(tmp_path):
+    result = agent_rl("train", TINY, "--set", f"model.id={tmp_path}/no-such-model",
+                      "--set", f"run_dir={tmp_path}/r")
+    assert result.returncode == 2
+    assert "cannot load model" in result.stderr and "no-such-model" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_guard_stop_exits_3_with_the_rule(tmp_path):
+    # the random model always hits the length limit: the default length guard trips at step 2
+    result = train_tiny(tmp_path / "r", "guards.max_truncated_frac=0.9", "optim.max_steps=4")
+    assert result.returncode == 3, result.stderr
+    assert "stopped by guard length_explosion" in result.stderr
+    assert (tmp_path / "r" / "guard.json").is_file() and (tmp_path / "r" / "report.html").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_points_at_resume(tmp_path):
+    run_dir = tmp_path / "r"
+    args = ["train", TINY, "--set", f"run_dir={run_dir}", "--set", "optim.max_steps=500",
+            "--set", "checkpoint.every=1", "--no-progress"]
+    proc = subprocess.Popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no training steps within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "--resume" in err
+    latest = checkpoint.latest_complete(run_dir / "checkpoints")
+    assert latest is not None and str(latest) in err
+    checkpoint.verify_bundle(latest)  # the last bundle is whole
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_report_writes_the_run_report(tiny_run):
+    run_dir, _ = tiny_run
+    (run_dir / "report.html").unlink()
+    result = agent_rl("report", run_dir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(run_dir / "report.html")
+    html = (run_dir / "report.html").read_text()
+    for curve in ("reward/mean", "loss/policy", "response/length_mean", "held-out reward"):
+        assert curve in html, curve
+
+
+def test_report_of_a_missing_dir_exits_2(tmp_path):
+    result = agent_rl("report", tmp_path / "missing")
+    assert result.returncode == 2 and "no run directory" in result.stderr
+
+
+# --- eval -------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_eval_base_policy_per_slice(tmp_path):
+    result = agent_rl("eval", "--env", "agent_rl/Arithmetic-v0", "--split", "holdout",
+                      "--policy", "base", "--model", "tiny", "--n", "4", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out_dir = tmp_path / "runs" / "eval-Arithmetic-v0-holdout"
+    records = read_jsonl(out_dir / "records.jsonl")
+    assert len(records) == 4 and {r["policy_name"] for r in records} == {"base:tiny"}
+    assert "reward/mean per slice" in (out_dir / "report.html").read_text()
+    for text in ("all", "structure=", "entity_group=integers", "composition=", "95% Wilson"):
+        assert text in result.stdout, text
+
+
+@pytest.mark.slow
+def test_eval_a_run_dir_loads_its_latest_bundle(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    result = agent_rl("eval", "--policy", run_dir, "--n", "3", "--out", tmp_path / "ev")
+    assert result.returncode == 0, result.stderr
+    records = read_jsonl(tmp_path / "ev" / "records.jsonl")
+    bundle = checkpoint.latest_complete(run_dir / "checkpoints")
+    assert len(records) == 3
+    assert {r["bundle_hash"] for r in records} == {checkpoint.bundle_hash(bundle)}
+    assert {r["env_id"] for r in records} == {"agent_rl/Arithmetic-v0"}  # from the contract
+
+
+class AnswersSeven(BaseHTTPRequestHandler):
+    """An OpenAI-compatible chat-completions stub that always answers "7"."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "7"},
+                                        "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_eval_openai_policy(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), AnswersSeven)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = agent_rl("eval", "--env", "agent_rl/Arithmetic-v0", "--policy", f"openai:{url}",
+                          "--model", "stub", "--n", "3", "--out", tmp_path / "ev")
+    finally:
+        server.shutdown()
+    assert result.returncode == 0, result.stderr
+    records = read_jsonl(tmp_path / "ev" / "records.jsonl")
+    assert len(records) == 3 and {r["policy_name"] for r in records} == {f"openai:{url}"}
+    assert {r["outcome"] for r in records} <= {"correct", "wrong"}  # a bare number: scored
+
+
+def test_eval_bad_inputs_exit_2(tmp_path):
+    missing = agent_rl("eval", "--policy", tmp_path / "nothing", "--env", "agent_rl/Arithmetic-v0")
+    assert missing.returncode == 2 and "no checkpoint bundle" in missing.stderr
+    split = agent_rl("eval", "--env", "agent_rl/Arithmetic-v0", "--split", "nope",
+                     "--policy", "base", "--model", "tiny", "--n", "2", cwd=tmp_path)
+    assert split.returncode == 2 and "unknown split 'nope'" in split.stderr
+
+
+# --- canary -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_canary_stages_and_exit_codes(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    # the same training under a contract whose acceptance tolerates the random model's errors
+    lenient = tmp_path / "lenient"
+    assert train_tiny(lenient, "acceptance.max_error_rate=1.0").returncode == 0
+
+    promoted = agent_rl("canary", "--candidate", lenient, "--baseline", run_dir, "--n", "10",
+                        "--canary-fraction", "0.5")
+    assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+    out = promoted.stdout
+    for line in ("offline: PASS", "shadow: PASS", "canary: PASS", "promote: PASS",
+                 "result: promoted at promote"):
+        assert line in out, line
+    assert "live store unchanged by shadow" in out
+
+    # the default acceptance (error rate <= 0.05) stops it at the offline gate
+    stopped = agent_rl("canary", "--candidate", run_dir, "--baseline", lenient, "--n", "10")
+    assert stopped.returncode == 1, stopped.stderr
+    assert "offline: FAIL" in stopped.stdout and "FAIL error rate" in stopped.stdout
+    assert "result: stopped at offline" in stopped.stdout
+
+
+@pytest.mark.slow
+def test_canary_refuses_the_same_bundle(tiny_run):
+    run_dir, _ = tiny_run
+    result = agent_rl("canary", "--candidate", run_dir, "--baseline", run_dir, "--n", "2")
+    assert result.returncode == 2 and "same bundle" in result.stderr
+
+
+# --- envs -------------------------------------------------------------------------------------
+
+
+def test_envs_list_shows_every_builtin():
+    result = agent_rl("envs", "list")
+    assert result.returncode == 0, result.stderr
+    for env_id in envs.list_envs():
+        assert env_id in result.stdout, env_id
+    assert "Records-v0: search, read, transform and update records" in result.stdout
+    assert "Arithmetic-v0: multi-step integer arithmetic" in result.stdout  # module docstring
+
+
+def test_envs_check_passes_arithmetic():
+    result = agent_rl("envs", "check", "agent_rl/Arithmetic-v0", "--episodes", "5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "agent_rl/Arithmetic-v0: PASS" in result.stdout
+    for check in ("make", "gymnasium_check_env", "reference_solver", "random_actions",
+                  "determinism"):
+        assert f"[pass] {check}" in result.stdout, check
+
+
+def test_envs_check_unknown_id_exits_2():
+    result = agent_rl("envs", "check", "agent_rl/Arithmetc-v0")
+    assert result.returncode == 2 and "Did you mean" in result.stderr
+
+
+def test_envs_new_scaffolds_a_package(tmp_path):
+    result = agent_rl("envs", "new", "letter_count", "--dest", tmp_path)
+    assert result.returncode == 0, result.stderr
+    root = tmp_path / "agent-rl-env-letter-count"
+    assert (root / "pyproject.toml").is_file()
+    assert (root / "agent_rl_env_letter_count" / "env.py").is_file()
+    assert "letter_count/LetterCount-v0" in result.stdout
+    again = agent_rl("envs", "new", "letter_count", "--dest", tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr
+    bad = agent_rl("envs", "new", "Bad-Name", "--dest", tmp_path)
+    assert bad.returncode == 2 and "lowercase identifier" in bad.stderr

@@ -1,0 +1,224 @@
+"""ExperimentContract: YAML in and out, --set overrides, errors that name the key, the hash."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent_rl.config import UNHASHED, ContractError, ExperimentContract
+
+# The example of DESIGN section 7, verbatim: its key names are part of the contract.
+DESIGN_YAML = """\
+name: smollm2-pii
+env: {id: agent_rl/PIIMask-v0, split: train, kwargs: {}}
+eval: {split: holdout, n: 64, every: 5, seed: 1234}
+model: {id: smollm2-135m, dtype: float32, adapter: lora, lora_rank: 16}  # id: smollm2-135m | tiny | a local HF folder
+reference: null                 # a model id; required when loss.kl.beta > 0, never the rollout policy
+rollout: {backend: hf, group_size: 8, tasks_per_step: 4, temperature: 1.0, top_p: 1.0,
+          max_prompt_tokens: 512, max_response_tokens: 128, truncation: mask,
+          dynamic_sampling: true, max_policy_lag: 0}
+credit: {assigner: broadcast, params: {}, session_weighting: per_episode}
+advantage: {std: population, scale: group, eps: 1.0e-6}
+loss: {aggregation: token_mean, clip_low: 0.2, clip_high: 0.28, kl: {beta: 0.0, estimator: k3}}
+optim: {lr: 1.0e-5, weight_decay: 0.0, grad_clip: 1.0, updates_per_batch: 1, max_steps: 20, seed: 0}
+backend: {name: torch}          # or {name: deepspeed, zero_stage: 2}
+checkpoint: {every: 5, keep: 3}
+guards: {max_nonfinite_steps: 2, min_entropy: 0.05, max_kl: 1.0, max_policy_lag: 2,
+         max_verifier_error_rate: 0.1, holdout_patience: 5}
+acceptance: {holdout_min: null, max_error_rate: 0.05, critical_slices: []}
+run_dir: runs/${name}
+"""
+
+
+@pytest.fixture
+def design_file(tmp_path):
+    path = tmp_path / "contract.yaml"
+    path.write_text(DESIGN_YAML)
+    return path
+
+
+def contract_error(data=None, overrides=None) -> str:
+    with pytest.raises(ContractError) as info:
+        ExperimentContract.from_dict(data or {}, overrides)
+    return str(info.value)
+
+
+# --- YAML -------------------------------------------------------------------------------------
+
+
+def test_design_example_loads_and_round_trips(design_file, tmp_path):
+    contract = ExperimentContract.from_yaml(design_file)
+    assert contract.env.id == "agent_rl/PIIMask-v0" and contract.reference is None
+    assert contract.loss.clip_high == 0.28 and contract.advantage.eps == 1e-6
+    assert contract.resolved_run_dir.as_posix() == "runs/smollm2-pii"
+
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(contract.to_yaml())
+    again = ExperimentContract.from_yaml(copy)
+    assert again == contract
+    assert again.contract_hash() == contract.contract_hash()
+    assert again.to_yaml() == contract.to_yaml()
+
+
+def test_empty_yaml_gives_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing set\n")
+    assert ExperimentContract.from_yaml(path) == ExperimentContract()
+
+
+def test_broken_yaml_is_a_contract_error(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("optim: {lr: 1e-3\nname: [unclosed\n")
+    with pytest.raises(ContractError, match=r"broken\.yaml is not valid YAML"):
+        ExperimentContract.from_yaml(path)
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ContractError, match="top level must be a mapping"):
+        ExperimentContract.from_yaml(path)
+
+
+def test_missing_file_is_a_contract_error(tmp_path):
+    with pytest.raises(ContractError, match=r"config file not found: .*nope\.yaml"):
+        ExperimentContract.from_yaml(tmp_path / "nope.yaml")
+
+
+# --- overrides ----------------------------------------------------------------------------------
+
+
+def test_overrides_by_dotted_path_parse_values_as_yaml(design_file):
+    contract = ExperimentContract.from_yaml(design_file, [
+        "optim.max_steps=4",
+        "optim.lr=3e-4",  # YAML 1.1 reads this as a string; the float field converts it
+        "rollout.temperature=0.7",
+        "rollout.dynamic_sampling=false",
+        "env.kwargs={max_turns: 3, hints: true}",
+        "loss.kl.beta=0.05",
+        "reference=/models/frozen-base",
+        "run_dir=/tmp/r",
+        "name=a=b",  # only the first '=' separates key and value
+    ])
+    assert contract.optim.max_steps == 4 and isinstance(contract.optim.max_steps, int)
+    assert contract.optim.lr == 3e-4 and isinstance(contract.optim.lr, float)
+    assert contract.rollout.temperature == 0.7
+    assert contract.rollout.dynamic_sampling is False
+    assert contract.env.kwargs == {"max_turns": 3, "hints": True}
+    assert contract.loss.kl.beta == 0.05 and contract.loss.kl.estimator == "k3"  # sibling kept
+    assert contract.reference == "/models/frozen-base"
+    assert contract.resolved_run_dir.as_posix() == "/tmp/r"
+    assert contract.name == "a=b"
+    assert contract.optim.seed == 0 and contract.loss.clip_high == 0.28  # the rest untouched
+
+
+def test_overrides_create_missing_sections():
+    contract = ExperimentContract.from_dict({}, ["guards.min_entropy=0.5", "reference=null"])
+    assert contract.guards.min_entropy == 0.5 and contract.reference is None
+
+
+def test_from_dict_does_not_mutate_its_input():
+    data = {"optim": {"lr": 1e-3}}
+    ExperimentContract.from_dict(data, ["optim.lr=2e-3", "rollout.group_size=2"])
+    assert data == {"optim": {"lr": 1e-3}}
+
+
+@pytest.mark.parametrize("item, message", [
+    ("optim.max_steps", "expected KEY=VALUE"),
+    ("optim.lr=[1", r"--set optim\.lr: value '\[1' is not valid YAML"),
+    ("name.x=1", "'name' is not a section"),
+])
+def test_malformed_overrides_are_named(item, message):
+    with pytest.raises(ContractError, match=message):
+        ExperimentContract.from_dict({"name": "run"}, [item])
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def test_unknown_key_error_names_the_key(design_file):
+    with pytest.raises(ContractError, match=r"optim\.lrr: unknown key"):
+        ExperimentContract.from_yaml(design_file, ["optim.lrr=1e-4"])
+    assert "loss.kl.betta: unknown key" in contract_error({"loss": {"kl": {"betta": 0.1}}})
+    assert "learning_rate: unknown key" in contract_error({"learning_rate": 0.1})
+
+
+def test_wrong_types_and_ranges_name_the_key():
+    assert "rollout.group_size" in contract_error(overrides=["rollout.group_size=zero"])
+    assert "optim.lr: Input should be greater than 0" in contract_error(overrides=["optim.lr=-1"])
+    assert "rollout.truncation" in contract_error(overrides=["rollout.truncation=drop"])
+    message = contract_error(overrides=["optim.lr=0", "rollout.top_p=2"])
+    assert "optim.lr" in message and "rollout.top_p" in message  # every error, not the first
+
+
+def test_kl_needs_a_fixed_reference():
+    message = contract_error(overrides=["loss.kl.beta=0.1"])
+    assert "loss.kl.beta > 0 needs `reference`" in message
+    assert "never the rollout policy" in contract_error(
+        overrides=["loss.kl.beta=0.1", "reference=policy"])
+    ok = ExperimentContract.from_dict({}, ["loss.kl.beta=0.1", "reference=/models/base"])
+    assert ok.reference == "/models/base"
+
+
+def test_reference_cannot_be_the_model_under_full_fine_tuning():
+    message = contract_error(overrides=["model.adapter=none", "reference=smollm2-135m",
+                                        "model.id=smollm2-135m"])
+    assert "is the model being trained" in message
+    # with LoRA the base weights (adapter disabled) are a fixed reference
+    lora = ExperimentContract.from_dict({}, ["model.adapter=lora", "reference=smollm2-135m",
+                                             "loss.kl.beta=0.1"])
+    assert lora.reference == lora.model.id
+
+
+def test_other_impossible_combinations():
+    assert "exceeds guards.max_policy_lag" in contract_error(
+        overrides=["rollout.max_policy_lag=3", "guards.max_policy_lag=2"])
+    assert "group_size >= 2" in contract_error(overrides=["rollout.group_size=1"])
+    assert ExperimentContract.from_dict({}, ["rollout.group_size=1",
+                                             "rollout.dynamic_sampling=false"]).rollout.group_size == 1
+    assert "credit.assigner 'nope'" in contract_error(overrides=["credit.assigner=nope"])
+
+
+# --- the hash -----------------------------------------------------------------------------------
+
+
+def test_contract_hash_is_stable_and_canonical(design_file):
+    a = ExperimentContract.from_yaml(design_file)
+    b = ExperimentContract.from_yaml(design_file)
+    assert a.contract_hash() == b.contract_hash()
+    assert len(a.contract_hash()) == 64 and int(a.contract_hash(), 16) >= 0
+    # key order and spelling of the same values do not matter
+    reordered = ExperimentContract.from_dict(
+        {"run_dir": "runs/${name}", "optim": {"seed": 0, "lr": 0.00001}}, [])
+    default_order = ExperimentContract.from_dict({"optim": {"lr": 1e-5}}, [])
+    assert reordered.contract_hash() == default_order.contract_hash()
+    # a default spelled out is the same contract as a default left out
+    assert ExperimentContract.from_dict({"optim": {"seed": 0}}).contract_hash() == \
+        ExperimentContract().contract_hash()
+
+
+@pytest.mark.parametrize("override", [
+    "optim.lr=2e-5", "optim.seed=1", "rollout.group_size=4", "loss.clip_high=0.2",
+    "env.kwargs={hints: true}", "model.id=tiny", "eval.n=8", "guards.min_entropy=0.1",
+    "name=other", "checkpoint.every=1",
+])
+def test_contract_hash_changes_with_any_hashed_field(design_file, override):
+    base = ExperimentContract.from_yaml(design_file)
+    changed = ExperimentContract.from_yaml(design_file, [override])
+    assert changed.contract_hash() != base.contract_hash()
+    key = override.split("=", 1)[0]
+    assert [c.split(":", 1)[0] for c in changed.changes_from(base)] == [key]
+
+
+def test_max_steps_is_left_out_of_the_hash(design_file):
+    """max_steps says where to stop, not how a step is computed: extending a run by resuming
+    with a larger max_steps is the same experiment (config.py's docstring)."""
+    assert UNHASHED == ("optim.max_steps",)
+    base = ExperimentContract.from_yaml(design_file)
+    longer = ExperimentContract.from_yaml(design_file, ["optim.max_steps=200"])
+    assert longer.contract_hash() == base.contract_hash()
+    assert longer.changes_from(base) == []
+    assert "max_steps" not in longer.hashed_fields()["optim"]
+    assert longer.model_dump()["optim"]["max_steps"] == 200  # still in the contract itself
+
+
+def test_changes_from_says_what_changed(design_file):
+    base = ExperimentContract.from_yaml(design_file)
+    changed = ExperimentContract.from_yaml(design_file, ["optim.lr=2e-5", "env.kwargs={x: 1}"])
+    assert changed.changes_from(base) == ["env.kwargs: {} -> {'x': 1}",
+                                          "optim.lr: 1e-05 -> 2e-05"]

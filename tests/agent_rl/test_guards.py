@@ -1,0 +1,151 @@
+"""Guards on hand-made metric dicts: each rule fires at its bound and not short of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from agent_rl.config import GuardSection
+from agent_rl.guards import Guards, GuardTrip
+
+NAN, INF = math.nan, math.inf
+
+
+def healthy(**overrides) -> dict[str, float]:
+    """Metrics of an unremarkable step, as the trainer logs them."""
+    return {"step": 1, "loss/policy": 0.01, "optim/grad_norm": 0.5, "policy/entropy": 2.0,
+            "kl/approx": 0.001, "kl/ref": None, "response/truncated_frac": 0.0,
+            "response/length_mean": 40.0, "rollout/policy_lag": 0,
+            "reward/infra_error_rate": 0.0, **overrides}
+
+
+def trips(guards: Guards, *steps: dict) -> list[str | None]:
+    """The rule tripped after each step (None: no trip)."""
+    return [(trip.rule if (trip := guards.after_step(m)) else None) for m in steps]
+
+
+def test_contract_section_builds_the_guards():
+    guards = Guards(**GuardSection().model_dump())
+    assert trips(guards, healthy(), healthy()) == [None, None]
+
+
+# --- nonfinite ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [{"loss/policy": NAN}, {"optim/grad_norm": INF},
+                                 {"loss/policy": -INF}, {"optim/grad_norm": NAN}])
+def test_nonfinite_fires_on_the_nth_consecutive_step(bad):
+    guards = Guards(max_nonfinite_steps=3)
+    assert trips(guards, healthy(**bad), healthy(**bad)) == [None, None]
+    trip = guards.after_step(healthy(**bad))
+    assert trip.rule == "nonfinite" and trip.action == "abort"
+    assert trip.evidence["streak"] == 3
+
+
+def test_nonfinite_streak_resets_on_a_finite_step():
+    guards = Guards(max_nonfinite_steps=2)
+    nan = healthy(**{"loss/policy": NAN})
+    assert trips(guards, nan, healthy(), nan, healthy(), nan) == [None] * 5
+    assert trips(guards, nan) == ["nonfinite"]
+
+
+def test_one_nonfinite_step_is_enough_when_the_bound_is_one():
+    assert trips(Guards(max_nonfinite_steps=1), healthy(**{"optim/grad_norm": NAN})) == ["nonfinite"]
+
+
+def test_a_nonfinite_step_hides_the_other_rules_until_the_streak_trips():
+    guards = Guards(max_nonfinite_steps=2)
+    assert trips(guards, healthy(**{"loss/policy": NAN, "policy/entropy": 0.0})) == [None]
+
+
+# --- single-step bounds -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule, action, key, bound, below, at, beyond", [
+    # entropy must stay >= min_entropy: fires strictly below it
+    ("entropy_collapse", "abort", "policy/entropy", {"min_entropy": 0.05}, 0.06, 0.05, 0.0499),
+    # the others must stay <= their bound: fire strictly above it
+    ("kl_explosion", "abort", "kl/approx", {"max_kl": 1.0}, 0.5, 1.0, 1.0001),
+    ("kl_explosion", "abort", "kl/ref", {"max_kl": 0.2}, 0.1, 0.2, 0.21),
+    ("policy_lag", "abort", "rollout/policy_lag", {"max_policy_lag": 2}, 1, 2, 3),
+    ("verifier_errors", "pause", "reward/infra_error_rate", {"max_verifier_error_rate": 0.1},
+     0.05, 0.1, 0.11),
+])
+def test_single_step_rules_fire_past_their_bound(rule, action, key, bound, below, at, beyond):
+    guards = Guards(**bound)
+    assert trips(guards, healthy(**{key: below}), healthy(**{key: at})) == [None, None]
+    trip = guards.after_step(healthy(**{key: beyond}))
+    assert isinstance(trip, GuardTrip)
+    assert (trip.rule, trip.action) == (rule, action)
+    assert trip.evidence[key] == beyond and trip.message
+
+
+def test_missing_optional_metrics_do_not_fire():
+    """A step with nothing trained logs entropy and KL as None."""
+    guards = Guards()
+    assert trips(guards, healthy(**{"policy/entropy": None, "kl/approx": None})) == [None]
+    assert trips(guards, {"step": 3}) == [None]
+
+
+# --- length explosion (two steps running) ------------------------------------------------------
+
+
+def test_length_explosion_fires_at_the_bound_on_two_consecutive_steps():
+    guards = Guards(max_truncated_frac=0.9)
+    at, below = healthy(**{"response/truncated_frac": 0.9}), healthy(**{"response/truncated_frac": 0.89})
+    assert trips(guards, at, below, at, below) == [None] * 4  # never two running
+    trip = [guards.after_step(m) for m in (at, at)][-1]
+    assert (trip.rule, trip.action) == ("length_explosion", "pause")
+    assert trip.evidence["response/truncated_frac"] == 0.9
+
+
+def test_length_guard_is_off_above_one():
+    guards = Guards(max_truncated_frac=1.01)
+    assert trips(guards, *[healthy(**{"response/truncated_frac": 1.0})] * 5) == [None] * 5
+
+
+# --- reward rising while the holdout does not ---------------------------------------------------
+
+
+def test_holdout_rule_needs_patience_plus_one_evaluations():
+    guards = Guards(holdout_patience=3)
+    assert [guards.after_eval(0.1 * k, 0.5) for k in range(3)] == [None] * 3
+    trip = guards.after_eval(0.3 + 0.01, 0.5)  # 4th evaluation: train +0.31, holdout flat
+    assert (trip.rule, trip.action) == ("reward_not_holdout", "pause")
+    assert trip.evidence == {"train": [0.0, 0.1, 0.2, 0.31], "holdout": [0.5] * 4}
+
+
+def test_holdout_rule_quiet_when_the_holdout_improves_or_train_is_flat():
+    improving = Guards(holdout_patience=2)
+    rewards = [(0.0, 0.5), (0.2, 0.5), (0.4, 0.52), (0.6, 0.54), (0.8, 0.56)]
+    assert [improving.after_eval(t, h) for t, h in rewards] == [None] * 5
+    flat = Guards(holdout_patience=2)
+    assert [flat.after_eval(0.5 + 0.01 * k, 0.5) for k in range(5)] == [None] * 5  # gain <= 0.05
+
+
+def test_holdout_rule_looks_at_a_sliding_window():
+    guards = Guards(holdout_patience=2)
+    # the holdout's early gain leaves the window; inside it, train rises while holdout falls
+    rewards = [(0.0, 0.2), (0.1, 0.6), (0.2, 0.5)]
+    assert [guards.after_eval(t, h) for t, h in rewards] == [None] * 3
+    trip = guards.after_eval(0.3, 0.45)
+    assert trip.evidence == {"train": [0.1, 0.2, 0.3], "holdout": [0.6, 0.5, 0.45]}
+
+
+# --- state across a resume ----------------------------------------------------------------------
+
+
+def test_state_round_trip_keeps_streaks_and_history():
+    guards = Guards(max_nonfinite_steps=2, max_truncated_frac=0.9, holdout_patience=2)
+    guards.after_step(healthy(**{"loss/policy": NAN}))
+    guards.after_eval(0.0, 0.5)
+    guards.after_eval(0.1, 0.5)
+    resumed = Guards(max_nonfinite_steps=2, max_truncated_frac=0.9, holdout_patience=2)
+    resumed.load_state(guards.state())
+    assert resumed.state() == guards.state()
+    assert resumed.after_eval(0.2, 0.5).rule == "reward_not_holdout"
+    assert trips(resumed, healthy(**{"loss/policy": NAN})) == ["nonfinite"]
+    fresh = Guards()
+    fresh.load_state({})  # a checkpoint written before guards had state
+    assert fresh.state() == Guards().state()

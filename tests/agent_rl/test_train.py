@@ -1,0 +1,347 @@
+"""The training loop end to end on CPU: the tiny random model on tests/Digits-v0 (whose reward
+gives random text graded partial credit, so groups have contrast and the loss has a gradient).
+
+One straight 4-step run (a module fixture) is checked for its run-directory contents, its
+ratio-1 first updates and its changed parameters; resuming (after a clean stop, and after a
+real SIGKILL) must reproduce it bit for bit; guards stop runs on injected faults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import envs
+from agent_rl import checkpoint, train
+from agent_rl.config import ExperimentContract
+from agent_rl.models import tiny_model
+from tests.agent_rl import toy_env
+from trajectories import Outcome, RolloutStore
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, TASKS, GROUP = 4, 2, 4
+BASE = {
+    "name": "digits",
+    "env": {"id": toy_env.ENV_ID, "pool_size": 64},
+    "eval": {"n": 4, "every": 2},
+    "model": {"id": "tiny", "adapter": "none"},
+    "rollout": {"group_size": GROUP, "tasks_per_step": TASKS, "max_response_tokens": 12,
+                "truncation": "keep"},
+    "optim": {"lr": 1e-3, "max_steps": STEPS},
+    "checkpoint": {"every": 2, "keep": 2},
+    # Random text almost never ends its turn within 12 tokens: the length guard stays off.
+    "guards": {"max_truncated_frac": 1.01},
+}
+DROP_REASONS = {"all_correct", "all_wrong", "zero_contrast", "too_few_valid"}
+
+
+def make_contract(run_dir: Path, *overrides: str, base: dict = BASE) -> ExperimentContract:
+    return ExperimentContract.from_dict({**base, "run_dir": str(run_dir)}, list(overrides))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names and bytes of a state dict, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def bundle_params_hash(run_dir: Path) -> str:
+    latest = checkpoint.latest_complete(run_dir / "checkpoints")
+    return tensors_hash(safetensors.torch.load_file(latest / "model.safetensors"))
+
+
+def initial_params_hash() -> str:
+    model, _ = tiny_model(0)
+    return tensors_hash(dict(model.named_parameters()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def digits_env():
+    """tests/Digits-v0 is registered only while these tests run."""
+    yield toy_env.register()
+    toy_env.unregister()
+
+
+@pytest.fixture(scope="module")
+def straight(digits_env, tmp_path_factory):
+    """The reference: STEPS steps in one go."""
+    contract = make_contract(tmp_path_factory.mktemp("straight") / "run")
+    return contract, train.run(contract, progress=False)
+
+
+def test_toy_env_gives_random_text_partial_credit():
+    assert toy_env.digits_reward("a1 b2", "12") == {"digits": 0.5, "exact": 0.0}
+    assert toy_env.digits_reward(" 12\n", "12") == {"digits": 1.0, "exact": 1.0}
+    assert toy_env.digits_reward("", "12") == {"digits": 0.0, "exact": 0.0}
+    env = envs.make(toy_env.ENV_ID)
+    env.reset(seed=0)
+    *_, terminated, _, info = env.step(env.unwrapped.reference_action())
+    assert terminated and info["episode"].reward.total == 1.0
+    assert info["episode"].reward.outcome == Outcome.correct
+
+
+# --- one run, everything it leaves behind -----------------------------------------------------
+
+
+def test_run_dir_holds_every_artefact(straight):
+    contract, result = straight
+    run_dir = result.run_dir
+    assert result.steps == STEPS and result.stopped is None
+
+    assert ExperimentContract.from_yaml(run_dir / "contract.yaml") == contract
+    assert (run_dir / "contract.sha256").read_text().strip() == contract.contract_hash()
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for m in metrics:
+        assert {"loss/policy", "reward/mean", "policy/entropy", "ratio/min", "optim/grad_norm",
+                "groups/dropped", "rollout/tokens_generated", "sessions/per_episode"} <= m.keys()
+        assert all("/" in key for key in m if key != "step"), "metrics are namespaced"
+    assert [m["loss/policy"] for m in metrics] == result.losses
+
+    store = RolloutStore(run_dir / "rollouts.jsonl")
+    report = store.verify()
+    assert report.ok and report.records == STEPS * TASKS * GROUP, str(report)
+    groups = defaultdict(list)
+    for episode in store.read():
+        assert isinstance(episode.filter["kept"], bool) and episode.filter["reason"]
+        groups[episode.group_id].append(episode)
+    assert len(groups) == STEPS * TASKS and all(len(g) == GROUP for g in groups.values())
+    dropped = [g for g in groups.values() if not g[0].filter["kept"]]
+    for group in groups.values():  # a group is kept or dropped as a whole, with one reason
+        assert len({(e.filter["kept"], e.filter["reason"]) for e in group}) == 1
+    assert all(g[0].filter["reason"] in DROP_REASONS for g in dropped)
+    assert len(dropped) == sum(m["groups/dropped"] for m in metrics)
+    assert all(g[0].filter["reason"] == "kept" for g in groups.values() if g[0].filter["kept"])
+
+    bundles = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert bundles == ["step-000002", "step-000004"]  # every 2, keep 2
+    for name in bundles:
+        assert (run_dir / "checkpoints" / name / "COMPLETE").is_file()
+        checkpoint.verify_bundle(run_dir / "checkpoints" / name)
+
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    assert [(e["tag"], e["step"]) for e in evals] == [("before", 0), ("step2", 2), ("after", STEPS)]
+    assert all(e["n"] == contract.eval.n for e in evals)
+    assert evals[-1]["task_ids"] == evals[0]["task_ids"]  # the same held-out tasks
+    outcome = json.loads((run_dir / "result.json").read_text())
+    strip = lambda record: {k: v for k, v in record.items() if k not in ("step", "tag")}  # noqa: E731
+    assert outcome["before"] == strip(evals[0]) and outcome["after"] == strip(evals[-1])
+    assert outcome["comparison"]["n"] == contract.eval.n
+
+
+def test_losses_have_gradients_and_parameters_move(straight):
+    _, result = straight
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert sum(m["train/sequences"] for m in metrics) > 0
+    for m in metrics:
+        assert math.isfinite(m["loss/policy"]) and m["optim/skipped"] == 0.0
+        if m["train/sequences"]:
+            assert m["optim/grad_norm"] > 0.0
+    # At ratio 1 the loss is -mean(A) over tokens: zero for equal lengths, so not every step.
+    assert any(abs(loss) > 1e-4 for loss in result.losses)
+    assert any(m["reward/std"] > 0 for m in metrics)
+    assert bundle_params_hash(result.run_dir) != initial_params_hash()
+
+
+def test_first_update_on_fresh_data_has_ratio_one(straight):
+    _, result = straight
+    for m in read_jsonl(result.run_dir / "metrics.jsonl"):
+        assert abs(m["ratio/min"] - 1.0) < 1e-4 and abs(m["ratio/max"] - 1.0) < 1e-4, m
+        assert m["clip/low_frac"] == 0.0 and m["clip/high_frac"] == 0.0
+
+
+def test_second_pass_over_a_batch_moves_the_ratio(tmp_path):
+    """Control for the test above: with updates_per_batch=2 the logged (last) pass runs on
+    weights already updated once, so its ratio is no longer 1."""
+    result = train.run(make_contract(tmp_path / "run", "optim.max_steps=1", "eval.every=0",
+                                     "optim.updates_per_batch=2"), progress=False)
+    (m,) = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert max(abs(m["ratio/min"] - 1.0), abs(m["ratio/max"] - 1.0)) > 1e-3, m
+
+
+def test_no_reward_contrast_trains_nothing(tmp_path):
+    """Arithmetic-v0 gives a random model 0 everywhere: every group is dropped as all_wrong,
+    no sequence is trained, no optimizer step is taken."""
+    result = train.run(make_contract(tmp_path / "run", "env.id=agent_rl/Arithmetic-v0",
+                                     "optim.max_steps=2", "eval.every=0", "rollout.max_response_tokens=6"),
+                       progress=False)
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert all(m["groups/dropped"] == TASKS and m["groups/all_wrong"] == TASKS for m in metrics)
+    assert all(m["train/sequences"] == 0 and m["optim/skipped"] == 1.0 for m in metrics)
+    episodes = list(RolloutStore(result.run_dir / "rollouts.jsonl").read())
+    assert len(episodes) == 2 * TASKS * GROUP
+    assert all(e.filter["kept"] is False and e.filter["reason"] == "all_wrong" for e in episodes)
+    assert bundle_params_hash(result.run_dir) == initial_params_hash()
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+
+def test_resume_after_a_stop_is_the_straight_run(straight, tmp_path):
+    """j steps, then a fresh run(resume=True) to K: the same losses, episodes and weights.
+    Extending max_steps keeps the contract hash (max_steps says where to stop, not how)."""
+    _, reference = straight
+    run_dir, j = tmp_path / "run", 2
+    first = train.run(make_contract(run_dir, f"optim.max_steps={j}"), progress=False)
+    assert first.steps == j and (run_dir / "checkpoints" / f"step-{j:06d}" / "COMPLETE").exists()
+    second = train.run(make_contract(run_dir), resume=True, progress=False)
+    assert second.steps == STEPS and second.before == first.before
+
+    assert first.losses + second.losses == reference.losses
+    assert [m["loss/policy"] for m in read_jsonl(run_dir / "metrics.jsonl")] == reference.losses
+    assert bundle_params_hash(run_dir) == bundle_params_hash(reference.run_dir)
+    ours = [e.content_hash for e in RolloutStore(run_dir / "rollouts.jsonl").read()]
+    theirs = [e.content_hash for e in RolloutStore(reference.run_dir / "rollouts.jsonl").read()]
+    assert ours == theirs
+
+
+KILLED_RUN = """
+import sys, time
+import envs
+from agent_rl import checkpoint, train
+from tests.agent_rl import toy_env
+from agent_rl.config import ExperimentContract
+
+save_bundle = checkpoint.save_bundle
+def save_slowly(root, step, **kwargs):  # hangs before writing checkpoint 2: killed there
+    if step == 2:
+        time.sleep(600)
+    return save_bundle(root, step, **kwargs)
+checkpoint.save_bundle = save_slowly
+toy_env.register()
+train.run(ExperimentContract.from_yaml(sys.argv[1]), progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_the_straight_run(straight, tmp_path):
+    """SIGKILL after checkpoint 1, once step 2 is logged (its rollouts, eval and metrics are
+    on disk, its checkpoint is not). Resuming redoes step 2 and ends on the straight run's
+    weights, with every step logged once."""
+    _, reference = straight
+    run_dir = tmp_path / "run"
+    contract = make_contract(run_dir, "checkpoint.every=1", "checkpoint.keep=5")
+    (tmp_path / "contract.yaml").write_text(contract.to_yaml())
+    (tmp_path / "killed.py").write_text(KILLED_RUN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "killed.py"), str(tmp_path / "contract.yaml")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run_dir / "checkpoints" / "step-000001" / "COMPLETE").exists()
+                   and (run_dir / "metrics.jsonl").exists()
+                   and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the training subprocess made no progress"
+            time.sleep(0.02)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert checkpoint.latest_complete(run_dir / "checkpoints").name == "step-000001"
+    assert RolloutStore(run_dir / "rollouts.jsonl").cursor == 2 * TASKS * GROUP  # step 2's too
+
+    result = train.run(contract, resume=True, progress=False)
+    assert result.steps == STEPS and result.stopped is None
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["loss/policy"] for m in metrics] == reference.losses
+    assert bundle_params_hash(run_dir) == bundle_params_hash(reference.run_dir)
+    store = RolloutStore(run_dir / "rollouts.jsonl")
+    assert store.verify().ok and store.cursor == STEPS * TASKS * GROUP
+    assert [e.content_hash for e in store.read()] == [
+        e.content_hash for e in RolloutStore(reference.run_dir / "rollouts.jsonl").read()]
+    assert [e["tag"] for e in read_jsonl(run_dir / "eval.jsonl")] == ["before", "step2", "after"]
+    # what the killed run did after its checkpoint is kept aside, not lost
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl.rewound")] == [2]
+    assert len(read_jsonl(run_dir / "rollouts.jsonl.rewound")) == TASKS * GROUP
+
+
+def test_resume_refuses_a_changed_contract(straight):
+    contract, result = straight
+    before = {p: p.read_bytes() for p in result.run_dir.glob("*.*")}
+    changed = make_contract(result.run_dir, "optim.lr=0.002")
+    with pytest.raises(ValueError, match=r"another contract.*optim\.lr: 0\.001 -> 0\.002"):
+        train.run(changed, resume=True, progress=False)
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        train.run(contract, resume=False, progress=False)
+    assert {p: p.read_bytes() for p in result.run_dir.glob("*.*")} == before  # untouched
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_clean(tmp_path):
+    """Killed before checkpoint 1 (its "before" evaluation and some rollouts written): a new
+    run there is refused; --resume starts over at step 0 and sets the old logs aside."""
+    contract = make_contract(tmp_path / "run", "optim.max_steps=1", "eval.every=0")
+    run_dir = contract.resolved_run_dir
+    run_dir.mkdir()
+    (run_dir / "contract.sha256").write_text(contract.contract_hash() + "\n")
+    (run_dir / "eval.jsonl").write_text('{"step": 0, "tag": "before"}\n')
+    (run_dir / "rollouts.jsonl").write_text('{"episode": "of the killed run"}\n{"torn')
+    with pytest.raises(ValueError, match="already holds a run"):
+        train.run(contract, progress=False)
+
+    result = train.run(contract, resume=True, progress=False)
+    assert result.steps == 1
+    assert [e["tag"] for e in read_jsonl(run_dir / "eval.jsonl")] == ["before", "after"]
+    assert RolloutStore(run_dir / "rollouts.jsonl").verify().ok
+    assert (run_dir / "rollouts.jsonl.rewound").read_text() == \
+        '{"episode": "of the killed run"}\n{"torn\n'
+    assert read_jsonl(run_dir / "eval.jsonl.rewound") == [{"step": 0, "tag": "before"}]
+
+
+# --- guards ---------------------------------------------------------------------------------
+
+
+def test_nonfinite_loss_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real_loss(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    real_loss = train.policy_loss
+    monkeypatch.setattr(train, "policy_loss", nan_loss)
+    result = train.run(make_contract(tmp_path / "run", "checkpoint.every=0"), progress=False)
+
+    assert result.stopped is not None and result.stopped.rule == "nonfinite"
+    assert result.steps == 2  # guards.max_nonfinite_steps: one bad step only skips its update
+    guard = json.loads((result.run_dir / "guard.json").read_text())
+    assert guard["rule"] == "nonfinite" and guard["action"] == "abort"
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert all(math.isnan(m["loss/policy"]) and m["optim/skipped"] == 1.0 for m in metrics)
+    bundle = checkpoint.latest_complete(result.run_dir / "checkpoints")
+    assert bundle.name == "step-000002"
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert meta["guard"]["rule"] == "nonfinite" and meta["guards"]["nonfinite_streak"] == 2
+    assert bundle_params_hash(result.run_dir) == initial_params_hash()  # no NaN reached the weights
+    assert not (result.run_dir / "result.json").exists()
+
+
+def test_entropy_collapse_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "token_entropy", lambda logits, temperature: torch.zeros(logits.shape[:2]))
+    result = train.run(make_contract(tmp_path / "run"), progress=False)
+    assert result.stopped is not None and result.stopped.rule == "entropy_collapse"
+    assert result.steps == 1
+    assert json.loads((result.run_dir / "guard.json").read_text())["rule"] == "entropy_collapse"
+    assert checkpoint.latest_complete(result.run_dir / "checkpoints").name == "step-000001"
+

@@ -1,0 +1,39 @@
+"""The example scripts run as a user runs them: `python examples/NAME.py`, in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+
+
+@pytest.mark.slow
+def test_train_from_script(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_example("train_from_script.py", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "agent_rl/Records-v0, model tiny, 3 steps" in out
+    assert out.count("loss/policy") == 3
+    assert "held-out reward before" in out and "paired diff" in out
+    assert f"trained 3 steps; run dir {run_dir}" in out
+    assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "result.json").is_file()
+
+
+def test_register_env(tmp_path):
+    result = run_example("register_env.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "registered: True" in out
+    assert out.count("reward 1 (correct, 2 assistant turns)") == 4
+    assert "mean reward 1" in out
+    assert "examples/Capitals-v0: PASS" in out and "FAIL" not in out
