@@ -146,6 +146,13 @@ class ExperimentContract(_Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ExperimentContract:
+        # Named in DESIGN, not built yet: refuse them rather than silently run something else.
+        if self.backend.name != "torch":
+            raise ValueError(f"backend.name: {self.backend.name!r} is not implemented yet; "
+                             "use torch (single process, CPU or GPU)")
+        if self.rollout.backend != "hf":
+            raise ValueError(f"rollout.backend: {self.rollout.backend!r} is not implemented yet; "
+                             "use hf (HFPolicy)")
         if self.loss.kl.beta > 0 and self.reference is None:
             raise ValueError("loss.kl.beta > 0 needs `reference` (a fixed model id); got reference: null")
         if self.reference is not None and self.reference in ("rollout", "policy"):

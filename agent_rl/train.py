@@ -85,6 +85,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy = HFPolicy(model, tokenizer)
     store = RolloutStore(run_dir / "rollouts.jsonl")
+    tensorboard = tensorboard_writer(run_dir / "tensorboard")
     template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
     guards = Guards(**contract.guards.model_dump())
     eval_sampling = Sampling(temperature=contract.eval.temperature, top_p=1.0,
@@ -175,6 +176,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 log_json(run_dir / "eval.jsonl", {"step": step, "tag": f"step{step}", **held})
                 trip = trip or guards.after_eval(metrics["reward/mean"], held["reward_mean"])
             log_json(run_dir / "metrics.jsonl", metrics)
+            log_tensorboard(tensorboard, metrics)
             result.steps = step
             advance(metrics)
             if trip is not None:
@@ -188,7 +190,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
 
     # --- 6. evaluate the trained policy on the same held-out tasks, same seeds ---------------
     if result.stopped is None:
-        if result.steps and not (run_dir / "checkpoints" / f"step-{result.steps:06d}").exists():
+        if not (run_dir / "checkpoints" / f"step-{result.steps:06d}").exists():
             save(result.steps)
         result.after = evaluate_policy("after")
         log_json(run_dir / "eval.jsonl", {"step": result.steps, "tag": "after", **result.after})
@@ -467,6 +469,24 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [json_safe(value) for value in obj]
     return obj
+
+
+def tensorboard_writer(path: Path):
+    """A TensorBoard SummaryWriter when tensorboard is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))
+
+
+def log_tensorboard(writer, metrics: dict[str, Any]) -> None:
+    if writer is None:
+        return
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            writer.add_scalar(key, value, metrics["step"])
+    writer.flush()
 
 
 def log_json(path: Path, record: dict[str, Any]) -> None:

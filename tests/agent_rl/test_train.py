@@ -148,6 +148,13 @@ def test_run_dir_holds_every_artefact(straight):
     assert outcome["before"] == strip(evals[0]) and outcome["after"] == strip(evals[-1])
     assert outcome["comparison"]["n"] == contract.eval.n
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    logged = [(s.step, s.value) for s in events.Scalars("reward/mean")]
+    assert logged == [(m["step"], pytest.approx(m["reward/mean"])) for m in metrics]
+
 
 def test_losses_have_gradients_and_parameters_move(straight):
     _, result = straight
