@@ -59,7 +59,7 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
 # --- shared helpers: policies from `base | PATH | openai:URL`, bundles, tables ----------------
 
 DEFAULT_MODEL = "smollm2-135m"
-SPLIT_NAMES = "train, holdout, holdout_structure, holdout_entity, holdout_length"
+SPLIT_NAMES = "train, holdout, holdout_structure, holdout_entity, holdout_length, holdout_iid"
 POLICY_HELP = ("base (the --model weights), PATH (a checkpoint bundle folder, or a run dir: its "
                "newest complete bundle) or openai:URL (an OpenAI-compatible server, evaluation "
                "only; --model names the served model, $OPENAI_API_KEY is sent when set)")
@@ -336,7 +336,11 @@ def eval_tasks(env_id: str, split: str, n: int, contract) -> tuple[list, dict]:
 
     section = contract.env if contract and contract.env.id == env_id else EnvSection(id=env_id)
     try:
-        splits = default_splits(env_id, section.pool_size, section.pool_seed)
+        import envs
+
+        env = envs.make(env_id, **section.kwargs)
+        splits = default_splits(env, section.pool_size, section.pool_seed,
+                                iid_fraction=section.iid_fraction)
         tasks = list(splits[split])[:n]
     except gymnasium.error.Error as exc:
         raise CLIError(str(exc)) from exc

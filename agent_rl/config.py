@@ -34,6 +34,7 @@ class EnvSection(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to envs.make")
     pool_size: int = Field(256, ge=1, description="tasks generated before splitting")
     pool_seed: int = Field(0, description="seed of the task pool")
+    iid_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of the train split held out as `holdout_iid` (unseen tasks of trained structures)")
 
 
 class EvalSection(_Section):
@@ -161,6 +162,8 @@ class ExperimentContract(_Section):
             raise ValueError(
                 f"reference: {self.reference!r} is the model being trained; with full fine-tuning "
                 "the rollout policy would be its own reference (use a separate frozen copy's path)")
+        if self.eval.split == "holdout_iid" and self.env.iid_fraction == 0.0:
+            raise ValueError("eval.split holdout_iid needs env.iid_fraction > 0")
         if self.rollout.max_policy_lag > self.guards.max_policy_lag:
             raise ValueError(
                 f"rollout.max_policy_lag ({self.rollout.max_policy_lag}) exceeds "

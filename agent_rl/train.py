@@ -65,7 +65,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
 
     # --- 1. data: the train split and the held-out split come from evals ---------------------
     env = envs.make(contract.env.id, **contract.env.kwargs)
-    splits = default_splits(env, contract.env.pool_size, contract.env.pool_seed)
+    splits = default_splits(env, contract.env.pool_size, contract.env.pool_seed,
+                            iid_fraction=contract.env.iid_fraction)
     train_tasks = list(splits[contract.env.split])
     eval_tasks = list(splits[contract.eval.split])[: contract.eval.n]
     if not train_tasks or not eval_tasks:

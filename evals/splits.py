@@ -245,6 +245,7 @@ class Splits:
     holdout_structure: list[TaskSpec]
     holdout_entity: list[TaskSpec]
     holdout_length: list[TaskSpec]
+    holdout_iid: list[TaskSpec] = field(default_factory=list)  # unseen tasks, trained structures
     dropped_duplicates: list[Duplicate] = field(default_factory=list)
     criteria: dict[str, Any] = field(default_factory=dict)
 
@@ -266,7 +267,7 @@ class Splits:
 
     def keys(self) -> tuple[str, ...]:
         """Names of the task lists."""
-        return (*BUCKETS, "holdout")
+        return (*BUCKETS, "holdout_iid", "holdout")
 
     def items(self) -> Iterator[tuple[str, list[TaskSpec]]]:
         return ((name, self[name]) for name in self.keys())
@@ -289,8 +290,13 @@ def compositional_splits(
     dedup: bool = True,
     ngram: int = 8,
     ngram_threshold: float = 0.8,
+    iid_fraction: float = 0.0,
 ) -> Splits:
     """Deduplicate ``tasks``, then hold out whole structures, entity groups and long tasks.
+
+    ``iid_fraction`` then moves that share of what is left for training (seeded) to
+    ``holdout_iid``: unseen tasks of trained structures, the in-distribution control that
+    ``holdout`` (compositional) is compared with. It is not part of ``holdout``.
 
     A task matching several criteria goes to the first of structure, entity, length, never to
     train. Raises ``ValueError`` for a held-out structure or entity group that no task has (a
@@ -325,15 +331,21 @@ def compositional_splits(
             f"({sorted(structures)}), entity groups ({sorted(groups)}) or a longer "
             f"min_holdout_length ({min_holdout_length})")
 
+    if not 0.0 <= iid_fraction < 1.0:
+        raise ValueError(f"iid_fraction must be in [0, 1), got {iid_fraction}")
     rng = np.random.default_rng(seed)
     for name in BUCKETS:
         buckets[name] = [buckets[name][i] for i in rng.permutation(len(buckets[name]))]
-    splits = Splits(**buckets, dropped_duplicates=dropped, criteria={
+    n_iid = int(round(iid_fraction * len(buckets["train"])))
+    if n_iid >= len(buckets["train"]):
+        raise ValueError(f"iid_fraction {iid_fraction} leaves nothing to train on")
+    iid, buckets["train"] = buckets["train"][:n_iid], buckets["train"][n_iid:]
+    splits = Splits(**buckets, holdout_iid=iid, dropped_duplicates=dropped, criteria={
         "holdout_structures": sorted(structures), "holdout_entity_groups": sorted(groups),
         "min_holdout_length": min_holdout_length, "seed": seed, "dedup": dedup,
-        "ngram": ngram, "ngram_threshold": ngram_threshold})
+        "ngram": ngram, "ngram_threshold": ngram_threshold, "iid_fraction": iid_fraction})
     if dedup:
-        check_leakage(splits.train, splits.holdout, ngram, ngram_threshold)
+        check_leakage(splits.train, splits.holdout + splits.holdout_iid, ngram, ngram_threshold)
     return splits
 
 

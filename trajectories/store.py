@@ -62,6 +62,9 @@ class RolloutStore:
         self.path = Path(path)
         self.compress = self.path.suffix == ".zst" if compress is None else compress
         self.fsync = fsync
+        # ((size, mtime), record count) right after this object's last append: while the file
+        # is untouched since, the next append need not re-scan it for its cursor and torn tail.
+        self._after_last_append: tuple[tuple[int, int], int] | None = None
 
     # --- reading ------------------------------------------------------------------------
     def _chunks(self) -> tuple[list[bytes], int, int]:
@@ -154,9 +157,13 @@ class RolloutStore:
         if not episodes:
             return self.cursor
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines, end, torn = self._chunks()
-        if torn:
-            self._quarantine_tail(end)
+        if self._after_last_append is not None and self._after_last_append[0] == self._stamp():
+            count = self._after_last_append[1]
+        else:
+            lines, end, torn = self._chunks()
+            if torn:
+                self._quarantine_tail(end)
+            count = len(lines)
         payload = "".join(e.to_json() + "\n" for e in episodes).encode("utf-8")
         if self.compress:
             payload = zstandard.ZstdCompressor(level=3).compress(payload)
@@ -165,7 +172,12 @@ class RolloutStore:
             fh.flush()
             if self.fsync:
                 os.fsync(fh.fileno())
-        return len(lines) + len(episodes)
+        self._after_last_append = (self._stamp(), count + len(episodes))
+        return count + len(episodes)
+
+    def _stamp(self) -> tuple[int, int]:
+        stat = self.path.stat()
+        return stat.st_size, stat.st_mtime_ns
 
     def _quarantine_tail(self, end: int) -> None:
         quarantine = self.path.with_name(self.path.name + ".torn")

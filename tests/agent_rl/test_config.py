@@ -172,6 +172,16 @@ def test_other_impossible_combinations():
     assert ExperimentContract.from_dict({}, ["rollout.group_size=1",
                                              "rollout.dynamic_sampling=false"]).rollout.group_size == 1
     assert "credit.assigner 'nope'" in contract_error(overrides=["credit.assigner=nope"])
+    assert "needs env.iid_fraction > 0" in contract_error(overrides=["eval.split=holdout_iid"])
+    assert ExperimentContract.from_dict({}, ["eval.split=holdout_iid",
+                                             "env.iid_fraction=0.2"]).env.iid_fraction == 0.2
+
+
+def test_backends_not_built_yet_are_refused():
+    assert "backend.name: 'deepspeed' is not implemented yet" in contract_error(
+        overrides=["backend.name=deepspeed"])
+    assert "rollout.backend: 'vllm' is not implemented yet" in contract_error(
+        overrides=["rollout.backend=vllm"])
 
 
 # --- the hash -----------------------------------------------------------------------------------

@@ -297,3 +297,19 @@ def test_sealed_set_detects_tampering():
         sealed.model_copy(update={"tasks": (*sealed.tasks[:3], hinted, *sealed.tasks[4:])}).verify()
     with pytest.raises(ValueError, match="repeat"):
         sealed_eval_set([victim, victim])
+
+
+def test_iid_holdout_is_unseen_tasks_of_trained_structures():
+    tasks = pool(ARITH)
+    plain = compositional_splits(tasks, min_holdout_length=3, seed=0)
+    splits = compositional_splits(tasks, min_holdout_length=3, seed=0, iid_fraction=0.25)
+    iid = splits["holdout_iid"]
+    # a quarter of what would have been trained on, rounded, moves out of train
+    assert len(iid) == round(0.25 * len(plain.train))
+    assert len(splits.train) + len(iid) == len(plain.train)
+    assert set(ids(splits.train)).isdisjoint(ids(iid))
+    assert {t.meta.structure for t in iid} <= {t.meta.structure for t in splits.train}
+    assert ids(splits.holdout) == ids(plain.holdout)  # the compositional holdout is unchanged
+    assert splits.criteria["iid_fraction"] == 0.25
+    with pytest.raises(ValueError, match="iid_fraction"):
+        compositional_splits(tasks, min_holdout_length=3, iid_fraction=1.0)
