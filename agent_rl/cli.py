@@ -313,6 +313,10 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="holdout", metavar="NAME",
                         help=f"task split: {SPLIT_NAMES} (default: holdout)")
     parser.add_argument("--policy", default="base", metavar="SPEC", help=POLICY_HELP)
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="an experiment contract whose env section (id, kwargs, task pool, "
+                             "iid_fraction) defines the tasks (default: the run's, when --policy "
+                             "is a run; e.g. evaluate the base model on a run's held-out tasks)")
     parser.add_argument("--model", default=None, metavar="ID",
                         help="smollm2-135m | tiny | a local HF folder (default: the run's model, "
                              f"else {DEFAULT_MODEL}); for openai:URL the served model's name")
@@ -385,6 +389,13 @@ def eval_(args: argparse.Namespace) -> int:
         raise CLIError(f"--n must be >= 1, got {args.n}")
     loaded = load_policy(args.policy, args.model, default_device())
     contract = loaded.contract
+    if args.config is not None:
+        from agent_rl.config import ContractError, ExperimentContract
+
+        try:
+            contract = ExperimentContract.from_yaml(args.config)
+        except ContractError as exc:
+            raise CLIError(str(exc)) from exc
     env_id = args.env or (contract.env.id if contract else None)
     if env_id is None:
         raise CLIError("pass --env ID (e.g. agent_rl/Arithmetic-v0)")
