@@ -186,6 +186,22 @@ def test_second_pass_over_a_batch_moves_the_ratio(tmp_path):
     assert max(abs(m["ratio/min"] - 1.0), abs(m["ratio/max"] - 1.0)) > 1e-3, m
 
 
+def test_lora_with_kl_to_the_base_weights(tmp_path):
+    """LoRA + beta > 0 with the base model as the fixed reference: the reference is the same
+    weights with the adapter disabled. LoRA's B starts at 0, so on step 1 the policy equals the
+    reference (kl/ref exactly 0); once the adapter has moved, KL to the reference is > 0, and only
+    adapter weights are trained and saved."""
+    result = train.run(make_contract(tmp_path / "run", "model.adapter=lora", "model.lora_rank=4",
+                                     "reference=tiny", "loss.kl.beta=0.1", "optim.max_steps=3",
+                                     "eval.every=0", "optim.lr=0.05"), progress=False)
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert metrics[0]["kl/ref"] == pytest.approx(0.0, abs=1e-7)
+    assert max(m["kl/ref"] for m in metrics[1:]) > 1e-6
+    saved = safetensors.torch.load_file(checkpoint.latest_complete(result.run_dir / "checkpoints")
+                                        / "model.safetensors")
+    assert saved and all("lora_" in name for name in saved)
+
+
 def test_no_reward_contrast_trains_nothing(tmp_path):
     """Arithmetic-v0 gives a random model 0 everywhere: every group is dropped as all_wrong,
     no sequence is trained, no optimizer step is taken."""
