@@ -10,7 +10,7 @@ rule                   fires when                                               
 nonfinite              loss or grad norm non-finite for ``max_nonfinite_steps``     abort
                        consecutive steps (one such step only skips its update)
 entropy_collapse       mean token entropy < ``min_entropy``                         abort
-kl_explosion           KL to the reference (or old policy) > ``max_kl``             abort
+kl_explosion           KL to the reference, or of one update, > ``max_kl``          abort
 length_explosion       truncated fraction of responses >= ``max_truncated_frac``    pause
                        on two consecutive steps
 policy_lag             rollout policy lags the trained one by > ``max_policy_lag``  abort
@@ -65,7 +65,7 @@ class Guards:
             return GuardTrip("entropy_collapse", "abort",
                              f"token entropy {entropy:.4f} fell below {self.min_entropy}",
                              {"policy/entropy": entropy})
-        for key in ("kl/ref", "kl/approx"):
+        for key in ("kl/ref", "kl/update", "kl/approx"):
             kl = m.get(key)
             if kl is not None and kl > self.max_kl:
                 return GuardTrip("kl_explosion", "abort", f"{key} = {kl:.4f} exceeds {self.max_kl}",

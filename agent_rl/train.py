@@ -39,7 +39,7 @@ from agent_rl.policy import HFPolicy, scoring_temperature
 from agent_rl.rollout import RolloutBatch, TrainSequence, rollout_batch
 from envs.core import TaskSpec
 from envs.runner import Sampling
-from evals.run import evaluate
+from evals.run import evaluate, write_records
 from evals.splits import default_splits
 from evals.stats import paired_bootstrap, summarize, wilson
 from trajectories import RolloutStore
@@ -110,6 +110,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         records = evaluate(policy, contract.env.id, eval_tasks, eval_sampling,
                            seed=contract.eval.seed, env_kwargs=contract.env.kwargs,
                            policy_name=tag)
+        write_records(records, run_dir / "evals" / f"{tag}.jsonl")  # one record per episode
         return summarize_eval(records)
 
     def save(step: int, extra: dict[str, Any] | None = None) -> None:
@@ -249,10 +250,28 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:  # a non-finite step is skipped and counted; the guards decide when to stop
         optimizer.step()
+        sums["kl/update"] = update_kl(model, sequences, pad_id, temperature, micro_batch)
     optimizer.zero_grad(set_to_none=True)
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
             "optim/skipped": 0.0 if finite else 1.0}
+
+
+@torch.no_grad()
+def update_kl(model, sequences: list[TrainSequence], pad_id: int, temperature: float,
+              micro_batch: int) -> float:
+    """How far the step moved the policy on its own batch: the k3 estimate of
+    KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d, d = old - new.
+    (``kl/approx`` is measured before the step, so it is ~0 whenever the batch is fresh.)"""
+    total, count = 0.0, 0.0
+    for start in range(0, len(sequences), micro_batch):
+        batch = collate(sequences[start:start + micro_batch], pad_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        new = token_logprobs(logits, batch["input_ids"], temperature)  # [B, T]
+        d = (batch["old_logprobs"] - new) * batch["loss_mask"]  # [B, T]
+        total += float(((torch.exp(d) - 1 - d) * batch["loss_mask"]).sum())
+        count += float(batch["loss_mask"].sum())
+    return total / max(count, 1.0)
 
 
 def collate(sequences: list[TrainSequence], pad_id: int) -> dict[str, torch.Tensor]:
@@ -302,6 +321,7 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "policy/entropy": update.get("entropy"),
         "kl/approx": update.get("kl/approx"),
         "kl/ref": update.get("kl/ref"),
+        "kl/update": update.get("kl/update"),
         "ratio/min": update.get("ratio/min"),
         "ratio/mean": update.get("ratio/mean"),
         "ratio/max": update.get("ratio/max"),

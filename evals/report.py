@@ -25,7 +25,8 @@ from evals.gates import Decision
 
 # (title, metrics key) of the training curves, in page order.
 CURVES = [("reward/mean", "reward/mean"), ("holdout/reward", "holdout/reward"),
-          ("loss/policy", "loss/policy"), ("kl/approx", "kl/approx"),
+          ("loss/policy", "loss/policy"), ("KL of each update", "kl/update"),
+          ("KL to the reference", "kl/ref"), ("kl/approx (before the update)", "kl/approx"),
           ("response/length_mean", "response/length_mean"), ("entropy", "policy/entropy")]
 # slice_summary columns that are numbers, not slice keys.
 SLICE_NUMBERS = ("n", "n_tasks", "n_infra_faults", "reward/mean", "reward/lo", "reward/hi",
@@ -127,7 +128,7 @@ def bar_chart(title: str, rows: Sequence[tuple[str, Any, Any, Any, Any]],
               colors: Sequence[str] | None = None, width: int = 640) -> str:
     """Horizontal bars as SVG, one per ``(label, value, lo, hi, n)`` row, with an interval
     whisker from lo to hi and an ``n=`` label; a row without a finite value shows ``n/a``."""
-    label_w, right, top, row_h = 240, 70, 26, 22
+    label_w, right, top, row_h = 240, 110, 26, 22
     height = top + row_h * max(len(rows), 1) + 24
     vals = [v for _, *nums, _ in rows for v in map(_num, nums) if v is not None]
     if not vals:
@@ -183,7 +184,7 @@ def _metrics_section(metrics: Sequence[Mapping[str, Any]]) -> str:
         return "<p>No training metrics.</p>"
     charts, summary = [], []
     for title, key in CURVES:
-        if not any(key in m for m in metrics):
+        if all(m.get(key) is None for m in metrics):  # never logged, or not measured (None)
             continue
         # steps without the key (holdout/reward is logged on eval steps only) are left out;
         # a logged None or NaN breaks the line
@@ -291,9 +292,24 @@ def write_run_report(run_dir: str | Path, path: str | Path | None = None, *,
                      slices: Sequence[Mapping[str, Any]] | None = None,
                      decision: Decision | Mapping[str, Any] | None = None) -> Path:
     """The report of a run directory (``metrics.jsonl``, ``eval.jsonl``; either may be missing),
-    written to ``run_dir/report.html`` unless ``path`` says otherwise."""
+    written to ``run_dir/report.html`` unless ``path`` says otherwise. Without ``slices``, the
+    held-out records of the policy before and after training (``evals/before.jsonl``,
+    ``evals/after.jsonl``), when present, give per-structure bars for both."""
     run_dir = Path(run_dir)
+    if slices is None:
+        slices = _before_after_slices(run_dir / "evals")
     return write_report(path or run_dir / "report.html", title=f"agent-rl run {run_dir.name}",
                         metrics=_read_jsonl(run_dir / "metrics.jsonl"),
                         evals=_read_jsonl(run_dir / "eval.jsonl"), slices=slices,
                         decision=decision)
+
+
+def _before_after_slices(folder: Path) -> list[dict[str, Any]] | None:
+    from evals.run import read_records, slice_summary
+
+    records = [r for tag in ("before", "after") if (folder / f"{tag}.jsonl").is_file()
+               for r in read_records(folder / f"{tag}.jsonl")]
+    if not records:
+        return None
+    return [row for by in (("policy_name",), ("policy_name", "structure"))
+            for row in slice_summary(records, by, n_boot=2000)]

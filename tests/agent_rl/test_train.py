@@ -164,6 +164,9 @@ def test_losses_have_gradients_and_parameters_move(straight):
         assert math.isfinite(m["loss/policy"]) and m["optim/skipped"] == 0.0
         if m["train/sequences"]:
             assert m["optim/grad_norm"] > 0.0
+            # the step moved the policy on its own batch (k3 KL >= 0, > 0 after a real step),
+            # while before the step the fresh batch is on-policy (kl/approx ~ 0)
+            assert m["kl/update"] > 1e-9 and abs(m["kl/approx"]) < 1e-5
     # At ratio 1 the loss is -mean(A) over tokens: zero for equal lengths, so not every step.
     assert any(abs(loss) > 1e-4 for loss in result.losses)
     assert any(m["reward/std"] > 0 for m in metrics)
