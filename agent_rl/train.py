@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import time
 from collections import Counter
@@ -36,12 +35,23 @@ from agent_rl.grpo import policy_loss, token_entropy, token_logprobs
 from agent_rl.guards import Guards, GuardTrip
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy, scoring_temperature
-from agent_rl.rollout import RolloutBatch, TrainSequence, rollout_batch
+from agent_rl.rollout import TrainSequence, rollout_batch
+from agent_rl.runlog import (
+    compare,
+    json_safe,
+    log_json,
+    log_tensorboard,
+    prepare_run_dir,
+    progress_bar,
+    rewind_logs,
+    step_metrics,
+    summarize_eval,
+    tensorboard_writer,
+)
 from envs.core import TaskSpec
 from envs.runner import Sampling
 from evals.run import evaluate, write_records
 from evals.splits import default_splits
-from evals.stats import paired_bootstrap, summarize, wilson
 from trajectories import RolloutStore
 
 
@@ -294,82 +304,6 @@ def collate(sequences: list[TrainSequence], pad_id: int) -> dict[str, torch.Tens
             "weights": torch.tensor([q.weight for q in sequences], dtype=torch.float32)}  # [B]
 
 
-def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollout_s: float,
-                 train_s: float, counters: Counter) -> dict[str, Any]:
-    episodes = batch.episodes
-    rewards = [e.reward.total for e in episodes]
-    responses = [t for e in episodes for s in e.sessions for t in s.turns if t.token_ids]
-    outcomes = Counter(e.reward.outcome.value for e in episodes)
-    components = Counter()
-    for e in episodes:
-        for name, value in e.reward.components.items():
-            components[name] += value / len(episodes)
-    report = batch.report
-    return {
-        "step": step,
-        "loss/policy": update.get("loss/policy", 0.0),
-        "reward/mean": float(np.mean(rewards)) if rewards else 0.0,
-        "reward/std": float(np.std(rewards)) if rewards else 0.0,
-        **{f"reward/{k}": v for k, v in components.items()},
-        **{f"outcome/{k}": v / len(episodes) for k, v in outcomes.items()},
-        "reward/infra_error_rate": report["infrastructure_faults"] / max(len(episodes), 1),
-        "groups/total": report["groups"],
-        "groups/dropped": report["groups_dropped"],
-        "groups/all_correct": report["drop_reasons"].get("all_correct", 0),
-        "groups/all_wrong": report["drop_reasons"].get("all_wrong", 0),
-        "groups/zero_contrast_other": report["drop_reasons"].get("zero_contrast", 0),
-        "policy/entropy": update.get("entropy"),
-        "kl/approx": update.get("kl/approx"),
-        "kl/ref": update.get("kl/ref"),
-        "kl/update": update.get("kl/update"),
-        "ratio/min": update.get("ratio/min"),
-        "ratio/mean": update.get("ratio/mean"),
-        "ratio/max": update.get("ratio/max"),
-        "clip/low_frac": update.get("clip/low_frac"),
-        "clip/high_frac": update.get("clip/high_frac"),
-        "optim/grad_norm": update.get("optim/grad_norm", 0.0),
-        "optim/nonfinite": update.get("optim/nonfinite", 0.0),
-        "optim/skipped": update.get("optim/skipped", 0.0),
-        "response/length_mean": float(np.mean([len(t.token_ids) for t in responses])) if responses else 0.0,
-        "response/truncated_frac": (sum(t.finish_reason == "length" for t in responses)
-                                    / max(len(responses), 1)),
-        "sessions/per_episode": float(np.mean([len(e.sessions) for e in episodes])),
-        "sessions/compressions": sum(s.origin == "compression" for e in episodes for s in e.sessions),
-        "sessions/branches": sum(s.origin == "branch" for e in episodes for s in e.sessions),
-        "hint/used_frac": sum(e.hint is not None for e in episodes) / max(len(episodes), 1),
-        "rollout/tokens_generated": report["tokens_generated"],
-        "rollout/tokens_discarded": report["tokens_discarded"],
-        "rollout/tokens_per_s": report["tokens_generated"] / max(rollout_s, 1e-9),
-        "rollout/seconds": rollout_s,
-        "rollout/policy_lag": 0,
-        "rollout/data_wait_s": 0.0,
-        "train/tokens": update.get("tokens", 0),
-        "train/tokens_per_s": update.get("tokens", 0) / max(train_s, 1e-9),
-        "train/seconds": train_s,
-        "train/sequences": len(batch.sequences),
-        "total/tokens_generated": counters["tokens_generated"],
-        "total/episodes": counters["episodes"],
-        "batch/task_ids": sorted({e.task_id for e in episodes}),
-        "rollout/acceptance": report["acceptance"],
-    }
-
-
-def summarize_eval(records) -> dict[str, Any]:
-    rewards = [r.reward for r in records]
-    successes = sum(r.success for r in records)
-    stats = summarize(rewards, n_boot=2000)
-    lo, hi = wilson(successes, len(records))
-    return {"reward_mean": stats["mean"], "reward_lo": stats["lo"], "reward_hi": stats["hi"],
-            "success": successes / len(records), "success_lo": lo, "success_hi": hi,
-            "n": len(records), "rewards": rewards, "task_ids": [r.task_id for r in records]}
-
-
-def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Paired bootstrap of after - before on the same tasks and sampling seeds."""
-    diff, lo, hi = paired_bootstrap(after["rewards"], before["rewards"], n_boot=5000)
-    return {"reward_diff": diff, "lo": lo, "hi": hi, "n": len(after["rewards"])}
-
-
 class TaskSampler:
     """Cycles through the train tasks in a seeded order; ``position`` is saved in checkpoints."""
 
@@ -426,124 +360,9 @@ def check_resumable(meta: dict[str, Any], contract_hash: str, template_hash: str
         raise ValueError(f"cannot resume from {path}: the tokenizer's chat template changed")
 
 
-def prepare_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,
-                    resume: bool) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    hash_file = run_dir / "contract.sha256"
-    if hash_file.exists():
-        old = hash_file.read_text().strip()
-        if old != contract_hash:
-            try:
-                changed = contract.changes_from(
-                    ExperimentContract.from_yaml(run_dir / "contract.yaml"))
-            except ValueError:  # the old contract.yaml is missing or no longer validates
-                changed = []
-            raise ValueError(f"{run_dir} belongs to another contract ({old[:12]} != "
-                             f"{contract_hash[:12]}; changed: {'; '.join(changed) or '?'}); "
-                             "use a new run_dir or restore the old config")
-        if not resume and any((run_dir / name).exists() for name in RUN_FILES):
-            raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it "
-                             "or choose a new run_dir")
-    (run_dir / "contract.yaml").write_text(contract.to_yaml())
-    hash_file.write_text(contract_hash + "\n")
-
-
-RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "eval.jsonl", "checkpoints")
-
-
-def rewind_logs(run_dir: Path, step: int, store_cursor: int) -> None:
-    """Cut the run's logs back to a checkpoint: the first ``store_cursor`` rollout records and
-    the metrics/eval records of steps <= ``step`` stay; later records and a torn last line
-    (work of a killed run after its last checkpoint, which the resumed run redoes) move to
-    ``<file>.rewound``. So every step is logged once, and nothing is lost."""
-    for name in ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl"):
-        path = run_dir / name
-        if not path.exists():
-            continue
-        *lines, torn = path.read_bytes().split(b"\n")  # torn: b"" when the file ends cleanly
-        if name == "rollouts.jsonl":
-            kept, cut = lines[:store_cursor], lines[store_cursor:]
-        else:
-            late = [json.loads(line)["step"] > step for line in lines]
-            kept = [line for line, x in zip(lines, late, strict=True) if not x]
-            cut = [line for line, x in zip(lines, late, strict=True) if x]
-        if cut or torn:
-            with open(path.with_name(name + ".rewound"), "ab") as fh:
-                fh.write(b"".join(line + b"\n" for line in [*cut, torn] if line))
-            tmp = path.with_name(name + ".tmp")
-            tmp.write_bytes(b"".join(line + b"\n" for line in kept))
-            os.replace(tmp, path)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-def json_safe(obj: Any) -> Any:
-    """Non-finite floats as strings ("nan", "inf"), for strict JSON (checkpoint meta)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {key: json_safe(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(value) for value in obj]
-    return obj
-
-
-def tensorboard_writer(path: Path):
-    """A TensorBoard SummaryWriter when tensorboard is installed, else None."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(path))
-
-
-def log_tensorboard(writer, metrics: dict[str, Any]) -> None:
-    if writer is None:
-        return
-    for key, value in metrics.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-            writer.add_scalar(key, value, metrics["step"])
-    writer.flush()
-
-
-def log_json(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record, default=float) + "\n")
-
-
-class progress_bar:
-    """A rich progress bar over steps showing the latest reward and loss (or nothing)."""
-
-    def __init__(self, enabled: bool, total: int, completed: int):
-        self.enabled, self.total, self.completed = enabled, total, completed
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda metrics: None
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
-        self.progress.start()
-        task = self.progress.add_task("train", total=self.total, completed=self.completed, status="")
-
-        def advance(m: dict[str, Any]) -> None:
-            self.progress.update(task, advance=1, status=(
-                f"reward {m['reward/mean']:.3f}  loss {m['loss/policy']:+.4f}  "
-                f"kept {m['train/sequences']} seqs"))
-
-        return advance
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self.progress.stop()
