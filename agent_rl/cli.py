@@ -254,6 +254,9 @@ def train(args: argparse.Namespace) -> int:
     from agent_rl import train as trainer
     from evals.report import write_run_report
 
+    # Deprecation notices from the model libraries say nothing about this run.
+    for module in ("transformers", "peft", "torch"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     load_model_or_fail(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
     run_dir = contract.resolved_run_dir
     out = console()
