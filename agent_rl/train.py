@@ -7,7 +7,7 @@
     -> evaluate after -> report
 
 The math lives in ``grpo.py`` (advantages, clipped loss, KL) and ``rollout.py`` (filtering,
-credit, rendering); this file only wires it. Rollouts are synchronous (policy lag 0): each
+credit, rendering), what the run directory holds in ``runlog.py``; this file only wires it. Rollouts are synchronous (policy lag 0): each
 batch is sampled by the current weights, so the first update on a batch has ratio 1, and
 ``updates_per_batch > 1`` reuses the batch with importance ratios against the rollout
 policy's old log-probs.
