@@ -260,7 +260,7 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:  # a non-finite step is skipped and counted; the guards decide when to stop
         optimizer.step()
-        sums["kl/update"] = update_kl(model, sequences, pad_id, temperature, micro_batch)
+        sums["kl/update"] = update_kl(model, sequences[:micro_batch], pad_id, temperature)
     optimizer.zero_grad(set_to_none=True)
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
@@ -268,20 +268,17 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
 
 
 @torch.no_grad()
-def update_kl(model, sequences: list[TrainSequence], pad_id: int, temperature: float,
-              micro_batch: int) -> float:
-    """How far the step moved the policy on its own batch: the k3 estimate of
-    KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d, d = old - new.
-    (``kl/approx`` is measured before the step, so it is ~0 whenever the batch is fresh.)"""
-    total, count = 0.0, 0.0
-    for start in range(0, len(sequences), micro_batch):
-        batch = collate(sequences[start:start + micro_batch], pad_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
-        new = token_logprobs(logits, batch["input_ids"], temperature)  # [B, T]
-        d = (batch["old_logprobs"] - new) * batch["loss_mask"]  # [B, T]
-        total += float(((torch.exp(d) - 1 - d) * batch["loss_mask"]).sum())
-        count += float(batch["loss_mask"].sum())
-    return total / max(count, 1.0)
+def update_kl(model, sequences: list[TrainSequence], pad_id: int, temperature: float) -> float:
+    """How far the step moved the policy on (a micro-batch of) its own batch: the k3 estimate
+    of KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d, d = old - new.
+    One forward pass over the first micro-batch keeps it cheap. (``kl/approx`` is measured
+    before the step, so it is ~0 whenever the batch is fresh.)"""
+    batch = collate(sequences, pad_id)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+    new = token_logprobs(logits, batch["input_ids"], temperature)  # [B, T]
+    d = (batch["old_logprobs"] - new) * batch["loss_mask"]  # [B, T]
+    k3 = (torch.exp(d) - 1 - d) * batch["loss_mask"]  # [B, T]
+    return float(k3.sum()) / max(float(batch["loss_mask"].sum()), 1.0)
 
 
 def collate(sequences: list[TrainSequence], pad_id: int) -> dict[str, torch.Tensor]:
