@@ -479,22 +479,13 @@ class ToolEnv(gymnasium.Env):
                 "awaiting_summary": self._awaiting_summary}
 
     def _visible_tools(self) -> list[ToolSpec]:
-        specs = []
-        for spec in self._tools.values():
-            if spec.name == "spawn" and (not self.branching or self.in_branch):
-                continue
-            if spec.name == "return" and not self.in_branch:
-                continue
-            if self.task and self.task.allowed_tools is not None and spec.name not in (
-                *self.task.allowed_tools, "spawn", "return"):
-                continue
-            specs.append(spec)
-        return specs
+        return self._tools_for(self.in_branch)
 
     def _opening_messages(self, branch_task: str | None, summary: str | None = None) -> list[Turn]:
         assert self.task is not None
         intro = self.branch_instructions if branch_task else self.instructions
-        tools_text = self.parser.format_instructions(self._schemas_for(branch_task is not None))
+        tools_text = self.parser.format_instructions(
+            [s.schema() for s in self._tools_for(in_branch=branch_task is not None)])
         system = intro + ("\n\n" + tools_text if tools_text else "")
         prompt = branch_task or self.task.prompt
         if branch_task is None and self._hint:
@@ -503,7 +494,8 @@ class ToolEnv(gymnasium.Env):
             prompt += f"\n\nSummary of your progress so far:\n{summary}"
         return [Turn(role="system", content=system), Turn(role="user", content=prompt)]
 
-    def _schemas_for(self, in_branch: bool) -> list[dict[str, Any]]:
+    def _tools_for(self, in_branch: bool) -> list[ToolSpec]:
+        """The task's allowed env tools, then ``return`` (sub-agents) or ``spawn`` (branching)."""
         specs = [s for s in self._tools.values() if s.name not in ("spawn", "return")]
         if self.task and self.task.allowed_tools is not None:
             specs = [s for s in specs if s.name in self.task.allowed_tools]
@@ -511,7 +503,7 @@ class ToolEnv(gymnasium.Env):
             specs.append(self._tools["return"])
         elif self.branching:
             specs.append(self._tools["spawn"])
-        return [s.schema() for s in specs]
+        return specs
 
     # --- the loop's pieces ---------------------------------------------------------------
     def _assistant_turn(self, action: str | dict[str, Any]) -> Turn:
