@@ -1,6 +1,6 @@
 """From a policy and tasks to training sequences: rollout -> filter -> credit -> advantages -> render.
 
-1. ``collect``: ``envs.runner.run_episodes`` with G samples per task (a group shares
+1. Collect: ``envs.runner.run_episodes`` with G samples per task (a group shares
    ``group_id``); every episode, kept or not, goes to the RolloutStore with its ``filter``.
 2. Overlong responses (any assistant turn cut with ``finish_reason == "length"``) follow
    ``truncation``: ``mask`` keeps the episode in its group's baseline but gives its sequences
@@ -59,21 +59,6 @@ class RolloutBatch:
     @property
     def kept(self) -> list[Episode]:
         return [e for e in self.episodes if e.filter and e.filter.get("kept")]
-
-
-def collect(
-    policy: Policy,
-    env_id: str,
-    tasks: Sequence[TaskSpec],
-    group_size: int,
-    sampling: Sampling,
-    seed: int,
-    env_kwargs: dict[str, Any] | None = None,
-    group_prefix: str = "",
-) -> list[Episode]:
-    return run_episodes(env_id, tasks, policy, sampling=sampling, samples_per_task=group_size,
-                        num_envs=len(tasks) * group_size, seed=seed, env_kwargs=env_kwargs,
-                        group_prefix=group_prefix)
 
 
 def is_overlong(episode: Episode) -> bool:
@@ -232,7 +217,9 @@ def rollout_batch(
     group_prefix: str = "",
 ) -> RolloutBatch:
     """Steps 1-7 of the module docstring, in order."""
-    episodes = collect(policy, env_id, tasks, group_size, sampling, seed, env_kwargs, group_prefix)
+    episodes = run_episodes(env_id, tasks, policy, sampling=sampling, samples_per_task=group_size,
+                            num_envs=len(tasks) * group_size, seed=seed, env_kwargs=env_kwargs,
+                            group_prefix=group_prefix)
     episodes = [apply_truncation(e, truncation, truncation_penalty) for e in episodes]
     episodes, drops = filter_groups(episodes, dynamic_sampling)
     if store is not None:
