@@ -53,6 +53,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from trajectories.hashing import canonical_hash, canonical_json
+
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -119,10 +121,6 @@ def _writer_torch(obj: Any) -> Callable[[Path], None]:
             torch.save(obj, f)
 
     return write
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _sha256_file(path: Path) -> str:
@@ -305,7 +303,7 @@ def bundle_hash(path: str | os.PathLike) -> str:
         manifest = json.loads(manifest_path.read_bytes())
     except (OSError, ValueError) as exc:
         raise BundleError(f"{manifest_path}: cannot read the manifest ({exc})") from exc
-    return hashlib.sha256(_canonical(manifest)).hexdigest()
+    return canonical_hash(manifest)
 
 
 def verify_bundle(path: str | os.PathLike) -> None:
@@ -425,7 +423,8 @@ def save_bundle(
                 "sha256": _sha256_file(tmp / file_name),
                 "size": (tmp / file_name).stat().st_size,
             }
-        manifest = _canonical({"format_version": FORMAT_VERSION, "files": files})
+        manifest_obj = {"format_version": FORMAT_VERSION, "files": files}
+        manifest = canonical_json(manifest_obj).encode("utf-8")
         _write_file(tmp / MANIFEST_FILE, _writer_bytes(manifest))
         _fsync_dir(tmp)
         if final.exists():
@@ -441,7 +440,7 @@ def save_bundle(
         _fsync_dir(root)
         _write_file(
             final / (COMPLETE_FILE + ".tmp"),
-            _writer_bytes(hashlib.sha256(manifest).hexdigest().encode()),
+            _writer_bytes(canonical_hash(manifest_obj).encode()),
         )
         os.rename(final / (COMPLETE_FILE + ".tmp"), final / COMPLETE_FILE)
         committed = True

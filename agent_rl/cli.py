@@ -221,22 +221,33 @@ class _StopSignal:
 
 
 def before_after_table(result):
-    """Held-out reward of the starting and the trained policy, and the paired difference."""
+    """Held-out reward of the starting and the trained policy and the paired difference,
+    overall and (when several splits were evaluated) per split, with what crossed
+    compression boundaries (notes per episode, note tokens, share of notes used)."""
     from rich.table import Table
 
-    table = Table(title="held-out reward before/after")
-    for column in ("policy", "reward mean", "95% interval", "n", "success", "95% Wilson"):
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    for tag, summary in (("before", result.before), ("after", result.after)):
-        if summary:
-            table.add_row(tag, number(summary["reward_mean"]),
-                          interval(summary["reward_lo"], summary["reward_hi"]), str(summary["n"]),
-                          number(summary["success"]),
-                          interval(summary["success_lo"], summary["success_hi"]))
-    if result.comparison:
-        c = result.comparison
-        table.add_row("paired diff", f"{c['reward_diff']:+.3f}",
-                      interval(c["lo"], c["hi"]), str(c["n"]), "", "")
+    table = Table(title="held-out reward before/after (greedy, hint-free)")
+    for column in ("split", "policy", "reward mean", "95% interval", "n", "success",
+                   "95% Wilson", "notes/ep", "note tok", "notes used"):
+        table.add_column(column, justify="left" if column in ("split", "policy") else "right")
+    before, after, comparison = result.before or {}, result.after or {}, result.comparison or {}
+    def pick(summary: dict, name: str) -> dict | None:
+        return summary if name == "all" else (summary.get("splits") or {}).get(name)
+
+    for name in ["all", *(before.get("splits") or after.get("splits") or {})]:
+        for tag, summary in (("before", pick(before, name)), ("after", pick(after, name))):
+            if summary:
+                table.add_row(name, tag, number(summary["reward_mean"]),
+                              interval(summary["reward_lo"], summary["reward_hi"]),
+                              str(summary["n"]), number(summary["success"]),
+                              interval(summary["success_lo"], summary["success_hi"]),
+                              number(summary.get("compressions_per_episode")),
+                              number(summary.get("summary_tokens")),
+                              number(summary.get("summary_used_frac")))
+        c = pick(comparison, name) if comparison else None
+        if c:
+            table.add_row(name, "paired diff", f"{c['reward_diff']:+.3f}",
+                          interval(c["lo"], c["hi"]), str(c["n"]), "", "", "", "", "")
     return table
 
 
@@ -330,6 +341,9 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--max-new-tokens", type=int, default=None, metavar="M",
                         help="per reply (default: the run's max_response_tokens, else 128)")
+    parser.add_argument("--hinted", action="store_true",
+                        help="show the tasks' hints (evaluation is hint-free without it; every "
+                             "record says whether a hint was shown)")
 
 
 def eval_tasks(env_id: str, split: str, n: int, contract) -> tuple[list, dict]:
@@ -408,7 +422,7 @@ def eval_(args: argparse.Namespace) -> int:
                         seed=args.seed)
     records = evaluate(loaded.policy, env_id, tasks, sampling, seed=args.seed,
                        env_kwargs=env_kwargs, policy_name=loaded.name,
-                       bundle_hash=loaded.bundle_hash)
+                       bundle_hash=loaded.bundle_hash, split=args.split, hinted=args.hinted)
     out = Path(args.out or f"runs/eval-{env_id.rsplit('/', 1)[-1]}-{args.split}")
     write_records(records, out / "records.jsonl")
     rows = slice_rows(records)
@@ -463,7 +477,8 @@ def canary_plan(env_id: str, contract, n: int, fraction: float, seed: int, live_
     import math
 
     from envs.runner import Sampling
-    from evals.canary import CanaryPlan, LiveSystem, state_hash
+    from evals.canary import CanaryPlan, LiveSystem
+    from trajectories.hashing import canonical_hash
 
     if not 0 < fraction < 1:
         raise CLIError(f"--canary-fraction must be in (0, 1), got {fraction}")
@@ -473,7 +488,7 @@ def canary_plan(env_id: str, contract, n: int, fraction: float, seed: int, live_
     if not live:
         raise CLIError(f"the train split of {env_id} has {len(traffic)} tasks: too few for "
                        f"{n} shadow tasks and a live stage; lower --n")
-    if len({state_hash(t.data) for t in live}) > 1:
+    if len({canonical_hash(t.data) for t in live}) > 1:
         print(f"agent-rl canary: warning: {env_id} tasks carry their own stores; shadow and live "
               "tasks are rebased onto one store (the first live task's), so some may not be "
               "solvable there. For a faithful live stage build the plan with evals.canary.",

@@ -15,13 +15,14 @@ it back in the hash.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trajectories.hashing import canonical_hash
 
 
 class _Section(BaseModel):
@@ -38,11 +39,15 @@ class EnvSection(_Section):
 
 
 class EvalSection(_Section):
-    split: str = Field("holdout", description="held-out split evaluated during/after training")
+    split: str | list[str] = Field("holdout", description="held-out split(s) evaluated during/after training, e.g. [holdout_iid, holdout]; always hint-free")
     n: int = Field(64, ge=1, description="held-out tasks per evaluation")
     every: int = Field(5, ge=0, description="evaluate every N steps (0: only before and after)")
     seed: int = Field(1234, description="sampling seed, the same for every evaluated policy")
     temperature: float = Field(0.0, ge=0.0, description="0: greedy")
+
+    @property
+    def splits(self) -> list[str]:
+        return [self.split] if isinstance(self.split, str) else list(self.split)
 
 
 class ModelSection(_Section):
@@ -59,7 +64,7 @@ class RolloutSection(_Section):
     tasks_per_step: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_prompt_tokens: int = Field(512, ge=8)
+    max_prompt_tokens: int = Field(512, ge=8, description="a longer prompt is not generated for: the episode ends truncated (an env's context_budget must be below it)")
     max_response_tokens: int = Field(128, ge=1)
     truncation: Literal["mask", "penalize", "keep"] = "mask"
     truncation_penalty: float = Field(0.0, description="reward given to overlong responses under penalize")
@@ -162,8 +167,25 @@ class ExperimentContract(_Section):
             raise ValueError(
                 f"reference: {self.reference!r} is the model being trained; with full fine-tuning "
                 "the rollout policy would be its own reference (use a separate frozen copy's path)")
-        if self.eval.split == "holdout_iid" and self.env.iid_fraction == 0.0:
+        from evals.splits import SPLIT_NAMES
+
+        for key, names in (("env.split", [self.env.split]), ("eval.split", self.eval.splits)):
+            unknown = [n for n in names if n not in SPLIT_NAMES]
+            if unknown:
+                raise ValueError(f"{key}: no split {unknown[0]!r}; splits are {list(SPLIT_NAMES)}")
+        if not self.eval.splits or len(set(self.eval.splits)) != len(self.eval.splits):
+            raise ValueError(f"eval.split: name each split once, got {self.eval.split!r}")
+        if "holdout_iid" in self.eval.splits and self.env.iid_fraction == 0.0:
             raise ValueError("eval.split holdout_iid needs env.iid_fraction > 0")
+        if self.env.split in self.eval.splits:
+            raise ValueError(f"eval.split {self.env.split!r} is the training split (env.split): "
+                             "held-out evaluation must use tasks the trainer never sees")
+        budget = self.env.kwargs.get("context_budget")
+        if isinstance(budget, int) and budget >= self.rollout.max_prompt_tokens:
+            raise ValueError(
+                f"env.kwargs.context_budget ({budget}) must be below rollout.max_prompt_tokens "
+                f"({self.rollout.max_prompt_tokens}): compression has to happen before the "
+                "prompt limit ends the episode")
         if self.rollout.max_policy_lag > self.guards.max_policy_lag:
             raise ValueError(
                 f"rollout.max_policy_lag ({self.rollout.max_policy_lag}) exceeds "
@@ -173,9 +195,14 @@ class ExperimentContract(_Section):
         if self.rollout.dynamic_sampling and self.rollout.group_size < 2:
             raise ValueError("rollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one has no contrast)")
         from trajectories import ASSIGNERS
+        from trajectories.assign import check_params
 
         if self.credit.assigner not in ASSIGNERS:
             raise ValueError(f"credit.assigner {self.credit.assigner!r} is not one of {sorted(ASSIGNERS)}")
+        try:
+            check_params(self.credit.assigner, self.credit.params)
+        except ValueError as exc:
+            raise ValueError(f"credit.params: {exc}") from None
         return self
 
     # --- I/O -------------------------------------------------------------------------------
@@ -222,8 +249,7 @@ class ExperimentContract(_Section):
         return data
 
     def contract_hash(self) -> str:
-        text = json.dumps(self.hashed_fields(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        return canonical_hash(self.hashed_fields())
 
     def changes_from(self, other: ExperimentContract) -> list[str]:
         """``key: other's value -> this value`` for every hashed key that differs (dotted)."""

@@ -15,6 +15,10 @@ Advantages (`group_advantages`), for sample i of group g with G_g members:
     s = 1, eps = 0 for std="none" (Dr. GRPO, Liu et al. 2025: centring only, no std
         normalisation, which otherwise up-weights near-saturated groups).
 
+The baseline (mean_g, s) always comes from the members' rewards; ``GroupBaseline.advantages``
+can measure other values against it: ``rollout.session_advantages`` takes a group's G episode
+rewards as the members and measures each session's credit, (credit - mean_g) / (s + eps).
+
 A group with equal rewards carries no learning signal; its advantages are set to exactly
 0.0 (not r - mean, which can be a rounding residue) and it is counted as zero-contrast.
 DAPO's dynamic sampling drops such groups in the rollout; here they are only counted
@@ -46,6 +50,7 @@ attached to the graph (zero gradients), so a training step never sees NaN from i
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +70,25 @@ def _choice(name: str, value: str, valid: Sequence[str]) -> None:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
 
 
-def group_advantages(
+@dataclass(frozen=True)
+class GroupBaseline:
+    """Per member of a batch of groups: the group's mean reward, the divisor of the advantage
+    (std + eps, or 1.0 for ``std="none"``) and whether the group has no contrast (``flat``);
+    ``stats`` counts the zero-contrast groups (see ``group_advantages``)."""
+
+    mean: torch.Tensor  # [N]
+    scale: torch.Tensor  # [N]
+    flat: torch.Tensor  # [N] bool
+    stats: dict[str, int]
+
+    def advantages(self, values: torch.Tensor) -> torch.Tensor:
+        """(values - mean) / scale, exactly 0.0 in flat groups: ``[N]``. ``values`` are the
+        rewards themselves (GRPO) or per-session credits measured against the same baseline."""
+        adv = (values.to(self.mean.dtype) - self.mean) / self.scale  # [N]
+        return torch.where(self.flat, torch.zeros_like(adv), adv)  # [N]
+
+
+def group_baseline(
     rewards: torch.Tensor | Sequence[float],
     group_ids: Sequence[Hashable],
     std: str = "population",
@@ -74,12 +97,8 @@ def group_advantages(
     *,
     correct_threshold: float = 1.0,
     wrong_threshold: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, int]]:
-    """Group-relative advantages `[N]` and counts of zero-contrast groups.
-
-    `stats` keys: `groups`, `zero_contrast`, and its split into `all_correct` (common
-    reward >= correct_threshold), `all_wrong` (<= wrong_threshold), `zero_contrast_other`.
-    """
+) -> GroupBaseline:
+    """The group baseline and spread of the module docstring, from the members' rewards."""
     _choice("std", std, STD_MODES)
     _choice("scale", scale, SCALE_MODES)
     r = torch.as_tensor(rewards)  # [N]
@@ -105,16 +124,15 @@ def group_advantages(
     flat = hi == lo  # [G] zero-contrast groups
 
     if std == "none":
-        adv = centred  # [N]
+        s = torch.ones_like(r)  # [N]
     else:
         ddof = 1 if std == "sample" else 0
         if scale == "group":
             sq = r.new_zeros(n_groups).index_add_(0, gid, centred.pow(2))  # [G]
-            s = (sq / (count - ddof).clamp(min=1)).sqrt()[gid]  # [N]
+            s = (sq / (count - ddof).clamp(min=1)).sqrt()[gid] + eps  # [N]
         else:
-            s = r.std(correction=ddof) if r.numel() > ddof else r.new_zeros(())  # []
-        adv = centred / (s + eps)  # [N]
-    adv = torch.where(flat[gid], torch.zeros_like(adv), adv)  # [N]
+            batch_std = r.std(correction=ddof) if r.numel() > ddof else r.new_zeros(())  # []
+            s = (batch_std + eps).expand_as(r)  # [N]
 
     common = hi[flat]  # [Z] the shared reward of each zero-contrast group
     correct = common >= correct_threshold  # [Z]
@@ -126,7 +144,28 @@ def group_advantages(
         "all_wrong": int(wrong.sum()),
         "zero_contrast_other": int((~correct & ~wrong).sum()),
     }
-    return adv, stats
+    return GroupBaseline(mean[gid], s, flat[gid], stats)
+
+
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: Sequence[Hashable],
+    std: str = "population",
+    scale: str = "group",
+    eps: float = 1e-6,
+    *,
+    correct_threshold: float = 1.0,
+    wrong_threshold: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """Group-relative advantages `[N]` and counts of zero-contrast groups.
+
+    `stats` keys: `groups`, `zero_contrast`, and its split into `all_correct` (common
+    reward >= correct_threshold), `all_wrong` (<= wrong_threshold), `zero_contrast_other`.
+    """
+    baseline = group_baseline(rewards, group_ids, std, scale, eps,
+                              correct_threshold=correct_threshold, wrong_threshold=wrong_threshold)
+    r = torch.as_tensor(rewards)
+    return baseline.advantages(r if r.is_floating_point() else r.float()), baseline.stats
 
 
 def policy_loss(

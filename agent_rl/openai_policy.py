@@ -9,7 +9,7 @@ Standard library only (``urllib`` + ``json``): one POST per conversation, run by
 thread pool over the batch; order is kept. Each request asks for
 
     {"model", "messages", "temperature", "top_p", "max_tokens": sampling.max_new_tokens,
-     "n": 1, "seed": sampling.seed + i (when set), "logprobs": true, **extra_body}
+     "n": 1, "seed": stream_seed(sampling.seed, i) mod 2**31 (when set), "logprobs": true, **extra_body}
 
 and each reply becomes a ``Completion``:
 
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from envs.runner import Completion, Sampling
+from envs.runner import Completion, Sampling, stream_seed
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -151,7 +151,7 @@ class OpenAIPolicy:
             "temperature": sampling.temperature, "top_p": sampling.top_p,
             "max_tokens": sampling.max_new_tokens, "n": 1}
         if sampling.seed is not None:
-            payload["seed"] = sampling.seed + index
+            payload["seed"] = stream_seed(sampling.seed, index) % 2**31  # servers take int32
         if self.logprobs:
             payload["logprobs"] = True
         return {**payload, **self.extra_body}

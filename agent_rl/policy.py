@@ -15,6 +15,14 @@ The loop, per batch of up to ``batch_size`` conversations:
     stop:      a row stops after sampling EOS / ``<|im_end|>`` (kept in its token ids) or
                after ``max_new_tokens`` tokens (finish_reason "length")
 
+Random streams: row b of a ``generate`` call samples from its own generator seeded with
+``envs.runner.stream_seed(sampling.seed, b)``, so rows never share random numbers and a row's
+draws do not depend on how the batch is cut into chunks; the runner gives every round its own
+``sampling.seed``. A prompt longer than ``sampling.max_prompt_tokens`` is not generated for:
+its completion is empty with finish reason ``prompt_too_long`` (the env ends the episode
+truncated). Every completion carries ``policy_revision``: the trainer bumps ``revision``
+after each optimizer step.
+
 What transfers between rollout and trainer is one rule, ``scoring_temperature``: the policy
 being optimised is softmax(logits / T) for the sampling temperature T; greedy decoding
 (T == 0) has no such distribution, so its tokens are scored at T' = 1.0 (the model's own
@@ -25,6 +33,7 @@ softmax(logits / T'), as the trainer computes them), as vLLM's are.
 from __future__ import annotations
 
 import inspect
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +43,8 @@ from transformers import DynamicCache
 from agent_rl.grpo import token_logprobs
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
 from agent_rl.render import chat_ids, stop_token_ids
-from envs.runner import Completion, Sampling
+from envs.core import PROMPT_TOO_LONG
+from envs.runner import Completion, Sampling, stream_seed
 
 
 def scoring_temperature(temperature: float) -> float:
@@ -81,8 +91,9 @@ def _step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return token_logprobs(pair_logits, pair_ids, temperature)[:, 1]  # [B]
 
 
-def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from logits ``[B, V]``: ``[B]``."""
+def _sample(logits: torch.Tensor, sampling: Sampling,
+            generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row from logits ``[B, V]``, row b drawn with ``generators[b]``: ``[B]``."""
     if sampling.temperature == 0:
         return logits.argmax(-1)  # [B]
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # [B, V]
@@ -91,7 +102,8 @@ def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
         before = sorted_probs.cumsum(-1) - sorted_probs  # [B, V] mass of the better tokens
         sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)  # [B, V]
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [B, V]
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    return torch.cat([torch.multinomial(row, 1, generator=g)
+                      for row, g in zip(probs, generators, strict=True)])  # [B]
 
 
 class HFPolicy:
@@ -112,33 +124,44 @@ class HFPolicy:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
+        self.revision = 0  # optimizer steps applied to these weights; the trainer bumps it
+
+    def count_tokens(self, messages: Sequence[dict[str, Any]]) -> int:
+        """Prompt tokens of a conversation as this policy sees it (chat template, generation
+        header included): what env context budgets are counted in."""
+        return len(chat_ids(self.tokenizer, messages, add_generation_prompt=True))
 
     # --- rollout -------------------------------------------------------------------------
     def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
         """One completion per conversation, in order. Reproducible for a given ``sampling.seed``."""
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
             raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
-        generator = torch.Generator(device=self.device)
-        if sampling.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(sampling.seed)
+        base = sampling.seed
+        if base is None:
+            base = secrets.randbits(62)  # unseeded: a fresh stream per call
+        prompts = [chat_ids(self.tokenizer, messages, add_generation_prompt=True) for messages in batch]
+        limit = sampling.max_prompt_tokens
+        rows = [b for b, p in enumerate(prompts) if limit is None or len(p) <= limit]
+        completions = {b: Completion("", finish_reason=PROMPT_TOO_LONG, prompt_tokens=len(prompts[b]),
+                                     policy_revision=self.revision)
+                       for b in range(len(batch)) if b not in set(rows)}
         was_training = self.model.training
         self.model.eval()
         try:
-            completions: list[Completion] = []
-            for start in range(0, len(batch), self.batch_size):
-                chunk = batch[start:start + self.batch_size]
-                completions.extend(self._generate_chunk(chunk, sampling, generator))
-            return completions
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start:start + self.batch_size]
+                generators = [torch.Generator(device=self.device).manual_seed(stream_seed(base, b))
+                              for b in chunk]
+                outs = self._generate_chunk([prompts[b] for b in chunk], sampling, generators)
+                completions.update(zip(chunk, outs, strict=True))
+            return [completions[b] for b in range(len(batch))]
         finally:
             self.model.train(was_training)
 
     @torch.inference_mode()
     def _generate_chunk(
-        self, chunk: Sequence[list[dict[str, Any]]], sampling: Sampling, generator: torch.Generator
+        self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]
     ) -> list[Completion]:
-        prompts = [chat_ids(self.tokenizer, messages, add_generation_prompt=True) for messages in chunk]
         B, L = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # [B, L] left-padded
         attention_mask = torch.zeros(B, L, dtype=torch.long)  # [B, L]
@@ -162,7 +185,7 @@ class HFPolicy:
                 use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
             )  # the cache is updated in place
             logits = out.logits[:, -1]  # [B, V]
-            token = _sample(logits, sampling, generator)  # [B]
+            token = _sample(logits, sampling, generators)  # [B]
             logp = _step_logprobs(logits, token, temperature)  # [B]
             token = token.masked_fill(done, self.pad_id)  # [B] finished rows idle on padding
             step_tokens, step_logprobs = token.tolist(), logp.tolist()  # one device sync
@@ -183,6 +206,7 @@ class HFPolicy:
                 logprobs=lps,
                 finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length",
                 prompt_tokens=len(prompt),
+                policy_revision=self.revision,
             )
             for ids, lps, prompt in zip(tokens, logprobs, prompts, strict=True)
         ]

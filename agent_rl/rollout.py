@@ -14,15 +14,26 @@
    difficulty. The budget report counts *all* generated tokens, kept and discarded.
 5. Credit: ``trajectories.assign`` gives each session its credit; ``session_weights`` gives
    each session a loss weight (``per_episode``: an episode's sessions share weight 1).
-6. Advantages: ``grpo.group_advantages`` over the *sessions* of a group, with the group's
-   sessions' credits as rewards. Under ``broadcast`` with one session per episode this is
-   plain GRPO; with several sessions each session is one member of its task's group.
+6. Advantages (``session_advantages``): the group baseline is over *episodes*. For episode e
+   of group g (the G episodes sampled for one task) and its session s::
+
+       A(e, s) = (credit(e, s) - mean_g R) / (std_g R + eps)      (std="none": no division)
+
+   with R the episode rewards (``reward.total``) of the group's kept episodes, never the
+   sessions, so an episode cut into more sessions does not pull the mean or the spread; a
+   group whose rewards are all equal gives 0 everywhere. Under ``broadcast`` this is exactly
+   plain GRPO per episode whatever the session count; under ``terminal_only`` the non-final
+   sessions of a rewarded episode are pushed down.
 7. Render: each session becomes one sequence (``render.render_session``) with its own loss
    mask and old log-probs, carrying its advantage and weight.
+
+The group statistics (``all_correct``, ``all_wrong``, ...) are counted over every valid
+episode before dynamic sampling drops anything, so they mean the same with it on or off.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +41,7 @@ from typing import Any
 
 import torch
 
-from agent_rl.grpo import group_advantages
+from agent_rl.grpo import GroupBaseline, group_baseline
 from agent_rl.render import Rendered, render_session
 from envs.core import TaskSpec
 from envs.runner import Policy, Sampling, run_episodes
@@ -47,6 +58,7 @@ class TrainSequence:
     rendered: Rendered
     advantage: float
     weight: float
+    policy_revision: int | None = None  # optimizer steps of the weights that sampled it
 
 
 @dataclass
@@ -87,6 +99,13 @@ def apply_truncation(episode: Episode, policy: str, penalty: float) -> Episode:
         return episode.evolve(reward=reward, filter={"overlong": True, "truncation": "penalize"})
 
 
+def best_total(episodes: Sequence[Episode]) -> float:
+    """The verifier's best total over these episodes (the sum of its positive weights); an
+    overlong penalty (``truncation="penalize"``) says nothing about it. +inf when unknown."""
+    return max((sum(w for w in e.reward.weights.values() if w > 0) for e in episodes
+                if "unpenalized" not in e.reward.audit), default=math.inf)
+
+
 def filter_groups(episodes: list[Episode], dynamic_sampling: bool) -> tuple[list[Episode], list[dict]]:
     """Decide, per group, what is trained on. Returns (episodes with `filter.kept`, drops)."""
     groups: dict[str, list[Episode]] = defaultdict(list)
@@ -102,12 +121,9 @@ def filter_groups(episodes: list[Episode], dynamic_sampling: bool) -> tuple[list
             reason = "too_few_valid"
         elif dynamic_sampling and len(rewards) == 1:
             value = next(iter(rewards))
-            # The verifier's best total; an overlong penalty (weights {"overlong": penalty})
-            # says nothing about it, and a group of penalised episodes is never saturated.
-            best = max((sum(e.reward.weights.values()) for e in valid
-                        if "unpenalized" not in e.reward.audit), default=None)
+            # a group of penalised episodes is never saturated (best_total is then inf)
             reason = ("all_wrong" if value <= 0.0 else
-                      "all_correct" if best is not None and value >= best - 1e-9 else
+                      "all_correct" if value >= best_total(valid) - 1e-9 else
                       "zero_contrast")
         if reason:
             drops.append({"group_id": group_id, "reason": reason, "env": members[0].env_id,
@@ -141,6 +157,48 @@ def acceptance(episodes: list[Episode], drops: list[dict]) -> dict[str, dict[str
     return {kind: {v: kept[kind][v] / n for v, n in tallies[kind].items()} for kind in tallies}
 
 
+NO_GROUPS = {"groups": 0, "zero_contrast": 0, "all_correct": 0, "all_wrong": 0,
+             "zero_contrast_other": 0}
+
+
+class Advantages(dict):
+    """``{(episode_id, session_id): advantage}`` with the group statistics (``stats``)."""
+
+    def __init__(self, values: dict[tuple[str, str], float], stats: dict[str, int]):
+        super().__init__(values)
+        self.stats = stats
+
+
+def session_advantages(
+    episodes: Sequence[Episode],
+    assigner: str = "broadcast",
+    assigner_params: dict[str, Any] | None = None,
+    std: str = "population",
+    eps: float = 1e-6,
+    scale: str = "group",
+) -> Advantages:
+    """Step 6 of the module docstring, for every session of ``episodes`` that generated
+    tokens. Groups are the episodes' ``group_id``; infrastructure faults must already be out."""
+    if not episodes:
+        return Advantages({}, dict(NO_GROUPS))
+    baseline = _baseline(episodes, std, scale, eps)
+    keys, credits, members = [], [], []
+    for i, e in enumerate(episodes):
+        credit = assign(e, assigner, **(assigner_params or {}))
+        for s in e.sessions:
+            if s.generated_tokens:
+                keys.append((e.episode_id, s.session_id))
+                credits.append(credit[s.session_id])
+                members.append(i)
+    if not keys:
+        return Advantages({}, baseline.stats)
+    index = torch.tensor(members)  # [S] the episode of each session
+    per_session = GroupBaseline(baseline.mean[index], baseline.scale[index],
+                                baseline.flat[index], baseline.stats)
+    values = per_session.advantages(torch.tensor(credits, dtype=baseline.mean.dtype))  # [S]
+    return Advantages(dict(zip(keys, values.tolist(), strict=True)), baseline.stats)
+
+
 def build_sequences(
     tokenizer,
     episodes: list[Episode],
@@ -153,25 +211,31 @@ def build_sequences(
 ) -> tuple[list[TrainSequence], dict[str, Any]]:
     """Credit -> advantages -> rendered sequences, for the kept episodes."""
     kept = [e for e in episodes if e.filter and e.filter.get("kept")]
-    rows = []  # (episode, session, credit, weight)
-    for e in kept:
-        credit = assign(e, assigner, **assigner_params)
+    advantages = session_advantages(kept, assigner, assigner_params, std=std, eps=eps, scale=scale)
+    sequences = []
+    for e in kept:  # masked overlong episodes served the baseline; they are not rendered
+        if e.filter.get("truncation") == "mask" and e.filter.get("overlong"):
+            continue
         weights = session_weights(e, session_weighting)
-        masked = e.filter.get("truncation") == "mask" and e.filter.get("overlong")
         for s in e.sessions:
-            if s.generated_tokens:
-                rows.append((e, s, credit[s.session_id], 0.0 if masked else weights[s.session_id]))
-    if not rows:
-        return [], {"groups": 0}
-    advantages, stats = group_advantages(torch.tensor([r[2] for r in rows], dtype=torch.float64),
-                                         [r[0].group_id for r in rows], std=std, scale=scale, eps=eps)
-    sequences = [  # weight-0 rows (masked overlong) served the baseline; they are not rendered
-        TrainSequence(e.episode_id, s.session_id, e.group_id, render_session(tokenizer, s),
-                      float(a), w)
-        for (e, s, _, w), a in zip(rows, advantages.tolist(), strict=True)
-        if w > 0
-    ]
-    return sequences, stats
+            if (e.episode_id, s.session_id) in advantages:
+                sequences.append(TrainSequence(
+                    e.episode_id, s.session_id, e.group_id, render_session(tokenizer, s),
+                    advantages[e.episode_id, s.session_id], weights[s.session_id],
+                    s.policy_revision))
+    return sequences, advantages.stats
+
+
+def contrast_stats(episodes: Sequence[Episode]) -> dict[str, int]:
+    """Zero-contrast group counts over every valid episode (before any drop)."""
+    valid = [e for e in episodes if not e.reward.is_infrastructure_fault]
+    return _baseline(valid, "population", "group", 1e-6).stats if valid else dict(NO_GROUPS)
+
+
+def _baseline(episodes: Sequence[Episode], std: str, scale: str, eps: float) -> GroupBaseline:
+    rewards = torch.tensor([e.reward.total for e in episodes], dtype=torch.float64)  # [N]
+    return group_baseline(rewards, [e.group_id for e in episodes],
+                          std=std, scale=scale, eps=eps, correct_threshold=best_total(episodes))
 
 
 def budget_report(episodes: list[Episode], drops: list[dict], truncation: str) -> dict[str, Any]:
@@ -224,6 +288,7 @@ def rollout_batch(
     episodes, drops = filter_groups(episodes, dynamic_sampling)
     if store is not None:
         store.append(episodes)
-    sequences, stats = build_sequences(tokenizer, episodes, assigner, assigner_params or {},
-                                       session_weighting, std, scale, eps)
-    return RolloutBatch(episodes, sequences, budget_report(episodes, drops, truncation), stats)
+    sequences, _ = build_sequences(tokenizer, episodes, assigner, assigner_params or {},
+                                   session_weighting, std, scale, eps)
+    return RolloutBatch(episodes, sequences, budget_report(episodes, drops, truncation),
+                        contrast_stats(episodes))

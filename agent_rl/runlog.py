@@ -19,14 +19,17 @@ import numpy as np
 
 from agent_rl.config import ExperimentContract
 from agent_rl.rollout import RolloutBatch
-from evals.stats import paired_bootstrap, summarize, wilson
+from evals.run import EvalRecord, slice_summary
+from evals.stats import paired_bootstrap
 
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "eval.jsonl", "checkpoints")
 
 
 def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollout_s: float,
-                 train_s: float, counters: Counter) -> dict[str, Any]:
+                 train_s: float, counters: Counter, lag: dict[str, float]) -> dict[str, Any]:
     episodes = batch.episodes
+    groups = batch.advantage_stats  # over every valid episode, dropped groups included
+    compressed = [s for e in episodes for s in e.compressed_sessions()]
     rewards = [e.reward.total for e in episodes]
     responses = [t for e in episodes for s in e.sessions for t in s.turns if t.token_ids]
     outcomes = Counter(e.reward.outcome.value for e in episodes)
@@ -45,9 +48,9 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "reward/infra_error_rate": report["infrastructure_faults"] / max(len(episodes), 1),
         "groups/total": report["groups"],
         "groups/dropped": report["groups_dropped"],
-        "groups/all_correct": report["drop_reasons"].get("all_correct", 0),
-        "groups/all_wrong": report["drop_reasons"].get("all_wrong", 0),
-        "groups/zero_contrast_other": report["drop_reasons"].get("zero_contrast", 0),
+        "groups/all_correct": groups.get("all_correct", 0),
+        "groups/all_wrong": groups.get("all_wrong", 0),
+        "groups/zero_contrast_other": groups.get("zero_contrast_other", 0),
         "policy/entropy": update.get("entropy"),
         "kl/approx": update.get("kl/approx"),
         "kl/ref": update.get("kl/ref"),
@@ -65,13 +68,19 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
                                     / max(len(responses), 1)),
         "sessions/per_episode": float(np.mean([len(e.sessions) for e in episodes])),
         "sessions/compressions": sum(s.origin == "compression" for e in episodes for s in e.sessions),
+        "sessions/compressions_per_episode": len(compressed) / max(len(episodes), 1),
         "sessions/branches": sum(s.origin == "branch" for e in episodes for s in e.sessions),
+        "sessions/summary_tokens": (float(np.mean([len(s.last_reply.token_ids or []) for s in compressed]))
+                                    if compressed else 0.0),
+        "sessions/summary_used_frac": (sum(bool(s.used_by_final) for s in compressed) / len(compressed)
+                                       if compressed else 0.0),
         "hint/used_frac": sum(e.hint is not None for e in episodes) / max(len(episodes), 1),
         "rollout/tokens_generated": report["tokens_generated"],
         "rollout/tokens_discarded": report["tokens_discarded"],
         "rollout/tokens_per_s": report["tokens_generated"] / max(rollout_s, 1e-9),
         "rollout/seconds": rollout_s,
-        "rollout/policy_lag": 0,
+        "rollout/policy_lag": lag["max"],
+        "rollout/policy_lag_mean": lag["mean"],
         "rollout/data_wait_s": 0.0,
         "train/tokens": update.get("tokens", 0),
         "train/tokens_per_s": update.get("tokens", 0) / max(train_s, 1e-9),
@@ -84,20 +93,48 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
     }
 
 
-def summarize_eval(records) -> dict[str, Any]:
-    rewards = [r.reward for r in records]
-    successes = sum(r.success for r in records)
-    stats = summarize(rewards, n_boot=2000)
-    lo, hi = wilson(successes, len(records))
-    return {"reward_mean": stats["mean"], "reward_lo": stats["lo"], "reward_hi": stats["hi"],
-            "success": successes / len(records), "success_lo": lo, "success_hi": hi,
-            "n": len(records), "rewards": rewards, "task_ids": [r.task_id for r in records]}
+def summarize_eval(records: list[EvalRecord]) -> dict[str, Any]:
+    """Held-out summary from ``evals.run.slice_summary`` (overall and, with several splits,
+    per split), with what crossed compression boundaries and the per-task rewards a paired
+    comparison needs (infrastructure faults are counted, never scored)."""
+
+    def summary(group: list[EvalRecord]) -> dict[str, Any]:
+        (row,) = slice_summary(group, by=(), n_boot=2000)
+        scored = [r for r in group if not r.infra_fault]
+        compressions = sum(r.compressions for r in scored)
+        return {"reward_mean": row["reward/mean"], "reward_lo": row["reward/lo"],
+                "reward_hi": row["reward/hi"], "success": row["success/rate"],
+                "success_lo": row["success/lo"], "success_hi": row["success/hi"], "n": row["n"],
+                "infra_faults": row["n_infra_faults"],
+                "compressions_per_episode": compressions / max(len(scored), 1),
+                "summary_tokens": sum(r.summary_tokens for r in scored) / max(compressions, 1),
+                "summary_used_frac": sum(r.summaries_used for r in scored) / max(compressions, 1),
+                "rewards": [r.reward for r in scored], "task_ids": [r.task_id for r in scored],
+                "keys": [f"{r.split}:{r.task_id}:{r.sample_id}" for r in scored]}
+
+    out = summary(records)
+    names = list(dict.fromkeys(r.split for r in records))
+    if len(names) > 1:
+        out["splits"] = {name: summary([r for r in records if r.split == name]) for name in names}
+    return out
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Paired bootstrap of after - before on the same tasks and sampling seeds."""
-    diff, lo, hi = paired_bootstrap(after["rewards"], before["rewards"], n_boot=5000)
-    return {"reward_diff": diff, "lo": lo, "hi": hi, "n": len(after["rewards"])}
+    """Paired bootstrap of after - before over the tasks both scored (same tasks, same
+    sampling seeds), overall and per split."""
+
+    def paired(b: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+        old = dict(zip(b["keys"], b["rewards"], strict=True))
+        pairs = [(reward, old[key]) for key, reward in zip(a["keys"], a["rewards"], strict=True)
+                 if key in old]
+        diff, lo, hi = paired_bootstrap([p[0] for p in pairs], [p[1] for p in pairs], n_boot=5000)
+        return {"reward_diff": diff, "lo": lo, "hi": hi, "n": len(pairs)}
+
+    out = paired(before, after)
+    if "splits" in after:
+        out["splits"] = {name: paired(before["splits"][name], summary)
+                         for name, summary in after["splits"].items()}
+    return out
 
 
 def prepare_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,

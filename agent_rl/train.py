@@ -51,7 +51,7 @@ from agent_rl.runlog import (
 from envs.core import TaskSpec
 from envs.runner import Sampling
 from evals.run import evaluate, write_records
-from evals.splits import default_splits
+from evals.splits import LeakageError, check_leakage, default_splits
 from trajectories import RolloutStore
 
 
@@ -67,23 +67,23 @@ class RunResult:
 
 
 def run(contract: ExperimentContract, resume: bool = False, progress: bool = True) -> RunResult:
-    # --- 0. run directory: the contract and its hash, pinned before the first rollout ---------
-    run_dir = contract.resolved_run_dir
-    contract_hash = contract.contract_hash()
-    prepare_run_dir(run_dir, contract, contract_hash, resume)
-    seed_everything(contract.optim.seed)
-
-    # --- 1. data: the train split and the held-out split come from evals ---------------------
+    # --- 0. data: the train split and the held-out splits come from evals; checked (empty
+    # splits, leakage between train and evaluation, context budget vs. prompt limit) before
+    # anything is written ----------------------------------------------------------------------
     env = envs.make(contract.env.id, **contract.env.kwargs)
     splits = default_splits(env, contract.env.pool_size, contract.env.pool_seed,
                             iid_fraction=contract.env.iid_fraction)
     train_tasks = list(splits[contract.env.split])
-    eval_tasks = list(splits[contract.eval.split])[: contract.eval.n]
-    if not train_tasks or not eval_tasks:
-        raise ValueError(f"{contract.env.id}: empty split (train {len(train_tasks)}, "
-                         f"{contract.eval.split} {len(eval_tasks)}); enlarge env.pool_size")
+    eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
+    check_data(contract, env, train_tasks, eval_sets)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     verifier_id = f"{contract.env.id}@{env.unwrapped.version}"
+
+    # --- 1. run directory: the contract and its hash, pinned before the first rollout ---------
+    run_dir = contract.resolved_run_dir
+    contract_hash = contract.contract_hash()
+    prepare_run_dir(run_dir, contract, contract_hash, resume)
+    seed_everything(contract.optim.seed)
 
     # --- 2. model, optional fixed reference, optimizer ------------------------------------
     model, tokenizer = load_model(contract.model.id, dtype=contract.model.dtype)
@@ -101,7 +101,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     guards = Guards(**contract.guards.model_dump())
     eval_sampling = Sampling(temperature=contract.eval.temperature, top_p=1.0,
                              max_new_tokens=contract.rollout.max_response_tokens,
-                             seed=contract.eval.seed)
+                             seed=contract.eval.seed,
+                             max_prompt_tokens=contract.rollout.max_prompt_tokens)
 
     # --- 3. resume from the newest complete bundle ------------------------------------------
     start_step, counters, before = 0, Counter(), None
@@ -110,16 +111,18 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         meta = checkpoint.load_bundle(latest, model, optimizer, scheduler)
         check_resumable(meta, contract_hash, template_hash, latest)
         start_step, counters = meta["step"], Counter(meta["counters"])
+        policy.revision = meta.get("policy_revision", start_step)
         sampler.position = meta["sampler_position"]
         before = meta.get("before")
         guards.load_state(meta.get("guards", {}))
     if resume:  # steps a killed run logged after its last checkpoint are redone: unlog them
         rewind_logs(run_dir, start_step if latest else -1, meta["store_cursor"] if latest else 0)
 
-    def evaluate_policy(tag: str) -> dict[str, Any]:
-        records = evaluate(policy, contract.env.id, eval_tasks, eval_sampling,
-                           seed=contract.eval.seed, env_kwargs=contract.env.kwargs,
-                           policy_name=tag)
+    def evaluate_policy(tag: str) -> dict[str, Any]:  # hint-free, whatever env.kwargs say
+        records = [record for name, tasks in eval_sets.items()
+                   for record in evaluate(policy, contract.env.id, tasks, eval_sampling,
+                                          seed=contract.eval.seed, env_kwargs=contract.env.kwargs,
+                                          policy_name=tag, split=name)]
         write_records(records, run_dir / "evals" / f"{tag}.jsonl")  # one record per episode
         return summarize_eval(records)
 
@@ -131,6 +134,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                                    "reference": contract.reference, "verifier": verifier_id,
                                    "sampler_position": sampler.position,
                                    "store_cursor": store.cursor, "before": before,
+                                   "policy_revision": policy.revision,
                                    "guards": guards.state(), **(extra or {})})
         checkpoint.apply_retention(run_dir / "checkpoints", contract.checkpoint.keep)
 
@@ -152,7 +156,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 sampling=Sampling(temperature=contract.rollout.temperature,
                                   top_p=contract.rollout.top_p,
                                   max_new_tokens=contract.rollout.max_response_tokens,
-                                  seed=contract.optim.seed * 100_003 + step),
+                                  seed=contract.optim.seed * 100_003 + step,
+                                  max_prompt_tokens=contract.rollout.max_prompt_tokens),
                 seed=contract.optim.seed * 100_003 + step, env_kwargs=contract.env.kwargs,
                 truncation=contract.rollout.truncation,
                 truncation_penalty=contract.rollout.truncation_penalty,
@@ -163,12 +168,15 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 eps=contract.advantage.eps, store=store, group_prefix=f"step{step}/")
             rollout_s = time.perf_counter() - t0
 
-            # loss -> optimizer step (updates_per_batch passes over the batch)
+            # loss -> optimizer step (updates_per_batch passes over the batch); every step
+            # taken bumps the policy revision that later samples record
             t1 = time.perf_counter()
+            lag = policy_lag(batch.sequences, policy.revision)
             update = {}
             for _ in range(contract.optim.updates_per_batch):
                 update = policy_update(model, reference, optimizer, batch.sequences, contract,
                                        pad_id=tokenizer.pad_token_id or 0)
+                policy.revision += not update.get("optim/skipped")
             if not update.get("optim/skipped"):
                 scheduler.step()
             train_s = time.perf_counter() - t1
@@ -177,7 +185,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             counters["tokens_generated"] += batch.report["tokens_generated"]
             counters["tokens_trained"] += update.get("tokens", 0)
             counters["episodes"] += len(batch.episodes)
-            metrics = step_metrics(step, batch, update, rollout_s, train_s, counters)
+            metrics = step_metrics(step, batch, update, rollout_s, train_s, counters, lag)
             result.losses.append(metrics["loss/policy"])
 
             # guards, evaluation, checkpoint
@@ -214,6 +222,37 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
 
 
 # --- the pieces the loop calls ----------------------------------------------------------------
+
+
+def check_data(contract: ExperimentContract, env, train_tasks: list[TaskSpec],
+               eval_sets: dict[str, list[TaskSpec]]) -> None:
+    """What must hold before a run starts: non-empty splits, no evaluation task that is also a
+    training task (``evals.splits.check_leakage``: same id, same normalised prompt or a near
+    duplicate), and a context budget below the prompt limit."""
+    empty = [name for name, tasks in {contract.env.split: train_tasks, **eval_sets}.items()
+             if not tasks]
+    if empty:
+        raise ValueError(f"{contract.env.id}: empty split {empty} of a pool of "
+                         f"{contract.env.pool_size} tasks; enlarge env.pool_size")
+    for name, tasks in eval_sets.items():
+        try:
+            check_leakage(train_tasks, tasks)
+        except LeakageError as exc:
+            raise ValueError(f"eval.split {name!r} overlaps env.split {contract.env.split!r}: "
+                             f"{exc}") from None
+    budget = getattr(env.unwrapped, "context_budget", None)
+    if budget is not None and budget >= contract.rollout.max_prompt_tokens:
+        raise ValueError(
+            f"{contract.env.id} compresses at context_budget {budget} tokens, but "
+            f"rollout.max_prompt_tokens is {contract.rollout.max_prompt_tokens}: raise "
+            "rollout.max_prompt_tokens or lower env.kwargs.context_budget")
+
+
+def policy_lag(sequences: list[TrainSequence], revision: int) -> dict[str, float]:
+    """How many optimizer steps behind the trained weights each trained session was sampled,
+    from the revision recorded on its session: max and mean (0 when nothing recorded one)."""
+    lags = [revision - q.policy_revision for q in sequences if q.policy_revision is not None]
+    return {"max": float(max(lags, default=0)), "mean": float(np.mean(lags)) if lags else 0.0}
 
 
 def policy_update(model, reference, optimizer, sequences: list[TrainSequence],

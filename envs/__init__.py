@@ -19,6 +19,7 @@ from envs.core import (
     tool,
 )
 from envs.registry import list_envs, make, register
+from envs.sessions import Return, SessionRecorder, Spawn, Summary, used_by_data_flow
 
 register("agent_rl/Arithmetic-v0", "envs.arithmetic:ArithmeticEnv")
 register("agent_rl/Records-v0", "envs.records.env:RecordsEnv")
@@ -30,6 +31,10 @@ __all__ = [
     "HermesParser",
     "ParseError",
     "PermissionDenied",
+    "Return",
+    "SessionRecorder",
+    "Spawn",
+    "Summary",
     "TaskMeta",
     "TaskSpec",
     "TextSpace",
@@ -42,4 +47,5 @@ __all__ = [
     "make",
     "register",
     "tool",
+    "used_by_data_flow",
 ]

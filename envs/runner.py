@@ -9,49 +9,75 @@ inside the env); different episodes interleave. A finished environment is reset 
 (task, sample) job. RL rollouts and evaluation both use it.
 
 Determinism: job k (task i, sample j, in order) resets with ``seed + k``, so episode ids and
-any env randomness repeat for the same inputs; the policy's own sampling seed is its business.
+any env randomness repeat for the same inputs. Policy round r is sampled with
+``sampling.derive(r)``: a distinct, reproducible seed per round (``stream_seed``), so turn 2 of
+an episode never replays turn 1's random numbers; a policy derives one stream per
+conversation of the batch from it (``HFPolicy``: ``stream_seed(seed, row)``).
+
+Context budgets. When the policy can count a conversation's prompt tokens
+(``policy.count_tokens(messages)``, its chat template), every env with a ``use_token_counter``
+method counts its ``context_budget`` with it, in the tokens the policy will really see.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import gymnasium
+import numpy as np
 
 from envs.core import TaskSpec
 from envs.registry import make
 from trajectories import Episode
 
 
+def stream_seed(seed: int, *keys: int) -> int:
+    """A reproducible seed in [0, 2**63) for the random stream named by ``(seed, *keys)``:
+    different keys give independent streams (numpy's ``SeedSequence`` hashing)."""
+    words = [int(k) & (2**64 - 1) for k in (seed, *keys)]
+    hi, lo = np.random.SeedSequence(words).generate_state(2, dtype=np.uint32)
+    return (int(hi) << 31) ^ int(lo)
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How the policy samples. ``temperature=0`` means greedy."""
+    """How the policy samples. ``temperature=0`` means greedy. ``max_prompt_tokens``: a
+    conversation whose prompt is longer is not generated for (finish reason
+    ``prompt_too_long``); None: no limit."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128
     seed: int | None = None
+    max_prompt_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def derive(self, *keys: int) -> Sampling:
+        """The same sampling with the seed of stream ``keys`` (unseeded stays unseeded)."""
+        return self if self.seed is None else replace(self, seed=stream_seed(self.seed, *keys))
+
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled reply: text, the sampled token ids, their log-probs, why it stopped."""
+    """One sampled reply: text, the sampled token ids, their log-probs, why it stopped, and
+    the revision (number of optimizer steps) of the weights that sampled it."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = "stop"  # stop | length
+    finish_reason: str = "stop"  # stop | length | prompt_too_long
     prompt_tokens: int = 0
+    policy_revision: int | None = None
 
     def action(self) -> dict[str, Any]:
         """The env action carrying the generated tokens into the episode record."""
         return {"text": self.text, "token_ids": list(self.token_ids) or None,
-                "logprobs": list(self.logprobs) or None, "finish_reason": self.finish_reason}
+                "logprobs": list(self.logprobs) or None, "finish_reason": self.finish_reason,
+                "policy_revision": self.policy_revision}
 
 
 @runtime_checkable
@@ -79,12 +105,16 @@ def run_episodes(
     env_kwargs: dict[str, Any] | None = None,
     group_prefix: str = "",
     on_round: Callable[[int, int], None] | None = None,
+    split: str | None = None,
+    hints: bool | None = None,
 ) -> list[Episode]:
     """Run every task ``samples_per_task`` times; returns episodes in job order.
 
     ``envs`` is an env id (``num_envs`` copies are made with ``env_kwargs``) or ready envs.
     Episodes of one task share ``group_id`` (``group_prefix + task_id``); ``sample_id`` is
-    the sample index. ``on_round(done, total)`` is called after every policy round.
+    the sample index. ``split`` is recorded on every episode (None: the env's own);
+    ``hints`` shows or hides task hints whatever the envs were built with (None: as built).
+    ``on_round(done, total)`` is called after every policy round.
     """
     sampling = sampling or Sampling()
     jobs = [(task, j) for task in tasks for j in range(samples_per_task)]
@@ -96,6 +126,12 @@ def run_episodes(
         pool = list(envs)
         if not pool:
             raise ValueError("run_episodes needs at least one environment")
+    count_tokens = getattr(policy, "count_tokens", None)
+    if count_tokens is not None:
+        for env in pool:
+            use = getattr(env.unwrapped, "use_token_counter", None)
+            if use is not None:
+                use(count_tokens)
     slots = [_Slot(env) for env in pool]
     results: list[Episode | None] = [None] * len(jobs)
     next_job = 0
@@ -106,19 +142,24 @@ def run_episodes(
             slot.obs, slot.job = None, None
             return
         task, sample = jobs[next_job]
-        slot.obs, _ = slot.env.reset(seed=seed + next_job, options={
-            "task": task, "group_id": group_prefix + task.task_id, "sample_id": sample,
-            "episode_id": f"{group_prefix}{task.task_id}#{sample}@{seed + next_job}",
-            "generation": sampling.to_dict()})
+        options = {"task": task, "group_id": group_prefix + task.task_id, "sample_id": sample,
+                   "episode_id": f"{group_prefix}{task.task_id}#{sample}@{seed + next_job}",
+                   "generation": sampling.to_dict()}
+        if split is not None:
+            options["split"] = split
+        if hints is not None:
+            options["hints"] = hints
+        slot.obs, _ = slot.env.reset(seed=seed + next_job, options=options)
         slot.job = next_job
         next_job += 1
 
     for slot in slots:
         start(slot)
-    done = 0
+    done, rounds = 0, 0
     while any(slot.job is not None for slot in slots):
         active = [slot for slot in slots if slot.job is not None]
-        completions = policy.generate([slot.obs for slot in active], sampling)
+        completions = policy.generate([slot.obs for slot in active], sampling.derive(rounds))
+        rounds += 1
         if len(completions) != len(active):
             raise RuntimeError(f"policy returned {len(completions)} completions for "
                                f"{len(active)} conversations")

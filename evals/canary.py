@@ -57,8 +57,6 @@ must use ``min`` / ``max`` rules (absolute bounds set at the baseline's known le
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,16 +73,10 @@ from envs.runner import Policy, Sampling, run_episodes
 from evals.gates import Criterion, Decision, decide
 from evals.run import EvalRecord, evaluate
 from trajectories import Episode
+from trajectories.hashing import canonical_hash
 
 Stage = Literal["offline", "shadow", "canary", "promote"]
 ARTIFACT_CHANGED = "artifact changed after evaluation"
-
-
-def state_hash(obj: Any) -> str:
-    """sha256 of the canonical JSON (sorted keys, no spaces, UTF-8) of a store or log."""
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,10 +140,10 @@ class LiveSystem(BaseModel):
         return copy.deepcopy(value)  # the live system owns its state; callers keep theirs
 
     def store_hash(self) -> str:
-        return state_hash(self.store)
+        return canonical_hash(self.store)
 
     def conversations_hash(self) -> str:
-        return state_hash(self.conversations)
+        return canonical_hash(self.conversations)
 
     def snapshot(self) -> LiveSnapshot:
         return LiveSnapshot(store=copy.deepcopy(self.store),
@@ -320,8 +312,9 @@ class CanaryResult(BaseModel):
 
 def _serve(who: Candidate, tasks: Sequence[TaskSpec], env: LiveStore, sampling: Sampling,
            seed: int) -> list[EvalRecord]:
-    """Run ``tasks`` one after another on ``env`` (a shared store); one record per episode."""
-    episodes = run_episodes([env], tasks, who.policy, sampling, seed=seed)
+    """Run ``tasks`` one after another on ``env`` (a shared store), hint-free; one record per
+    episode."""
+    episodes = run_episodes([env], tasks, who.policy, sampling, seed=seed, hints=False)
     return [EvalRecord.from_episode(ep, who.name, who.bundle_hash,
                                     env.latencies.get(ep.episode_id, 0.0)) for ep in episodes]
 
@@ -367,8 +360,8 @@ def _shadow(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> Stag
             env.close()
     cand, base = records
     hashes = {"live_before": live_before, "live_after": live.store_hash(),
-              "shadow_after": state_hash(copies[candidate.bundle_hash]),
-              "baseline_shadow_after": state_hash(copies[baseline.bundle_hash])}
+              "shadow_after": canonical_hash(copies[candidate.bundle_hash]),
+              "baseline_shadow_after": canonical_hash(copies[baseline.bundle_hash])}
     decision = decide(cand, plan.shadow_criteria or plan.criteria, base, plan.n_boot,
                       plan.seed, plan.conf)
     status, reasons = decision.status, list(decision.reasons)

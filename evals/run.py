@@ -2,9 +2,15 @@
 
 ``evaluate`` drives ``envs.runner.run_episodes`` (the same runner RL rollouts use) over a list
 of tasks and turns every episode into an ``EvalRecord``: reward and its components, outcome,
-the task's slice fields (skills, structure, entity group, length, difficulty, atomic or
-composed), whether a hint was shown, and cost (generated tokens, sessions, compressions,
-branches, latency from reset to the terminal step, policy time included).
+the split it was drawn from, the task's slice fields (skills, structure, entity group, length,
+difficulty, atomic or composed), whether a hint was shown, cost (generated tokens, sessions,
+compressions, branches, latency from reset to the terminal step, policy time included) and
+what crossed compression boundaries (summary tokens, summaries whose session reached the
+answer).
+
+Evaluation is hint-free: hints stay hidden whatever the env kwargs say (``hints=True`` is a
+training option). ``hinted=True`` is the explicit, separately named exception, and every
+record says whether a hint was shown.
 
 ``slice_summary(records, by)`` aggregates records per slice:
 
@@ -51,6 +57,7 @@ class EvalRecord(BaseModel):
     env_id: str
     sample_id: int = 0
     seed: int | None = None
+    split: str = Field("", description="the split the task was drawn from (holdout_iid, ...)")
     policy_name: str = "policy"
     bundle_hash: str | None = Field(None, description="content hash of the evaluated bundle")
     reward: float = Field(description="RewardBreakdown.total")
@@ -69,6 +76,8 @@ class EvalRecord(BaseModel):
     sessions: int = 1
     compressions: int = 0
     branches: int = 0
+    summary_tokens: int = Field(0, description="generated tokens of the summaries written")
+    summaries_used: int = Field(0, description="compressed sessions whose output reached the answer")
     latency_s: float = Field(0.0, description="reset to terminal step, policy time included")
 
     @property
@@ -84,9 +93,11 @@ class EvalRecord(BaseModel):
         meta = episode.task_meta
         skills = list(meta.get("skills", []))
         origins = [s.origin for s in episode.sessions]
+        compressed = episode.compressed_sessions()
         return cls(
             task_id=episode.task_id, episode_id=episode.episode_id, env_id=episode.env_id,
-            sample_id=episode.sample_id, seed=episode.seed, policy_name=policy_name,
+            sample_id=episode.sample_id, seed=episode.seed, split=episode.split,
+            policy_name=policy_name,
             bundle_hash=bundle_hash, reward=episode.reward.total,
             components=dict(episode.reward.components), outcome=episode.reward.outcome,
             success=episode.reward.outcome == Outcome.correct,
@@ -97,7 +108,9 @@ class EvalRecord(BaseModel):
             hint_shown=bool(episode.hint and episode.hint.get("shown")),
             generated_tokens=sum(s.generated_tokens for s in episode.sessions),
             sessions=len(episode.sessions), compressions=origins.count("compression"),
-            branches=origins.count("branch"), latency_s=latency_s)
+            branches=origins.count("branch"),
+            summary_tokens=sum(len(s.last_reply.token_ids or []) for s in compressed),
+            summaries_used=sum(bool(s.used_by_final) for s in compressed), latency_s=latency_s)
 
 
 class _Timed(gymnasium.Wrapper):
@@ -130,11 +143,14 @@ def evaluate(
     policy_name: str = "policy",
     bundle_hash: str | None = None,
     num_envs: int = 16,
+    split: str | None = None,
+    hinted: bool = False,
 ) -> list[EvalRecord]:
     """Run every task ``samples_per_task`` times; one ``EvalRecord`` per episode, in task order.
 
-    ``env_kwargs`` build the environments (hints stay off unless they say ``hints=True``; the
-    record says whether one was shown). Episodes are seeded as ``run_episodes`` seeds them.
+    ``env_kwargs`` build the environments; hints are hidden whatever they say unless
+    ``hinted=True``. ``split`` names where the tasks come from (recorded on every episode and
+    record). Episodes are seeded as ``run_episodes`` seeds them.
     """
     jobs = len(tasks) * samples_per_task
     if jobs == 0:
@@ -144,7 +160,8 @@ def evaluate(
             for _ in range(min(num_envs, jobs))]
     try:
         episodes = run_episodes(pool, tasks, policy, sampling or Sampling(),
-                                samples_per_task=samples_per_task, seed=seed)
+                                samples_per_task=samples_per_task, seed=seed, split=split,
+                                hints=hinted)
     finally:
         for env in pool:
             env.close()

@@ -34,7 +34,6 @@ hint-free evaluation set with a manifest hash that ``verify()`` recomputes.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import unicodedata
@@ -49,9 +48,11 @@ from pydantic import BaseModel, ConfigDict
 
 from envs.core import TaskSpec
 from envs.registry import make
+from trajectories.hashing import canonical_hash
 
 BUCKETS = ("train", "holdout_structure", "holdout_entity", "holdout_length")
 HOLDOUT_BUCKETS = BUCKETS[1:]
+SPLIT_NAMES = (*BUCKETS, "holdout_iid", "holdout")  # what ``Splits[name]`` answers
 
 # ---------------------------------------------------------------------------------------------
 # Text normalisation and near-duplicate search
@@ -239,7 +240,7 @@ def check_leakage(
 @dataclass(frozen=True)
 class Splits:
     """Named lists of tasks. ``splits["train"]``, ``splits["holdout"]`` (the union of the three
-    holdout buckets), ``splits["dropped_duplicates"]``; ``criteria`` records what was held out."""
+    holdout buckets, interleaved), ``splits["dropped_duplicates"]``; ``criteria`` records what was held out."""
 
     train: list[TaskSpec]
     holdout_structure: list[TaskSpec]
@@ -251,13 +252,16 @@ class Splits:
 
     @property
     def holdout(self) -> list[TaskSpec]:
+        """The union of the three holdout buckets, taken from each in turn (round robin), so
+        that its first n tasks mix every kind of holdout the pool has."""
         seen: set[str] = set()
         out = []
-        for name in HOLDOUT_BUCKETS:
-            for task in getattr(self, name):
-                if task.task_id not in seen:
-                    seen.add(task.task_id)
-                    out.append(task)
+        buckets = [getattr(self, name) for name in HOLDOUT_BUCKETS]
+        for rank in range(max(map(len, buckets), default=0)):
+            for bucket in buckets:
+                if rank < len(bucket) and bucket[rank].task_id not in seen:
+                    seen.add(bucket[rank].task_id)
+                    out.append(bucket[rank])
         return out
 
     def __getitem__(self, name: str) -> list[Any]:
@@ -267,7 +271,7 @@ class Splits:
 
     def keys(self) -> tuple[str, ...]:
         """Names of the task lists."""
-        return (*BUCKETS, "holdout_iid", "holdout")
+        return SPLIT_NAMES
 
     def items(self) -> Iterator[tuple[str, list[TaskSpec]]]:
         return ((name, self[name]) for name in self.keys())
@@ -454,13 +458,12 @@ def _manifest(tasks: Sequence[TaskSpec]) -> dict[str, dict[str, str]]:
     """task_id -> {prompt: sha256 of the prompt, spec: sha256 of the task's canonical JSON}."""
     return {t.task_id: {
         "prompt": _sha256(t.prompt),
-        "spec": _sha256(json.dumps(t.model_dump(mode="json"), sort_keys=True,
-                                   separators=(",", ":"), ensure_ascii=False)),
+        "spec": canonical_hash(t.model_dump(mode="json")),
     } for t in tasks}
 
 
 def _manifest_hash(manifest: dict[str, dict[str, str]]) -> str:
-    return _sha256(json.dumps(sorted(manifest.items()), separators=(",", ":")))
+    return canonical_hash(sorted(manifest.items()))
 
 
 class SealedSet(BaseModel):

@@ -28,8 +28,9 @@ episode's n sessions 1/n, so an episode cut into more sessions is not up-weighte
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from trajectories.models import Episode
 
@@ -65,16 +66,41 @@ def register_assigner(name: str, unit: RewardUnit = "session") -> Callable[[Assi
     return decorator
 
 
-def assign(episode: Episode, method: str = "broadcast", **params) -> Credit:
+def _lookup(method: str) -> tuple[Assigner, RewardUnit]:
     try:
-        fn, unit = ASSIGNERS[method]
+        return ASSIGNERS[method]
     except KeyError:
         raise ValueError(f"unknown assigner {method!r}; registered: {sorted(ASSIGNERS)}") from None
+
+
+def assign(episode: Episode, method: str = "broadcast", **params) -> Credit:
+    fn, unit = _lookup(method)
     values = fn(episode, **params)
     ids = [s.session_id for s in episode.sessions]
     if sorted(values) != sorted(ids):
         raise ValueError(f"assigner {method!r} must credit exactly the sessions {ids}, got {sorted(values)}")
     return Credit(values, method, unit, params)
+
+
+def check_params(method: str, params: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the problem when ``params`` do not fit assigner ``method``:
+    keywords its signature does not take (or lacks), or values it refuses on a dry run over a
+    two-session episode (root + compression)."""
+    fn, _ = _lookup(method)
+    signature = inspect.signature(fn)
+    try:
+        signature.bind(None, **params)
+    except TypeError as exc:
+        takes = [name for name in list(signature.parameters)[1:]]
+        raise ValueError(f"assigner {method!r} cannot take {sorted(params)} ({exc}); it takes "
+                         f"{takes or 'no parameters'}") from None
+    from trajectories.testing import episode, session
+
+    probe = episode([session("root"), session("next", "root", "compression")])
+    try:
+        assign(probe, method, **params)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"assigner {method!r} refuses {params}: {exc}") from None
 
 
 @register_assigner("broadcast", unit="episode")

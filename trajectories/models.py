@@ -13,13 +13,13 @@ checked byte for byte later (``RolloutStore.verify``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trajectories.hashing import canonical_hash, canonical_json
 
 SCHEMA_VERSION = 1
 
@@ -234,6 +234,11 @@ class Session(_Frozen):
     def messages(self) -> list[dict[str, Any]]:
         return [t.message() for t in self.turns]
 
+    @property
+    def last_reply(self) -> Turn | None:
+        """The session's last assistant turn (for a compressed session: its summary)."""
+        return next((t for t in reversed(self.turns) if t.role == "assistant"), None)
+
 
 class Episode(_Frozen):
     """One agent episode: a tree of sessions, its reward and its provenance."""
@@ -304,6 +309,11 @@ class Episode(_Frozen):
                 return current
             current = continuations[-1]
 
+    def compressed_sessions(self) -> list[Session]:
+        """The sessions that were compressed (each has a compression child), in order."""
+        parents = {s.parent_id for s in self.sessions if s.origin == "compression"}
+        return [s for s in self.sessions if s.session_id in parents]
+
     def evolve(self, **updates: Any) -> Episode:
         """A copy with some fields replaced, re-validated, with a fresh content hash."""
         data = {**self.model_dump(), **updates, "content_hash": ""}
@@ -316,20 +326,16 @@ class Episode(_Frozen):
         return self.compute_hash() == self.content_hash
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"),
-                          ensure_ascii=False, allow_nan=False)
+        return canonical_json(self.model_dump(mode="json"))
 
 
 def _hash_payload(payload: dict[str, Any]) -> str:
     try:
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
+        return canonical_hash(payload)
     except ValueError as exc:
         raise ValueError(f"episode holds a non-finite number and cannot be hashed: {exc}") from exc
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def messages_hash(messages: list[dict[str, Any]]) -> str:
     """sha256 of the canonical JSON of a message list (compression boundaries)."""
-    text = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return canonical_hash(messages)

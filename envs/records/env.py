@@ -23,7 +23,8 @@ from envs.records.world import (
     records_task_pool,
     store_diff,
 )
-from trajectories import Outcome, RewardBreakdown
+from envs.sessions import content_tokens, used_by_data_flow, words
+from trajectories import Episode, Outcome, RewardBreakdown, Session
 
 WEIGHTS = {"answer": 0.7, "state": 0.3}
 
@@ -55,6 +56,16 @@ def records_reward(answer: str | None, expected_answer: str, diff: dict[str, Any
     else:
         score = 0.0
     return {"answer": score, "state": float(diff == expected_diff)}
+
+
+def record_facts(task: TaskSpec) -> set[str]:
+    """The words of every record id and field value in the task's store and of its expected
+    answer: what a value found in this world can consist of."""
+    texts = [task.target["answer"]]
+    for records in task.data.values():
+        for rid, record in records.items():
+            texts += [rid, *map(str, record.values())]
+    return words(" ".join(texts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +142,14 @@ class RecordsEnv(ToolEnv):
 
     def tool_effects(self, task: TaskSpec, state: dict[str, Any]) -> dict[str, Any]:
         return store_diff(task.data, state)
+
+    def session_used(self, session: Session, episode: Episode) -> bool | None:
+        """Data flow (``envs.sessions``) with task knowledge: what a sub-agent's returned value
+        carries is only the record ids and values of this task's store (and the values the
+        expected answer derives from them), so "I found the record" carries nothing."""
+        facts = record_facts(self.task)
+        return used_by_data_flow(episode, self.parser.parse,
+                                 lambda text: content_tokens(text) & facts)[session.session_id]
 
     # --- tools ---------------------------------------------------------------------------
     @tool
@@ -341,5 +360,5 @@ def _note(step: dict[str, Any], result: str) -> str:
     return f"sub-agent result: {result}"
 
 
-__all__ = ["WEIGHTS", "LongRecordsEnv", "RecordsEnv", "normalize_answer",
+__all__ = ["WEIGHTS", "LongRecordsEnv", "RecordsEnv", "normalize_answer", "record_facts",
            "records_reward", "solver_plan", "solver_progress", "solver_summary"]

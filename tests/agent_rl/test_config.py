@@ -177,6 +177,38 @@ def test_other_impossible_combinations():
                                              "env.iid_fraction=0.2"]).env.iid_fraction == 0.2
 
 
+def test_credit_params_are_checked_against_the_assigner():
+    assert "credit.params" in contract_error(overrides=["credit.params={gama: 0.5}",
+                                                        "credit.assigner=discounted"])
+    message = contract_error(overrides=["credit.params={gama: 0.5}", "credit.assigner=discounted"])
+    assert "gama" in message and "gamma" in message  # what it got and what it takes
+    assert "gamma must be in [0, 1]" in contract_error(
+        overrides=["credit.assigner=discounted", "credit.params={gamma: 2}"])
+    assert "no parameters" in contract_error(overrides=["credit.params={unused_value: 0}"])
+    ok = ExperimentContract.from_dict({}, ["credit.assigner=usage_weighted",
+                                           "credit.params={unused_value: -0.5}"])
+    assert ok.credit.params == {"unused_value": -0.5}
+
+
+def test_splits_are_checked_by_name_and_held_out_from_training():
+    assert "eval.split: no split 'holdot'" in contract_error(overrides=["eval.split=holdot"])
+    assert "env.split: no split 'trian'" in contract_error(overrides=["env.split=trian"])
+    assert "is the training split" in contract_error(
+        overrides=["env.split=holdout", "eval.split=holdout"])
+    assert "name each split once" in contract_error(overrides=["eval.split=[holdout, holdout]"])
+    both = ExperimentContract.from_dict({}, ["eval.split=[holdout_iid, holdout]",
+                                             "env.iid_fraction=0.2"])
+    assert both.eval.splits == ["holdout_iid", "holdout"]
+    assert ExperimentContract().eval.splits == ["holdout"]
+
+
+def test_a_context_budget_must_fit_the_prompt_limit():
+    message = contract_error(overrides=["env.kwargs={context_budget: 600}",
+                                        "rollout.max_prompt_tokens=512"])
+    assert "context_budget (600) must be below rollout.max_prompt_tokens (512)" in message
+    assert ExperimentContract.from_dict({}, ["env.kwargs={context_budget: 400}"]).env.kwargs
+
+
 def test_backends_not_built_yet_are_refused():
     assert "backend.name: 'deepspeed' is not implemented yet" in contract_error(
         overrides=["backend.name=deepspeed"])

@@ -14,7 +14,7 @@ import pytest
 import envs
 from agent_rl.openai_policy import OpenAIPolicy, OpenAIPolicyError, chat_url, to_openai_messages
 from envs.arithmetic import WEIGHTS, arithmetic_reward
-from envs.runner import Policy, Sampling, run_episodes
+from envs.runner import Policy, Sampling, run_episodes, stream_seed
 
 ARITH = "agent_rl/Arithmetic-v0"
 MAX_REQUESTS = 200  # the stub answers 503 after this many: a runaway loop fails, never hangs
@@ -133,7 +133,10 @@ def test_episodes_record_the_stubs_answers(stub, tasks):
         "model": "stub-model", "temperature": 0.0, "top_p": 0.9, "max_tokens": 16,
         "logprobs": True, "return_token_ids": True}
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
-    assert {b["seed"] for _, b, _ in stub.log} <= {7, 8, 9}  # seed + index in the batch
+    # one stream per conversation: stream_seed(the round's seed, index in the batch); six
+    # one-turn episodes on three envs are two rounds of three
+    assert sorted(b["seed"] for _, b, _ in stub.log) == sorted(
+        stream_seed(sampling.derive(r).seed, i) % 2**31 for r in range(2) for i in range(3))
 
 
 def test_without_token_ids_logprobs_are_dropped(stub, tasks):

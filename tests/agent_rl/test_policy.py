@@ -37,7 +37,8 @@ def stop_biased(seed=0, bias=4.0):
 
 def session_from(conv, completion, session_id="s"):
     turns = [Turn(**m) for m in conv] + [Turn(role="assistant", content=completion.text,
-                                              **{k: v for k, v in completion.action().items() if k != "text"})]
+                                              **{k: v for k, v in completion.action().items()
+                                                 if k not in ("text", "policy_revision")})]
     return Session(session_id=session_id, episode_id="ep", turns=turns)
 
 
@@ -64,6 +65,34 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert [c.logprobs for c in a] == [c.logprobs for c in b]
     other = policy.generate(CONVS, Sampling(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=124))
     assert [c.token_ids for c in other] != [c.token_ids for c in a]
+
+
+def test_every_row_has_its_own_random_stream(tiny):
+    model, tok = tiny
+    same = [CONVS[0]] * 4  # one prompt four times: rows differ only by their stream
+    s = Sampling(temperature=1.0, max_new_tokens=8, seed=5)
+    out = HFPolicy(model, tok, batch_size=4).generate(same, s)
+    assert len({tuple(c.token_ids) for c in out}) == 4
+    # the stream is the row's, not the chunk's: cutting the batch in two gives the same draws
+    # (identical prompts, so no padding changes the numbers)
+    halves = HFPolicy(model, tok, batch_size=2).generate(same, s)
+    assert [c.token_ids for c in halves] == [c.token_ids for c in out]
+
+
+def test_prompts_over_the_limit_are_not_generated_for(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    lengths = [policy.count_tokens(c) for c in CONVS]
+    assert lengths == [len(chat_ids(tok, c, add_generation_prompt=True)) for c in CONVS]
+    limit = sorted(lengths)[1]  # the longest prompt is over it
+    out = policy.generate(CONVS, Sampling(temperature=0.0, max_new_tokens=4, max_prompt_tokens=limit))
+    for c, n in zip(out, lengths, strict=True):
+        if n > limit:
+            assert (c.finish_reason, c.text, c.token_ids, c.prompt_tokens) == ("prompt_too_long", "", [], n)
+        else:
+            assert c.finish_reason in ("stop", "length") and c.token_ids
+    policy.revision = 3
+    assert {c.policy_revision for c in policy.generate(CONVS, Sampling(max_new_tokens=2))} == {3}
 
 
 def test_finish_reasons_and_max_new_tokens():

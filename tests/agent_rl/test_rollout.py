@@ -17,9 +17,11 @@ from agent_rl.rollout import (
     apply_truncation,
     budget_report,
     build_sequences,
+    contrast_stats,
     filter_groups,
     generated_tokens,
     rollout_batch,
+    session_advantages,
 )
 from envs.runner import Sampling
 from trajectories import (
@@ -31,6 +33,7 @@ from trajectories import (
     Session,
     Turn,
     assign,
+    testing,
 )
 
 EPS = 1e-6
@@ -332,12 +335,11 @@ def test_build_sequences_advantages_and_weights_by_hand(tok):
     decided, drops = filter_groups(episodes, dynamic_sampling=True)
     assert drops == []
     sequences, stats = build_sequences(tok, decided, **BUILD)
-    # broadcast: each session is one member of its group, with the episode reward.
-    # A: [1, 0, 0.5], mean 0.5, population std sqrt(1/6); B: [0.2, 0.2, 0.2, 0.8], mean 0.35,
-    # population std sqrt((3 * 0.15**2 + 0.45**2) / 4) = sqrt(0.0675).
-    sa, sb = math.sqrt(1 / 6), math.sqrt(0.0675)
+    # The baseline is over episodes: A: [1, 0, 0.5], mean 0.5, population std sqrt(1/6);
+    # B: [0.2, 0.8] (B#0 has 3 sessions, which do not count thrice), mean 0.5, std 0.3.
+    sa, sb = math.sqrt(1 / 6), 0.3
     expected = [0.5 / (sa + EPS), -0.5 / (sa + EPS), 0.0,
-                -0.15 / (sb + EPS), -0.15 / (sb + EPS), -0.15 / (sb + EPS), 0.45 / (sb + EPS)]
+                -0.3 / (sb + EPS), -0.3 / (sb + EPS), -0.3 / (sb + EPS), 0.3 / (sb + EPS)]
     assert [q.advantage for q in sequences] == pytest.approx(expected, abs=1e-9)
     assert sequences[2].advantage == 0.0  # the group mean exactly
     assert [q.session_id for q in sequences] == [s.session_id for e in episodes for s in e.sessions]
@@ -355,10 +357,10 @@ def test_build_sequences_advantages_and_weights_by_hand(tok):
     per_session, _ = build_sequences(tok, decided, **{**BUILD, "session_weighting": "per_session"})
     assert [q.weight for q in per_session] == [1.0] * 7
     uniform, _ = build_sequences(tok, decided, **{**BUILD, "assigner": "uniform_split", "std": "none"})
-    # uniform_split: B#0's sessions get 0.2 / 3 each; std none: advantage = credit - group mean.
-    b = [0.2 / 3] * 3 + [0.8]
-    mb = sum(b) / 4
-    assert [q.advantage for q in uniform[3:]] == pytest.approx([x - mb for x in b], abs=1e-12)
+    # uniform_split: B#0's sessions get credit 0.2 / 3 each, measured against the episode
+    # baseline 0.5; std none: advantage = credit - group mean.
+    assert [q.advantage for q in uniform[3:]] == pytest.approx(
+        [0.2 / 3 - 0.5] * 3 + [0.8 - 0.5], abs=1e-12)
 
 
 def branching_episode(tok, episode_id: str, reward: float, branch_used: bool) -> Episode:
@@ -397,7 +399,7 @@ def test_usage_weighted_credits_an_unused_branch_with_zero(tok):
     assert dict(assign(good, "usage_weighted")) == {"u#0/s0": 1.0, "u#0/s1": 0.0, "u#0/s2": 1.0}
     decided, _ = filter_groups([good, bad], dynamic_sampling=True)
     sequences, _ = build_sequences(tok, decided, **{**BUILD, "assigner": "usage_weighted"})
-    # credits [1, 0, 1 | 0]: mean 0.5, std 0.5
+    # episode rewards [1 | 0]: mean 0.5, std 0.5; credits [1, 0, 1 | 0]
     a = 0.5 / (0.5 + EPS)
     assert [(q.session_id, q.advantage) for q in sequences] == [
         ("u#0/s0", pytest.approx(a)), ("u#0/s1", pytest.approx(-a)),
@@ -410,8 +412,80 @@ def test_usage_weighted_credits_an_unused_branch_with_zero(tok):
     custom, _ = build_sequences(tok, decided, **{**BUILD, "assigner": "usage_weighted",
                                                  "assigner_params": {"unused_value": -1.0},
                                                  "std": "none"})
-    mean = (1 - 1 + 1 + 0) / 4
+    mean = (1.0 + 0.0) / 2  # the episodes' rewards, not the credits
     assert [q.advantage for q in custom] == pytest.approx([1 - mean, -1 - mean, 1 - mean, 0 - mean])
+
+
+# --- session_advantages: the group baseline is over episodes ------------------------------------
+
+
+def chain(episode_id: str, n: int, reward: float, group: str = "G") -> Episode:
+    """An episode of ``n`` sessions (root, then n - 1 compressions); the last answers."""
+    sessions = [testing.session(f"{episode_id}/s0", episode_id=episode_id)]
+    for k in range(1, n):
+        sessions.append(testing.session(f"{episode_id}/s{k}", f"{episode_id}/s{k - 1}",
+                                        "compression", episode_id=episode_id))
+    return testing.episode(sessions, reward, episode_id=episode_id, group_id=group,
+                           final_session_id=sessions[-1].session_id)
+
+
+@pytest.fixture
+def one_two_three():
+    # rewards [1, 0, 0.5]: mean 0.5, population std sqrt(((0.5)^2 + (0.5)^2 + 0) / 3) = sqrt(1/6)
+    return [chain("e1", 1, 1.0), chain("e2", 2, 0.0), chain("e3", 3, 0.5)]
+
+
+def test_session_advantages_broadcast_is_grpo_per_episode_whatever_the_session_count(one_two_three):
+    s = math.sqrt(1 / 6)
+    adv = session_advantages(one_two_three, "broadcast", std="population", eps=0.0)
+    assert adv == pytest.approx({("e1", "e1/s0"): 0.5 / s,
+                                 ("e2", "e2/s0"): -0.5 / s, ("e2", "e2/s1"): -0.5 / s,
+                                 ("e3", "e3/s0"): 0.0, ("e3", "e3/s1"): 0.0, ("e3", "e3/s2"): 0.0})
+    assert adv.stats["groups"] == 1 and adv.stats["zero_contrast"] == 0
+    # The old, wrong rule (every session a group member) would have had mean 1.5 / 6 = 0.25.
+    none = session_advantages(one_two_three, "broadcast", std="none")
+    assert none == pytest.approx({("e1", "e1/s0"): 0.5, ("e2", "e2/s0"): -0.5,
+                                  ("e2", "e2/s1"): -0.5, ("e3", "e3/s0"): 0.0,
+                                  ("e3", "e3/s1"): 0.0, ("e3", "e3/s2"): 0.0})
+
+
+def test_session_advantages_terminal_only_and_discounted_by_hand(one_two_three):
+    s = math.sqrt(1 / 6)
+    term = session_advantages(one_two_three, "terminal_only", eps=0.0)
+    # credits: e1 [1]; e2 [0, 0]; e3 [0, 0, 0.5]; baseline 0.5 for all
+    assert term == pytest.approx({("e1", "e1/s0"): 0.5 / s,
+                                  ("e2", "e2/s0"): -0.5 / s, ("e2", "e2/s1"): -0.5 / s,
+                                  ("e3", "e3/s0"): -0.5 / s, ("e3", "e3/s1"): -0.5 / s,
+                                  ("e3", "e3/s2"): 0.0})
+    disc = session_advantages(one_two_three, "discounted", {"gamma": 0.5}, std="none")
+    # e3: 0.5 * 0.5**d for d = 2, 1, 0 -> [0.125, 0.25, 0.5]; e2: 0; e1: 1
+    assert disc == pytest.approx({("e1", "e1/s0"): 0.5, ("e2", "e2/s0"): -0.5,
+                                  ("e2", "e2/s1"): -0.5, ("e3", "e3/s0"): 0.125 - 0.5,
+                                  ("e3", "e3/s1"): 0.25 - 0.5, ("e3", "e3/s2"): 0.0})
+
+
+def test_session_advantages_zero_contrast_groups_are_zero_everywhere():
+    group = [chain("a", 1, 1.0), chain("b", 3, 1.0)]
+    adv = session_advantages(group, "terminal_only")  # credits 1 | 0, 0, 1 but no contrast
+    assert set(adv.values()) == {0.0} and len(adv) == 4
+    assert adv.stats == {"groups": 1, "zero_contrast": 1, "all_correct": 1, "all_wrong": 0,
+                         "zero_contrast_other": 0}
+    two = session_advantages([chain("a", 1, 1.0, "x"), chain("b", 2, 0.0, "x"),
+                              chain("c", 1, 0.0, "y"), chain("d", 2, 0.0, "y")], eps=0.0)
+    # group x: rewards [1, 0], mean 0.5, std 0.5; group y has no contrast
+    assert two == pytest.approx({("a", "a/s0"): 1.0, ("b", "b/s0"): -1.0, ("b", "b/s1"): -1.0,
+                                 ("c", "c/s0"): 0.0, ("d", "d/s0"): 0.0, ("d", "d/s1"): 0.0})
+    assert two.stats["all_wrong"] == 1
+
+
+def test_group_stats_are_counted_with_and_without_dynamic_sampling(tok):
+    episodes = groups_of_every_kind(tok)
+    for dynamic in (True, False):
+        decided, _ = filter_groups(episodes, dynamic_sampling=dynamic)
+        stats = contrast_stats(decided)
+        # g-correct, g-wrong, g-half flat; g-lonely has one valid episode (flat, correct)
+        assert stats == {"groups": 6, "zero_contrast": 4, "all_correct": 2, "all_wrong": 1,
+                         "zero_contrast_other": 1}, dynamic
 
 
 # --- a real multi-session LongRecords-v0 episode --------------------------------------------
@@ -515,10 +589,10 @@ def test_scripted_long_records_group_builds_sequences_by_hand(tiny, long_episode
     assert drops == [] and all(e.filter["kept"] for e in decided)
     sequences, _ = build_sequences(tok, decided, **BUILD)
     n0, n1 = len(solved.sessions), len(wrong.sessions)
-    credits = [solved.reward.total] * n0 + [wrong.reward.total] * n1
-    mean = sum(credits) / len(credits)
-    std = math.sqrt(sum((c - mean) ** 2 for c in credits) / len(credits))
-    assert [q.advantage for q in sequences] == pytest.approx([(c - mean) / (std + EPS) for c in credits])
+    # broadcast with an episode baseline: plain GRPO on the two episodes, whatever their
+    # session counts: rewards [1.0, 0.3], mean 0.65, std 0.35 -> +1 and -1 on every session
+    a = 0.35 / (0.35 + EPS)
+    assert [q.advantage for q in sequences] == pytest.approx([a] * n0 + [-a] * n1)
     assert [q.weight for q in sequences] == pytest.approx([1 / n0] * n0 + [1 / n1] * n1)
     report = budget_report(decided, drops, "mask")
     assert report["tokens_generated"] == tokens_of(solved) + tokens_of(wrong) == report["tokens_kept"]

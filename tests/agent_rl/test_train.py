@@ -27,6 +27,7 @@ import envs
 from agent_rl import checkpoint, train
 from agent_rl.config import ExperimentContract
 from agent_rl.models import tiny_model
+from agent_rl.rollout import TrainSequence, session_advantages
 from tests.agent_rl import toy_env
 from trajectories import Outcome, RolloutStore
 
@@ -167,8 +168,16 @@ def test_losses_have_gradients_and_parameters_move(straight):
             # the step moved the policy on its own batch (k3 KL >= 0, > 0 after a real step),
             # while before the step the fresh batch is on-policy (kl/approx ~ 0)
             assert m["kl/update"] > 1e-9 and abs(m["kl/approx"]) < 1e-5
-    # At ratio 1 the loss is -mean(A) over tokens: zero for equal lengths, so not every step.
-    assert any(abs(loss) > 1e-4 for loss in result.losses)
+    # At ratio 1 the token-mean loss is -sum_b A_b n_b / sum_b n_b over the trained sessions
+    # (n_b: sampled tokens): recomputed from the stored rollouts, step by step. (It is 0 when
+    # every response has the same length, as random text cut at 12 tokens often has.)
+    episodes = list(RolloutStore(result.run_dir / "rollouts.jsonl").read())
+    for m in metrics:
+        kept = [e for e in episodes if e.group_id.startswith(f"step{m['step']}/") and e.filter["kept"]]
+        adv = session_advantages(kept)
+        n = {(e.episode_id, s.session_id): s.generated_tokens for e in kept for s in e.sessions}
+        expected = -sum(a * n[key] for key, a in adv.items()) / sum(n[key] for key in adv)
+        assert m["loss/policy"] == pytest.approx(expected, abs=1e-5)
     assert any(m["reward/std"] > 0 for m in metrics)
     assert bundle_params_hash(result.run_dir) != initial_params_hash()
 
@@ -371,3 +380,62 @@ def test_entropy_collapse_stops_the_run(tmp_path, monkeypatch):
     assert json.loads((result.run_dir / "guard.json").read_text())["rule"] == "entropy_collapse"
     assert checkpoint.latest_complete(result.run_dir / "checkpoints").name == "step-000001"
 
+
+
+# --- what the loop records and refuses ---------------------------------------------------------
+
+
+def test_rollouts_record_the_policy_revision_and_the_lag_is_measured(straight):
+    _, result = straight
+    episodes = list(RolloutStore(result.run_dir / "rollouts.jsonl").read())
+    for e in episodes:
+        step = int(e.group_id.split("/")[0][len("step"):])
+        assert {s.policy_revision for s in e.sessions} == {step - 1}  # one update per step
+        assert e.split == "train"
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert [m["rollout/policy_lag"] for m in metrics] == [0.0] * STEPS
+
+
+def test_policy_lag_by_hand():
+    sequences = [TrainSequence("e", f"s{k}", "g", None, 0.0, 1.0, policy_revision=r)
+                 for k, r in enumerate((5, 3, None))]
+    assert train.policy_lag(sequences, 5) == {"max": 2.0, "mean": 1.0}
+    assert train.policy_lag([], 5) == {"max": 0.0, "mean": 0.0}
+
+
+def test_evaluation_is_hint_free_and_records_its_splits(tmp_path):
+    run_dir = tmp_path / "run"
+    contract = make_contract(run_dir, "env.id=agent_rl/Arithmetic-v0", "env.kwargs={hints: true}",
+                             "env.iid_fraction=0.25", "eval.split=[holdout_iid, holdout]",
+                             "eval.n=3", "optim.max_steps=1", "rollout.tasks_per_step=1",
+                             "checkpoint.every=0")
+    result = train.run(contract, progress=False)
+    before = read_jsonl(run_dir / "evals" / "before.jsonl")
+    assert [r["split"] for r in before] == ["holdout_iid"] * 3 + ["holdout"] * 3
+    assert not any(r["hint_shown"] for r in before)  # env.kwargs.hints is for training only
+    trained = list(RolloutStore(run_dir / "rollouts.jsonl").read())
+    assert trained and all(e.hint and e.hint["shown"] for e in trained)
+    assert {e.split for e in trained} == {"train"}
+    assert set(result.before["splits"]) == set(result.comparison["splits"]) == {"holdout_iid",
+                                                                                "holdout"}
+    assert result.comparison["n"] == 6 and result.comparison["splits"]["holdout"]["n"] == 3
+
+
+def test_max_prompt_tokens_is_enforced(tmp_path):
+    run_dir = tmp_path / "run"
+    train.run(make_contract(run_dir, "rollout.max_prompt_tokens=8", "optim.max_steps=1",
+                            "eval.n=2", "checkpoint.every=0"), progress=False)
+    episodes = list(RolloutStore(run_dir / "rollouts.jsonl").read())
+    assert len(episodes) == TASKS * GROUP
+    assert {e.reward.audit["truncated_by"] for e in episodes} == {"max_prompt_tokens"}
+    assert {e.reward.outcome for e in episodes} == {Outcome.truncated}
+    assert {r["outcome"] for r in read_jsonl(run_dir / "evals" / "before.jsonl")} == {"truncated"}
+    (m,) = read_jsonl(run_dir / "metrics.jsonl")
+    assert m["rollout/tokens_generated"] == 0 and m["train/sequences"] == 0
+
+
+def test_evaluation_tasks_that_overlap_training_are_refused_before_anything_is_written(tmp_path):
+    contract = make_contract(tmp_path / "run", "env.split=holdout_structure", "eval.split=holdout")
+    with pytest.raises(ValueError, match="eval.split 'holdout' overlaps env.split 'holdout_structure'"):
+        train.run(contract, progress=False)
+    assert not (tmp_path / "run").exists()

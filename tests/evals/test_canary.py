@@ -32,10 +32,10 @@ from evals.canary import (
     canary_split,
     rollback_drill,
     run,
-    state_hash,
 )
 from evals.gates import Criterion
 from trajectories import Outcome
+from trajectories.hashing import canonical_hash
 
 RECORDS = "agent_rl/Records-v0"
 BASE, CAND = "b" * 64, "c" * 64
@@ -236,7 +236,7 @@ def test_a_regressed_candidate_stops_at_the_offline_gate():
     assert result.stages[0].status == "fail" and result.rollback is None
     assert any(r.startswith("FAIL held-out success") for r in result.stages[0].reasons)
     assert live.serving == BASE == result.serving and live.history == []
-    assert live.store_hash() == state_hash(STORE) and live.conversations == []
+    assert live.store_hash() == canonical_hash(STORE) and live.conversations == []
 
 
 def test_a_good_candidate_is_promoted(promoted):
@@ -251,18 +251,18 @@ def test_a_good_candidate_is_promoted(promoted):
     assert {r.bundle_hash for r in canary.candidate_records} == {CAND}
     served = [c["served_by"] for c in live.conversations]
     assert len(served) == 100 and served.count(CAND) == 15
-    assert live.store_hash() == canary.hashes["live_after"] != state_hash(STORE)  # writes kept
+    assert live.store_hash() == canary.hashes["live_after"] != canonical_hash(STORE)  # writes kept
 
 
 def test_shadow_writes_land_on_a_copy_never_on_the_live_store(promoted):
     result, _ = promoted
     shadow = stage(result, "shadow")
-    assert shadow.hashes["live_before"] == shadow.hashes["live_after"] == state_hash(STORE)
+    assert shadow.hashes["live_before"] == shadow.hashes["live_after"] == canonical_hash(STORE)
     assert shadow.hashes["shadow_after"] != shadow.hashes["live_before"]  # the copy was written
     assert any(t.meta.structure.endswith("update") for t in SHADOW)
     assert all(r.success for r in shadow.candidate_records)
     canary = stage(result, "canary")
-    assert canary.hashes["live_before"] == state_hash(STORE)  # nothing leaked before the canary
+    assert canary.hashes["live_before"] == canonical_hash(STORE)  # nothing leaked before the canary
 
 
 def test_a_candidate_that_fails_on_live_traffic_is_rolled_back():
@@ -288,7 +288,7 @@ def test_writes_outside_the_canary_scope_are_refused():
     outcomes = {r.outcome for r in stage(result, "canary").candidate_records}
     assert Outcome.policy_violation in outcomes
     assert all(rec == STORE["people"][UNTOUCHED] for rec in policy.seen)  # never written
-    assert live.store_hash() == state_hash(STORE)
+    assert live.store_hash() == canonical_hash(STORE)
 
 
 @pytest.mark.parametrize("restriction", [{"canary_writes": "none"},
@@ -300,7 +300,7 @@ def test_restricted_canary_permissions_refuse_writes(restriction):
     # the scripted solver retries the refused write until the turn limit
     assert writers and all(r.outcome == Outcome.tool_error for r in writers)
     assert (result.status, result.stage) == ("rolled_back", "canary")
-    assert live.store_hash() == state_hash(STORE)
+    assert live.store_hash() == canonical_hash(STORE)
 
 
 def test_a_shadow_run_that_touches_the_live_store_is_rolled_back():
@@ -312,7 +312,7 @@ def test_a_shadow_run_that_touches_the_live_store_is_rolled_back():
     shadow = stage(result, "shadow")
     assert shadow.status == "fail" and shadow.reasons[0].startswith("FAIL shadow wrote")
     assert shadow.hashes["live_after"] != shadow.hashes["live_before"]
-    assert live.store_hash() == state_hash(STORE) and live.history[0].kind == "rollback"
+    assert live.store_hash() == canonical_hash(STORE) and live.history[0].kind == "rollback"
 
 
 @pytest.mark.parametrize("where", ["offline", "canary"])
@@ -323,7 +323,7 @@ def test_an_inconclusive_gate_never_promotes(where):
     result, live = release(Agent(), **{key: too_many})
     assert stage(result, where).status == "inconclusive" and result.stage == where
     assert result.status == ("stopped" if where == "offline" else "rolled_back")
-    assert live.serving == BASE and live.store_hash() == state_hash(STORE)
+    assert live.serving == BASE and live.store_hash() == canonical_hash(STORE)
     assert all(e.kind != "promote" for e in live.history)
 
 
@@ -336,7 +336,7 @@ def test_weights_swapped_after_evaluation_are_refused_at_promotion():
     assert stage(result, "canary").status == "pass"
     assert (result.status, result.stage) == ("rolled_back", "promote")
     assert stage(result, "promote").reasons[0].startswith(ARTIFACT_CHANGED)
-    assert plan.live.serving == BASE and plan.live.store_hash() == state_hash(STORE)
+    assert plan.live.serving == BASE and plan.live.store_hash() == canonical_hash(STORE)
     assert plan.live.conversations == []
 
 
@@ -352,7 +352,7 @@ def test_a_crash_during_the_canary_rolls_back():
     result, live = release(CrashesOnLive())
     assert (result.status, result.stage) == ("rolled_back", "canary")
     assert "CUDA error" in stage(result, "canary").reasons[0]
-    assert live.store_hash() == state_hash(STORE) and live.conversations == []
+    assert live.store_hash() == canonical_hash(STORE) and live.conversations == []
 
 
 def test_rollback_drill_restores_bundle_conversations_and_tool_effects():
@@ -363,10 +363,10 @@ def test_rollback_drill_restores_bundle_conversations_and_tool_effects():
     live.conversations.append({"episode_id": "e1"})
     report = rollback_drill(live, snapshot)
     assert (report.serving, live.serving) == (BASE, BASE)
-    assert report.store_hash == snapshot.store_hash == state_hash(STORE) != report.store_hash_before
+    assert report.store_hash == snapshot.store_hash == canonical_hash(STORE) != report.store_hash_before
     assert live.conversations == [{"episode_id": "e0"}]
     live.store["people"][UNTOUCHED]["city"] = "Elsewhere"  # the snapshot is not aliased
-    assert rollback_drill(live, snapshot).store_hash == state_hash(STORE)
+    assert rollback_drill(live, snapshot).store_hash == canonical_hash(STORE)
     assert [e.kind for e in live.history] == ["rollback", "rollback"]
     forged = snapshot.model_copy(update={"store_hash": "0" * 64})
     with pytest.raises(RollbackError, match="did not reproduce"):

@@ -122,11 +122,20 @@ def test_zero_policy_scores_by_target(pool):
     assert overall["reward/mean"] == pytest.approx((k * 1.0 + (40 - k) * 0.2) / 40)
 
 
-def test_hints_are_recorded_when_shown(pool):
-    shown = evaluate(Oracle(), ARITH, pool[:3], Sampling(), env_kwargs={"hints": True})
-    assert all(r.hint_shown for r in shown)
-    hidden = evaluate(Oracle(), ARITH, pool[:3], Sampling())
+def test_evaluation_is_hint_free_unless_hinted_is_asked_for(pool):
+    # env kwargs that show hints in training do not reach evaluation ...
+    hidden = evaluate(Oracle(), ARITH, pool[:3], Sampling(), env_kwargs={"hints": True})
     assert not any(r.hint_shown for r in hidden)
+    assert not any("Hint:" in t.prompt for t in pool[:3])  # the prompt itself has none
+    # ... only the explicit, separately named option shows them, and says so
+    shown = evaluate(Oracle(), ARITH, pool[:3], Sampling(), hinted=True)
+    assert all(r.hint_shown for r in shown)
+
+
+def test_records_carry_the_split_they_were_drawn_from(pool):
+    records = evaluate(Oracle(), ARITH, pool[:2], Sampling(), split="holdout_structure")
+    assert [r.split for r in records] == ["holdout_structure"] * 2
+    assert {r.split for r in evaluate(Oracle(), ARITH, pool[:1], Sampling())} == {"train"}
 
 
 def test_slice_summary_hand_checked():

@@ -1,0 +1,77 @@
+"""envs.runner: a distinct, reproducible sampling stream per policy round, the split and hint
+options every reset gets, and the policy's tokenizer counting context budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+import envs
+from envs.runner import Completion, Sampling, run_episodes, stream_seed
+
+
+class Recorder:
+    """A Policy that writes a note first (Relay-like two-turn episodes) and logs its calls."""
+
+    def __init__(self, count_tokens=None):
+        self.calls: list[tuple[int, Sampling]] = []
+        if count_tokens is not None:
+            self.count_tokens = count_tokens
+
+    def generate(self, batch, sampling):
+        self.calls.append((len(batch), sampling))
+        return [Completion("12", token_ids=[1, 2], logprobs=[-0.1, -0.2]) for _ in batch]
+
+
+def test_stream_seed_is_reproducible_and_keyed():
+    assert stream_seed(7, 0) == stream_seed(7, 0)
+    seeds = {stream_seed(7, k) for k in range(100)} | {stream_seed(8, k) for k in range(100)}
+    assert len(seeds) == 200 and all(0 <= s < 2**63 for s in seeds)
+    assert stream_seed(7, 1, 2) != stream_seed(7, 2, 1)
+    assert Sampling(seed=None).derive(3).seed is None
+    assert Sampling(seed=5).derive(3) == Sampling(seed=stream_seed(5, 3))
+
+
+def test_every_round_gets_its_own_seed():
+    """Turn 2 of an episode must not replay turn 1's random numbers: with one Sampling for
+    every call, a seeded policy reseeds to the same stream each round."""
+    policy = Recorder()
+    tasks = envs.make("agent_rl/Records-v0").unwrapped.task_pool(2, seed=0)
+    call = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
+    policy.generate = lambda batch, sampling: (policy.calls.append((len(batch), sampling)) or
+                                               [Completion(call, [1], [-0.1]) for _ in batch])
+    run_episodes("agent_rl/Records-v0", tasks, policy, Sampling(seed=11), num_envs=2,
+                 env_kwargs={"max_turns": 3})
+    seeds = [s.seed for _, s in policy.calls]
+    assert len(seeds) == 3 and len(set(seeds)) == 3
+    assert seeds == [stream_seed(11, r) for r in range(3)]  # reproducible, for resume
+
+
+def test_split_and_hints_reach_every_episode():
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(3, seed=0)
+    assert all(t.hint for t in tasks)
+    hinted_env = [envs.make("agent_rl/Arithmetic-v0", hints=True)]
+    shown = run_episodes(hinted_env, tasks, Recorder())
+    assert all(e.hint and e.hint["shown"] for e in shown) and {e.split for e in shown} == {"train"}
+    hidden = run_episodes(hinted_env, tasks, Recorder(), split="holdout_iid", hints=False)
+    assert not any(e.hint for e in hidden) and {e.split for e in hidden} == {"holdout_iid"}
+    assert not any("Hint:" in t.content for e in hidden for t in e.sessions[0].turns)
+
+
+@pytest.mark.parametrize("tokens, compresses", [(1, False), (1000, True)])
+def test_context_budgets_are_counted_with_the_policy_tokenizer(tokens, compresses):
+    """With a budget of 100 tokens, the ~4-characters-a-token fallback would compress at once
+    (the opening alone is ~610); the policy's own count decides instead."""
+    counts = []
+
+    def count(messages):
+        counts.append(len(messages))
+        return tokens
+
+    task = envs.make("agent_rl/LongRecords-v0").unwrapped.task_pool(1, seed=0)[0]
+    call = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
+    policy = Recorder(count_tokens=count)
+    policy.generate = lambda batch, sampling: [Completion(call, [1], [-0.1]) for _ in batch]
+    (episode,) = run_episodes("agent_rl/LongRecords-v0", [task], policy,
+                              env_kwargs={"max_turns": 3, "context_budget": 100})
+    assert counts  # the env asked the policy's counter
+    assert any(s.origin == "compression" for s in episode.sessions) == compresses
