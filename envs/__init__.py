@@ -25,6 +25,7 @@ register("agent_rl/Arithmetic-v0", "envs.arithmetic:ArithmeticEnv")
 register("agent_rl/Records-v0", "envs.records.env:RecordsEnv")
 register("agent_rl/LongRecords-v0", "envs.records.env:LongRecordsEnv")
 register("agent_rl/PIIMask-v0", "envs.piimask:PIIMaskEnv")
+register("agent_rl/Relay-v0", "envs.relay:RelayEnv")
 
 __all__ = [
     "ChatSpace",

@@ -16,16 +16,19 @@ What a subclass sets (class attributes) and implements (one-method hooks)::
                                                 (default: data flow, ``envs.sessions``)
     compression_due() -> bool                   must the active session be compressed now
                                                 (default: its messages exceed context_budget)
-    summary_request(compressions) -> str        the user turn asking for a summary
+    summary_request(compressions) -> str        the request for a summary
     continuation_prompt(summary, compressions) -> str   the root thread's prompt after one
+    examples(compressions) -> [(user, assistant)]   worked examples opening a root-thread
+                                                session (default none)
 
 Tools are methods decorated with ``@tool``; their typed arguments become a JSON schema
 (``envs.tools``: parsing, schemas, permissions, dispatch). The session tree is recorded by
 ``envs.sessions.SessionRecorder``; control actions (``Summary``, ``Spawn``, ``Return``) are
 types of their own there.
 
-The loop. ``reset`` opens the root session: system message + task prompt (and asks for a
-summary at once when ``compression_due``). Each ``step(action)`` appends the action as an
+The loop. ``reset`` opens the root session: system message, worked examples (if any), task
+prompt (and asks for a summary at once when ``compression_due``: a request joins the user's
+message when the session has not replied yet). Each ``step(action)`` appends the action as an
 assistant turn of the *active* session, then:
 
 * awaiting a summary: the action is the ``Summary``; a child session opens
@@ -256,8 +259,7 @@ class ToolEnv(gymnasium.Env):
         self._tools = collect_tools(type(self))
         self.task: TaskSpec | None = None
         self.state: Any = None
-        self._running = False
-        self._started = False
+        self._running = False  # between reset() and the episode's end
 
     # --- hooks for subclasses -----------------------------------------------------------
     def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
@@ -295,6 +297,12 @@ class ToolEnv(gymnasium.Env):
         ``compressions`` (1 for the first): the task (and hint) plus the summary."""
         return self._task_prompt() + SUMMARY_HEADER + summary
 
+    def examples(self, compressions: int) -> list[tuple[str, str]]:
+        """Worked examples, (user message, assistant reply) pairs, shown after the system
+        message of the root thread's session that follows ``compressions`` compressions (0:
+        the root). They are part of the prompt: rendered, never trained on."""
+        return []
+
     # --- Gymnasium API -------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """``options``: ``task`` (a TaskSpec or its dict; default: drawn from the env's split),
@@ -320,16 +328,16 @@ class ToolEnv(gymnasium.Env):
         self._last_error: str | None = None  # "format" | "tool" | None, for the last turn
         show_hint = options.get("hints", self.hints)
         self._hint = self.task.hint if (show_hint and self.task.hint) else None
-        self._running = self._started = True
+        self._running = True
         self._awaiting_summary = False
-        self._recorder = SessionRecorder(episode_id, self._opening(self._task_prompt()))
+        self._recorder = SessionRecorder(episode_id, self._opening(self._task_prompt(), compressions=0))
         if self.compression_due():
             self._request_summary()
         return self._observation(), self._info()
 
     def step(self, action: str | dict[str, Any]):
         if not self._running:
-            raise RuntimeError("step() called before reset()" if not self._started else
+            raise RuntimeError("step() called before reset()" if self.task is None else
                                "step() called after the episode ended; call reset()")
         turn, revision = self._assistant_turn(action)
         if turn.finish_reason == PROMPT_TOO_LONG:  # nothing was generated for this prompt
@@ -409,11 +417,14 @@ class ToolEnv(gymnasium.Env):
         hint = f"\n\nHint: {self._hint['text']}" if self._hint else ""
         return self.task.prompt + hint
 
-    def _opening(self, prompt: str, in_branch: bool = False) -> list[Turn]:
+    def _opening(self, prompt: str, in_branch: bool = False, compressions: int = 0) -> list[Turn]:
         intro = self.branch_instructions if in_branch else self.instructions
         tools_text = self.parser.format_instructions(self._schemas(in_branch))
         system = intro + ("\n\n" + tools_text if tools_text else "")
-        return [Turn(role="system", content=system), Turn(role="user", content=prompt)]
+        shown = [] if in_branch else self.examples(compressions)
+        worked = [Turn(role=role, content=text) for pair in shown
+                  for role, text in zip(("user", "assistant"), pair, strict=True)]
+        return [Turn(role="system", content=system), *worked, Turn(role="user", content=prompt)]
 
     def _assistant_turn(self, action: str | dict[str, Any]) -> tuple[Turn, int | None]:
         if isinstance(action, str):
@@ -459,14 +470,17 @@ class ToolEnv(gymnasium.Env):
 
     def _request_summary(self) -> None:
         self._awaiting_summary = True
-        self._recorder.add(Turn(role="user", content=self.summary_request(self._recorder.compressions)))
+        self._recorder.ask(self.summary_request(self._recorder.compressions))
 
     def _compress(self, summary: Summary) -> None:
         rec = self._recorder
         task = rec.branch_task()
-        prompt = (task + SUMMARY_HEADER + summary.text if task is not None
-                  else self.continuation_prompt(summary.text, rec.compressions + 1))
-        rec.compress(summary, self._opening(prompt, in_branch=task is not None))
+        if task is not None:
+            opening = self._opening(task + SUMMARY_HEADER + summary.text, in_branch=True)
+        else:
+            k = rec.compressions + 1
+            opening = self._opening(self.continuation_prompt(summary.text, k), compressions=k)
+        rec.compress(summary, opening)
         self._awaiting_summary = False
 
     def _draw_seed(self) -> int:

@@ -143,6 +143,7 @@ class _Draft:
     boundary: Boundary | None
     turns: list[Turn] = field(default_factory=list)
     policy_revision: int | None = None
+    opening: int = 0  # turns it was opened with: system, worked examples, the prompt
 
 
 class SessionRecorder:
@@ -199,6 +200,15 @@ class SessionRecorder:
             draft.policy_revision = (policy_revision if draft.policy_revision is None
                                      else min(draft.policy_revision, policy_revision))
 
+    def ask(self, text: str) -> None:
+        """Put a request to the agent (a compression request): it joins the last message when
+        that is the user's (the session has not replied since), else it is a new user turn."""
+        turns = self._drafts[self.active].turns
+        if turns and turns[-1].role == "user":
+            turns[-1] = Turn(role="user", content=f"{turns[-1].content}\n\n{text}")
+        else:
+            turns.append(Turn(role="user", content=text))
+
     def compress(self, summary: Summary, opening: list[Turn]) -> str:
         """Continue the active thread in a child session opened with ``opening``."""
         old = self._drafts[self.active]
@@ -229,17 +239,21 @@ class SessionRecorder:
     def _open(self, parent_id: str | None, origin: str, boundary: Boundary | None,
               turns: list[Turn]) -> str:
         session_id = f"{self.episode_id}/s{len(self._drafts)}"
-        self._drafts[session_id] = _Draft(session_id, parent_id, origin, boundary, list(turns))
+        self._drafts[session_id] = _Draft(session_id, parent_id, origin, boundary, list(turns),
+                                          opening=len(turns))
         return session_id
 
     # --- assembly ----------------------------------------------------------------------------
     def sessions(self) -> list[Session]:
-        """The recorded sessions in creation order (``used_by_final`` left unknown)."""
+        """The recorded sessions in creation order (``used_by_final`` left unknown).
+        ``metrics["opening_turns"]``: how many of its turns opened it (the system message,
+        worked examples, the prompt); the agent's own turns come after them."""
         return [
             Session(session_id=d.session_id, parent_id=d.parent_id, episode_id=self.episode_id,
                     origin=d.origin, boundary=d.boundary, turns=d.turns,
                     policy_revision=d.policy_revision,
-                    metrics={"generated_tokens": sum(len(t.token_ids or []) for t in d.turns)})
+                    metrics={"generated_tokens": sum(len(t.token_ids or []) for t in d.turns),
+                             "opening_turns": d.opening})
             for d in self._drafts.values()
         ]
 

@@ -44,7 +44,8 @@ def assert_valid_episode(episode: Episode, env_id: str) -> None:
     reward = episode.reward
     assert math.isclose(reward.total, sum(reward.weights.get(k, 0.0) * v
                                           for k, v in reward.components.items()), abs_tol=1e-9)
-    assistant_turns = sum(t.role == "assistant" for s in episode.sessions for t in s.turns)
+    assistant_turns = sum(t.role == "assistant" for s in episode.sessions  # the agent's own,
+                          for t in s.turns[s.metrics["opening_turns"]:])  # not worked examples
     assert assistant_turns == reward.audit["assistant_turns"]
     assert episode.task_meta and episode.task_meta["length"] >= 1
 
@@ -288,7 +289,8 @@ def test_runner_returns_one_episode_per_job(env_id):
     for episode in episodes:
         assert_valid_episode(episode, env_id)
         assert episode.generation["temperature"] == 0.0
-        generated = [t for s in episode.sessions for t in s.turns if t.role == "assistant"]
+        generated = [t for s in episode.sessions for t in s.turns[s.metrics["opening_turns"]:]
+                     if t.role == "assistant"]
         assert generated and all(t.token_ids == [1, 2, 3] for t in generated)
     again = run_episodes(env_id, tasks, ReplayPolicy("I am not sure."), samples_per_task=2,
                          num_envs=3, seed=11, env_kwargs={"max_turns": 4}, group_prefix="g/",

@@ -1,0 +1,154 @@
+"""Relay-v0: facts cross a compression boundary or are lost; rewards and usage by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+import envs
+from envs.relay import NUMBERS, WEIGHTS, note_request, numbers, relay_reward
+from evals.splits import default_splits
+from trajectories import Outcome
+
+RELAY = "agent_rl/Relay-v0"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return envs.make(RELAY).unwrapped.task_pool(96, seed=0)
+
+
+def task_of(pool, structure: str, length: int):
+    return next(t for t in pool if t.meta.structure == structure and t.meta.length == length)
+
+
+def play(task, actions: list[str], **kwargs):
+    env = envs.make(RELAY, **kwargs)
+    obs, info = env.reset(seed=0, options={"task": task})
+    seen = [obs]
+    for action in actions:
+        obs, reward, terminated, truncated, info = env.step(action)
+        seen.append(obs)
+        if terminated or truncated:
+            return info["episode"], seen
+    raise AssertionError("episode did not end")
+
+
+def needed_facts(task) -> list[str]:
+    return [task.data["facts"][j] for j in task.data["needed"]]
+
+
+def test_reward_by_hand():
+    note = "The red box has code 47."
+    assert relay_reward("47", 47, [47], note) == {"answer": 1.0, "format": 1.0, "relayed": 1.0}
+    assert relay_reward("It is 47.", 47, [47], note) == {"answer": 1.0, "format": 0.0,
+                                                        "relayed": 1.0}
+    assert relay_reward("12", 47, [47], "") == {"answer": 0.0, "format": 1.0, "relayed": 0.0}
+    # combine: 30 + 17; one of the two numbers crossed, the answer is wrong
+    half = relay_reward("50", 47, [30, 17], "The red box has code 30.")
+    assert half == {"answer": 0.0, "format": 1.0, "relayed": 0.5}
+    assert sum(WEIGHTS[k] * v for k, v in half.items()) == pytest.approx(0.1 + 0.3 * 0.5)
+    # a note that copies every fact keeps the needed number, but 1 of its 4 numbers was needed
+    assert relay_reward("30", 30, [30], "30 12 55 71")["relayed"] == pytest.approx(0.25)
+    assert numbers("a 9" + "9" * 30 + " b -4, 12") == [-4, 12]  # no 31-digit "number"
+    assert all(n % 10 and n // 10 != n % 10 for n in NUMBERS) and 12 in NUMBERS
+    assert note_request(["The red box has code 47."]) == (
+        'Copy the line that starts with "The red box has code".')
+    assert note_request(["Ana is 4 years old.", "The city of Varn has 5 museums."]) == (
+        'Copy the lines that start with "Ana is" and "The city of Varn has".')
+
+
+def test_the_answering_session_sees_only_the_note(pool):
+    task = task_of(pool, "recall>combine", 2)
+    fact_a, fact_b = needed_facts(task)
+    episode, seen = play(task, [f"{fact_a} {fact_b}", str(task.target["answer"])])
+    root_obs, child_obs = seen[0], seen[1]
+    assert [m["role"] for m in root_obs] == ["system", "user", "assistant", "user"]  # one example
+    assert fact_a in root_obs[-1]["content"] and "Copy the lines that start with" in root_obs[-1]["content"]
+    assert [m["role"] for m in child_obs] == ["system", "user", "assistant", "user"]
+    child_text = child_obs[-1]["content"]
+    assert child_text.startswith(f"Your note: {fact_a} {fact_b}") and "Question:" in child_text
+    distractors = [f for j, f in enumerate(task.data["facts"]) if j not in task.data["needed"]]
+    assert not any(f in m["content"] for f in distractors for m in child_obs)
+    assert episode.reward.outcome == Outcome.correct and episode.reward.total == pytest.approx(1.0)
+    root, child = episode.sessions
+    assert child.origin == "compression" and child.boundary.summary == f"{fact_a} {fact_b}"
+    assert root.used_by_final and child.used_by_final
+    # the worked examples are prompt, not policy output: nothing generated in them
+    assert all(t.token_ids is None for t in root.turns[:3])
+    # a note that lost one of the facts: the note session is not used
+    lost, _ = play(task, [fact_a, "12"])
+    assert [s.used_by_final for s in lost.sessions] == [False, True]
+    assert lost.reward.components == {"answer": 0.0, "format": 1.0, "relayed": 0.5}
+
+
+def test_two_compressions_carry_the_first_note_on(pool):
+    task = task_of(pool, "recall>combine", 3)
+    first, second = needed_facts(task)
+    assert first in task.prompt and second not in task.prompt  # the second comes later
+    episode, seen = play(task, [first, f"{first} {second}", str(task.target["answer"])])
+    assert [s.origin for s in episode.sessions] == ["root", "compression", "compression"]
+    middle = seen[1]
+    assert [m["role"] for m in middle] == ["system", "user"]  # no example in a middle session
+    assert "More facts:" in middle[1]["content"] and second in middle[1]["content"]
+    assert "Copy the lines" in middle[1]["content"]
+    assert episode.reward.total == pytest.approx(1.0)
+    # the second note dropped the first fact: that session is not used, the first note is
+    dropped, _ = play(task, [first, second, "0"])
+    assert [s.used_by_final for s in dropped.sessions] == [True, False, True]
+
+
+def test_notes_are_cut_to_note_words(pool):
+    task = task_of(pool, "recall", 2)
+    (fact,) = needed_facts(task)
+    episode, seen = play(task, ["word " * 50 + fact, "0"], note_words=10)
+    note = seen[1][-1]["content"].split("Your note:")[1].split("Question:")[0]
+    assert len(note.split()) == 10 and fact not in note
+    assert not episode.sessions[0].used_by_final
+    assert episode.reward.components["relayed"] == 0.0
+
+
+def test_the_needed_fact_is_anywhere_among_the_facts(pool):
+    positions = [t.meta.position for t in pool if t.meta.length == 2]
+    assert set(positions) == set(range(max(positions) + 1)) and max(positions) >= 3
+    assert {t.meta.facts for t in pool} == {3, 4, 5}
+
+
+def test_the_default_splits_hold_out_a_composition_an_entity_group_and_a_length():
+    splits = default_splits(envs.make(RELAY), 256, seed=0, iid_fraction=0.2)
+    assert splits.criteria["holdout_structures"] == ["recall>combine>transform"]
+    assert splits.criteria["holdout_entity_groups"] == ["people"]
+    assert splits.criteria["min_holdout_length"] == 3
+    train = splits["train"]
+    assert {t.meta.structure for t in train} == {"recall", "recall>combine", "recall>transform"}
+    assert {t.meta.entity_group for t in train} == {"boxes", "cities"}
+    assert {t.meta.length for t in train} == {2}
+    assert splits["holdout_iid"] and splits["holdout"]
+
+
+def test_the_branching_variant_relays_through_a_sub_agent(pool):
+    task = task_of(pool, "recall>combine", 2)
+    env = envs.make(RELAY, branching=True).unwrapped
+    obs, info = env.reset(seed=0, options={"task": task})
+    assert [t["function"]["name"] for t in info["tools"]] == ["spawn"]
+    assert "Use the spawn tool" in obs[-1]["content"] and not info["awaiting_summary"]
+    assert obs[2]["role"] == "assistant" and '"name": "spawn"' in obs[2]["content"]  # example
+    steps = 0
+    while True:
+        *_, terminated, truncated, info = env.step(env.reference_action())
+        steps += 1
+        if terminated or truncated:
+            break
+    episode = info["episode"]
+    assert steps == 3 and [s.origin for s in episode.sessions] == ["root", "branch"]
+    assert episode.reward.total == pytest.approx(1.0)
+    assert all(s.used_by_final for s in episode.sessions)
+    # a sub-agent that answers nothing of use: the root guesses; the branch is not used, and
+    # relayed credit counts what the root put in the sub-agent's task
+    env.reset(seed=0, options={"task": task})
+    lines = " ".join(needed_facts(task)[:1])
+    env.step(f'<tool_call>{{"name": "spawn", "arguments": {{"task": "{lines}"}}}}</tool_call>')
+    env.step("I do not know.")
+    *_, info = env.step("12")
+    episode = info["episode"]
+    assert [s.used_by_final for s in episode.sessions] == [True, False]
+    assert episode.reward.components == {"answer": 0.0, "format": 1.0, "relayed": 0.5}
