@@ -254,13 +254,25 @@ def policy_loss(
 
 
 def _scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-softmax of logits[:, :-1] / temperature in at least float32: `[B, T-1, V]`."""
+    """Log-softmax of logits / temperature over the last dim, in at least float32."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    z = logits[:, :-1]  # [B, T-1, V]
-    if z.dtype in (torch.float16, torch.bfloat16):
-        z = z.float()
-    return F.log_softmax(z / temperature, dim=-1)  # [B, T-1, V]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.log_softmax(logits / temperature, dim=-1)
+
+
+def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of ``targets[n]`` under ``softmax(logits[n] / temperature)``: logits ``[N, V]``,
+    targets ``[N]`` -> ``[N]``. The one rule every log-prob here is computed with."""
+    logp = _scaled_log_softmax(logits, temperature)  # [N, V]
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N]
+
+
+def picked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits[n] / temperature)``: ``[N, V]`` -> ``[N]``."""
+    logp = _scaled_log_softmax(logits, temperature)  # [N, V]
+    return -(logp.exp() * logp).sum(-1)  # [N]
 
 
 def token_logprobs(
@@ -272,13 +284,14 @@ def token_logprobs(
     input_ids `[B, T]`. Sampling at `temperature` means the policy is softmax(logits / T),
     so the same temperature must be used here for rollout and training.
     """
-    logp = _scaled_log_softmax(logits, temperature)  # [B, T-1, V]
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    B, T, V = logits.shape
+    picked = picked_logprobs(logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1),
+                             temperature).view(B, T - 1)  # [B, T-1]
     return F.pad(picked, (1, 0))  # [B, T]
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the distribution that sampled token t: `[B, T]`, position 0 is 0.0."""
-    logp = _scaled_log_softmax(logits, temperature)  # [B, T-1, V]
-    ent = -(logp.exp() * logp).sum(-1)  # [B, T-1]
+    B, T, V = logits.shape
+    ent = picked_entropy(logits[:, :-1].reshape(-1, V), temperature).view(B, T - 1)  # [B, T-1]
     return F.pad(ent, (1, 0))  # [B, T]

@@ -7,13 +7,16 @@ is exactly 1 (up to float noise, ~1e-6 in float32) on the first update after a r
 
 The loop, per batch of up to ``batch_size`` conversations:
 
-    prompt_b   = chat template(messages_b, add_generation_prompt=True)   left-padded to [B, L]
+    prompt_b   = chat template(messages_b, add_generation_prompt=True)   left-padded to [U, L]
+                 (U unique prompts: identical ones are prefilled once, the cache then
+                 copied to each of their rows)
     positions  = cumsum(attention_mask) - 1  (padding does not shift positions)
     step s:    logits_s = model(last token, KV cache)[:, -1]                         [B, V]
                x_s ~ softmax(logits_s / T), top-p truncated;  argmax when T == 0
                logp_s = log_softmax(logits_s / T')[x_s]      T' = scoring_temperature(T)
     stop:      a row stops after sampling EOS / ``<|im_end|>`` (kept in its token ids) or
-               after ``max_new_tokens`` tokens (finish_reason "length")
+               after ``max_new_tokens`` tokens (finish_reason "length"); a stopped row leaves
+               the batch (and the KV cache), so the last long reply does not drag the rest
 
 Random streams: row b of a ``generate`` call samples from its own generator seeded with
 ``envs.runner.stream_seed(sampling.seed, b)``, so rows never share random numbers and a row's
@@ -109,7 +112,7 @@ def _sample(logits: torch.Tensor, sampling: Sampling,
 class HFPolicy:
     """A transformers causal LM as a ``envs.runner.Policy``. The model is moved to ``device``."""
 
-    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu", batch_size: int = 16):
+    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu", batch_size: int = 32):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         self.device = torch.device(device)
@@ -162,42 +165,53 @@ class HFPolicy:
     def _generate_chunk(
         self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]
     ) -> list[Completion]:
-        B, L = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # [B, L] left-padded
-        attention_mask = torch.zeros(B, L, dtype=torch.long)  # [B, L]
-        for b, p in enumerate(prompts):
-            input_ids[b, L - len(p):] = torch.tensor(p)
-            attention_mask[b, L - len(p):] = 1
+        # identical prompts (the G samples of one task) are prefilled once, then every row
+        # continues from its prompt's keys and values
+        unique = list(dict.fromkeys(tuple(p) for p in prompts))
+        index = {p: u for u, p in enumerate(unique)}
+        which = torch.tensor([index[tuple(p)] for p in prompts], device=self.device)  # [B]
+        B, U, L = len(prompts), len(unique), max(len(p) for p in unique)
+        input_ids = torch.full((U, L), self.pad_id, dtype=torch.long)  # [U, L] left-padded
+        attention_mask = torch.zeros(U, L, dtype=torch.long)  # [U, L]
+        for u, p in enumerate(unique):
+            input_ids[u, L - len(p):] = torch.tensor(p)
+            attention_mask[u, L - len(p):] = 1
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
-        position_ids = positions_from_mask(attention_mask)  # [B, L]
+        position_ids = positions_from_mask(attention_mask)  # [U, L]
         temperature = scoring_temperature(sampling.temperature)
         stops = torch.tensor(sorted(self.stop_ids), device=self.device)  # [S]
 
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)  # [B]
         cache = DynamicCache(config=self.model.config)
-        step_ids, next_pos = input_ids, position_ids
-        for _ in range(sampling.max_new_tokens):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+        logits = out.logits[:, -1].index_select(0, which)  # [B, V]
+        cache.reorder_cache(which)  # [U, ...] -> [B, ...] in place
+        attention_mask = attention_mask.index_select(0, which)  # [B, L]
+        next_pos = position_ids.index_select(0, which)[:, -1:]  # [B, 1]
+        active = list(range(B))  # rows still generating; finished rows leave the batch
+        for step in range(sampling.max_new_tokens):
+            token = _sample(logits, sampling, [generators[b] for b in active])  # [A]
+            logp = _step_logprobs(logits, token, temperature)  # [A]
+            for b, t, lp in zip(active, token.tolist(), logp.tolist(), strict=True):  # one sync
+                tokens[b].append(t)
+                logprobs[b].append(lp)
+            going = (~torch.isin(token, stops)).nonzero().flatten()  # [A'] rows that go on
+            if len(going) == 0 or step == sampling.max_new_tokens - 1:
+                break
+            if len(going) < len(active):  # drop finished rows from the cache and the inputs
+                cache.batch_select_indices(going)
+                token, attention_mask, next_pos = token[going], attention_mask[going], next_pos[going]
+                active = [active[i] for i in going.tolist()]
+            next_pos = next_pos + 1  # [A, 1]
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], -1)
             out = self.model(
-                input_ids=step_ids, attention_mask=attention_mask, position_ids=next_pos,
+                input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_pos,
                 use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
             )  # the cache is updated in place
-            logits = out.logits[:, -1]  # [B, V]
-            token = _sample(logits, sampling, generators)  # [B]
-            logp = _step_logprobs(logits, token, temperature)  # [B]
-            token = token.masked_fill(done, self.pad_id)  # [B] finished rows idle on padding
-            step_tokens, step_logprobs = token.tolist(), logp.tolist()  # one device sync
-            for b in (~done).nonzero().flatten().tolist():
-                tokens[b].append(step_tokens[b])
-                logprobs[b].append(step_logprobs[b])
-            done |= torch.isin(token, stops)
-            if bool(done.all()):
-                break
-            step_ids = token.unsqueeze(-1)  # [B, 1]
-            next_pos = next_pos[:, -1:] + 1  # [B, 1]
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], -1)
+            logits = out.logits[:, -1]  # [A, V]
 
         return [
             Completion(

@@ -31,6 +31,17 @@ Templates without tool support (SmolLM2's ChatML) render a ``tool`` turn like an
 ``pack(rendered, max_tokens)`` puts several sequences into one row: position ids restart at
 0 for each sequence and ``packed_attention_mask(seq_index)`` blocks attention across them, so
 every token sees exactly what it saw unpacked.
+
+``share_prefixes(rendered)`` lays sequences that begin with the same tokens out once:
+``prefix + rest_1 + rest_2 + ...`` in one row, every rest attending to the shared prefix and to
+itself (``packed_attention_mask(seq_index, shared=...)``), its position ids continuing from the
+prefix. The G samples of one task share their whole prompt, so a group's root sessions cost
+one prompt instead of G. The prefix stops before the first trained token of any member, so
+every trained token belongs to exactly one rest; its log-prob is read from the hidden state
+before it (the prefix's last token for a rest's first token). Exact: the same attention,
+positions and parameters as unpacked, and the gradient through the shared prefix is the sum
+over its members. ``collate_shared`` batches rows and lists every trained token as (row,
+predicting position, target, sequence).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from trajectories import Episode, Session, Turn
@@ -337,18 +349,23 @@ def collate_rows(rows: Sequence[PackedRow], pad_id: int, dtype: torch.dtype = to
     }
 
 
-def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.float32,
+                          shared: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence only: ``[B, 1, T, T]`` from ``[T]``/``[B, T]``.
 
-    Token i attends to token j iff j <= i and both belong to the same sequence (index >= 0).
-    Padding (index -1) attends only to itself, so no softmax row is empty. ``dtype=torch.bool``
-    gives True where attention is allowed; a float dtype gives an additive mask (0 allowed,
-    the dtype's minimum blocked) as eager and SDPA attention both accept.
+    Token i attends to token j iff j <= i and both belong to the same sequence (index >= 0),
+    or j is a ``shared`` token (``[T]``/``[B, T]`` bool: a prefix every later token of its row
+    sees). Padding (index -1) attends only to itself, so no softmax row is empty.
+    ``dtype=torch.bool`` gives True where attention is allowed; a float dtype gives an
+    additive mask (0 allowed, the dtype's minimum blocked) as eager and SDPA attention both
+    accept.
     """
     if seq_index.dim() == 1:
         seq_index = seq_index.unsqueeze(0)  # [1, T]
     T = seq_index.shape[-1]
     same = seq_index.unsqueeze(-1) == seq_index.unsqueeze(-2)  # [B, T, T]
+    if shared is not None:
+        same = same | shared.reshape(-1, 1, T)  # [B, T, T] a shared key is seen by every query
     causal = torch.ones(T, T, dtype=torch.bool, device=seq_index.device).tril()  # [T, T]
     real = (seq_index >= 0).unsqueeze(-2)  # [B, 1, T] the key is a real token
     eye = torch.eye(T, dtype=torch.bool, device=seq_index.device)  # [T, T]
@@ -359,3 +376,104 @@ def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.fl
     return torch.zeros(allowed.shape, dtype=dtype, device=seq_index.device).masked_fill(
         ~allowed, torch.finfo(dtype).min
     )
+
+
+@dataclass
+class SharedRow:
+    """Sequences that begin alike, in one row: the shared prefix once, then each one's rest."""
+
+    input_ids: torch.Tensor  # [T] long
+    position_ids: torch.Tensor  # [T] long: the prefix 0..P-1, every rest from P on
+    seq_index: torch.Tensor  # [T] long: 0 for the prefix, m + 1 for member m's rest
+    prefix: int  # P, the shared tokens
+    members: list[int]  # indices into the list given to share_prefixes()
+    starts: list[int]  # where member m's rest begins in the row
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
+def share_prefixes(rendered: Sequence[Rendered], min_shared: int = 16,
+                   max_tokens: int = 1024) -> list[SharedRow]:
+    """Group sequences by common token prefix (at least ``min_shared`` tokens, never reaching
+    a trained token) and lay each group out as one ``SharedRow``; every sequence is in exactly
+    one row (alone when nothing begins like it). Greedy over the sequences in token order: the
+    next one joins the current group while that does not shrink the tokens the group saves
+    and the row stays within ``max_tokens`` (attention over a row costs its length squared)."""
+    def first_trained(r: Rendered) -> int:
+        trained = r.loss_mask.nonzero()
+        return int(trained[0]) if len(trained) else len(r)
+
+    for r in rendered:
+        if len(r) and bool(r.loss_mask[0]):
+            raise ValueError(f"session {r.session_id}: its first token is trained; cannot pack it")
+    order = sorted(range(len(rendered)), key=lambda k: rendered[k].input_ids.tolist())
+    groups: list[tuple[list[int], int]] = []  # (members, shared length)
+    for k in order:
+        r = rendered[k]
+        limit = max(1, min(first_trained(r), len(r) - 1)) if len(r) > 1 else len(r)
+        if groups:
+            members, p = groups[-1]
+            first = rendered[members[0]]
+            shared = min(_common_prefix(first.input_ids, r.input_ids), limit, p)
+            length = shared + sum(len(rendered[m]) - shared for m in [*members, k])
+            # join when the tokens saved by the group do not shrink: n * shared >= (n - 1) * p
+            if (shared >= min_shared and len(members) * shared >= (len(members) - 1) * p
+                    and length <= max_tokens):
+                groups[-1] = (members + [k], shared)
+                continue
+        groups.append(([k], limit))
+    rows = []
+    for members, p in groups:
+        seqs = [rendered[k] for k in members]
+        rests = [r.input_ids[p:] for r in seqs]
+        starts = list(np.cumsum([p] + [len(x) for x in rests[:-1]]))
+        rows.append(SharedRow(
+            input_ids=torch.cat([seqs[0].input_ids[:p], *rests]),
+            position_ids=torch.cat([torch.arange(p), *[torch.arange(p, len(r)) for r in seqs]]),
+            seq_index=torch.cat([torch.zeros(p, dtype=torch.long),
+                                 *[torch.full((len(x),), m + 1) for m, x in enumerate(rests)]]),
+            prefix=p, members=members, starts=[int(s) for s in starts]))
+    return rows
+
+
+def collate_shared(rows: Sequence[SharedRow], rendered: Sequence[Rendered], pad_id: int,
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Right-pad shared rows into a batch, and list every trained token of ``rendered`` (the
+    list the rows were made from) once, in sequence order.
+
+    Returns ``input_ids``, ``position_ids`` ``[R, T]``, ``attention_mask`` ``[R, 1, T, T]`` and,
+    per trained token ``[N]``: ``row``, ``predictor`` (the row position whose logits predict
+    it), ``target`` (its id), ``seq`` (its sequence, an index into ``rendered``), ``rank``
+    (its place among its sequence's trained tokens) and ``old_logprobs``.
+    """
+    T = max(len(r) for r in rows)
+    R = len(rows)
+    input_ids = torch.full((R, T), pad_id, dtype=torch.long)  # [R, T]
+    position_ids = torch.zeros((R, T), dtype=torch.long)  # [R, T]
+    seq_index = torch.full((R, T), -1, dtype=torch.long)  # [R, T]
+    tokens = {name: [] for name in ("row", "predictor", "target", "seq", "rank", "old_logprobs")}
+    for i, row in enumerate(rows):
+        n = len(row)
+        input_ids[i, :n], position_ids[i, :n], seq_index[i, :n] = (
+            row.input_ids, row.position_ids, row.seq_index)
+        for k, start in zip(row.members, row.starts, strict=True):
+            r = rendered[k]
+            at = r.loss_mask.nonzero().flatten()  # [n_k] trained positions in the sequence
+            where = start + at - row.prefix  # [n_k] their places in the row
+            tokens["row"].append(torch.full_like(at, i))
+            tokens["predictor"].append(torch.where(at == row.prefix, row.prefix - 1, where - 1))
+            tokens["target"].append(r.input_ids[at])
+            tokens["seq"].append(torch.full_like(at, k))
+            tokens["rank"].append(torch.arange(len(at)))
+            tokens["old_logprobs"].append(r.old_logprobs[at])
+    shared = (seq_index == 0)  # [R, T] the prefixes
+    return {"input_ids": input_ids, "position_ids": position_ids,
+            "attention_mask": packed_attention_mask(seq_index, dtype, shared=shared),
+            **{name: torch.cat(parts) for name, parts in tokens.items()}}

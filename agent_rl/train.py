@@ -31,10 +31,11 @@ import torch
 import envs
 from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract
-from agent_rl.grpo import policy_loss, token_entropy, token_logprobs
+from agent_rl.grpo import picked_entropy, picked_logprobs, policy_loss
 from agent_rl.guards import Guards, GuardTrip
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy, scoring_temperature
+from agent_rl.render import Rendered, SharedRow, collate_shared, share_prefixes
 from agent_rl.rollout import TrainSequence, rollout_batch
 from agent_rl.runlog import (
     compare,
@@ -256,37 +257,45 @@ def policy_lag(sequences: list[TrainSequence], revision: int) -> dict[str, float
 
 
 def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
-                  contract: ExperimentContract, pad_id: int, micro_batch: int = 8) -> dict[str, float]:
+                  contract: ExperimentContract, pad_id: int,
+                  micro_tokens: int = 2048) -> dict[str, float]:
     """One optimizer step over all sequences, in micro-batches whose losses add up exactly to
-    the loss of the whole batch under the chosen aggregation."""
+    the loss of the whole batch under the chosen aggregation. Sequences that begin alike (a
+    group's shared prompt) are computed once (``render.share_prefixes``), and the vocabulary
+    projection runs only where a trained token is predicted."""
     if not sequences:
         return {"loss/policy": 0.0, "tokens": 0, "optim/grad_norm": 0.0, "optim/nonfinite": 0.0,
                 "optim/skipped": 1.0}
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    total_tokens = sum(int(q.rendered.loss_mask.sum()) for q in sequences)
+    rendered = [q.rendered for q in sequences]
+    total_tokens = sum(int(r.loss_mask.sum()) for r in rendered)
     temperature = scoring_temperature(contract.rollout.temperature)
     loss_sum, sums = 0.0, Counter()
-    for start in range(0, len(sequences), micro_batch):
-        chunk = sequences[start:start + micro_batch]
-        batch = collate(chunk, pad_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
-        logprobs = token_logprobs(logits, batch["input_ids"], temperature)  # [B, T]
-        entropy = token_entropy(logits.detach(), temperature)  # [B, T]
+    micro = micro_batches(share_prefixes(rendered), micro_tokens)
+    for rows in micro:
+        batch = collate_shared(rows, rendered, pad_id)
+        members = [k for row in rows for k in row.members]
+        logits = trained_token_logits(model, batch)  # [N, V]
+        logprobs = picked_logprobs(logits, batch["target"], temperature)  # [N]
+        entropy = picked_entropy(logits.detach(), temperature)  # [N]
         ref_logprobs = None
         if contract.loss.kl.beta > 0:
             with torch.no_grad():
-                ref_logits = reference_logits(model, reference, batch)  # [B, T, V]
-                ref_logprobs = token_logprobs(ref_logits, batch["input_ids"], temperature)
+                ref_logprobs = picked_logprobs(reference_logits(model, reference, batch),
+                                               batch["target"], temperature)  # [N]
+        dense = to_sequences(batch, members)
         loss, m = policy_loss(
-            logprobs, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+            dense(logprobs), dense(batch["old_logprobs"]),
+            torch.tensor([sequences[k].advantage for k in members]), dense(None),
             clip_low=contract.loss.clip_low, clip_high=contract.loss.clip_high,
-            aggregation=contract.loss.aggregation, ref_logprobs=ref_logprobs,
+            aggregation=contract.loss.aggregation,
+            ref_logprobs=None if ref_logprobs is None else dense(ref_logprobs),
             beta=contract.loss.kl.beta, kl=contract.loss.kl.estimator,
-            max_len=contract.rollout.max_response_tokens, weights=batch["weights"],
-            entropy=entropy)
+            max_len=contract.rollout.max_response_tokens,
+            weights=torch.tensor([sequences[k].weight for k in members]), entropy=dense(entropy))
         share = (m["tokens"] / max(total_tokens, 1) if contract.loss.aggregation == "token_mean"
-                 else len(chunk) / len(sequences))
+                 else len(members) / len(sequences))
         (loss * share).backward()
         loss_sum += float(loss.detach()) * share
         for key, value in m.items():
@@ -299,7 +308,7 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:  # a non-finite step is skipped and counted; the guards decide when to stop
         optimizer.step()
-        sums["kl/update"] = update_kl(model, sequences[:micro_batch], pad_id, temperature)
+        sums["kl/update"] = update_kl(model, micro[0], rendered, pad_id, temperature)
     optimizer.zero_grad(set_to_none=True)
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
@@ -307,37 +316,55 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
 
 
 @torch.no_grad()
-def update_kl(model, sequences: list[TrainSequence], pad_id: int, temperature: float) -> float:
+def update_kl(model, rows: list[SharedRow], rendered: list[Rendered], pad_id: int,
+              temperature: float) -> float:
     """How far the step moved the policy on (a micro-batch of) its own batch: the k3 estimate
     of KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d, d = old - new.
     One forward pass over the first micro-batch keeps it cheap. (``kl/approx`` is measured
     before the step, so it is ~0 whenever the batch is fresh.)"""
-    batch = collate(sequences, pad_id)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
-    new = token_logprobs(logits, batch["input_ids"], temperature)  # [B, T]
-    d = (batch["old_logprobs"] - new) * batch["loss_mask"]  # [B, T]
-    k3 = (torch.exp(d) - 1 - d) * batch["loss_mask"]  # [B, T]
-    return float(k3.sum()) / max(float(batch["loss_mask"].sum()), 1.0)
+    batch = collate_shared(rows, rendered, pad_id)
+    new = picked_logprobs(trained_token_logits(model, batch), batch["target"], temperature)  # [N]
+    d = batch["old_logprobs"] - new  # [N]
+    return float((torch.exp(d) - 1 - d).mean())
 
 
-def collate(sequences: list[TrainSequence], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad sequences into a batch; padding is masked out of attention and loss."""
-    length = max(len(q.rendered.input_ids) for q in sequences)
-    n = len(sequences)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)  # [B, T]
-    attention = torch.zeros((n, length), dtype=torch.long)  # [B, T]
-    loss_mask = torch.zeros((n, length), dtype=torch.float32)  # [B, T]
-    old = torch.zeros((n, length), dtype=torch.float32)  # [B, T]
-    for i, q in enumerate(sequences):
-        t = len(q.rendered.input_ids)
-        input_ids[i, :t] = q.rendered.input_ids
-        attention[i, :t] = 1
-        loss_mask[i, :t] = q.rendered.loss_mask.float()
-        old[i, :t] = q.rendered.old_logprobs.float()
-    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
-            "old_logprobs": old,
-            "advantages": torch.tensor([q.advantage for q in sequences], dtype=torch.float32),  # [B]
-            "weights": torch.tensor([q.weight for q in sequences], dtype=torch.float32)}  # [B]
+def micro_batches(rows: list[SharedRow], max_tokens: int) -> list[list[SharedRow]]:
+    """Consecutive rows, as many per micro-batch as fit ``max_tokens`` once padded (>= 1)."""
+    out: list[list[SharedRow]] = []
+    for row in rows:
+        if out and (len(out[-1]) + 1) * max(len(row), *map(len, out[-1])) <= max_tokens:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits that predict every trained token of a shared batch: ``[N, V]``. The model
+    projects onto the vocabulary only at the predicting positions (``logits_to_keep``)."""
+    R, T = batch["input_ids"].shape
+    flat = batch["row"] * T + batch["predictor"]  # [N]
+    keep = torch.zeros(R * T, dtype=torch.bool)  # [R*T]
+    keep[flat] = True
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False,
+                   logits_to_keep=keep.view(R, T)).logits  # [U, V] kept positions, row-major
+    return logits.reshape(-1, logits.shape[-1])[torch.searchsorted(keep.nonzero().flatten(), flat)]
+
+
+def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
+    """A function laying per-token values ``[N]`` out per sequence: ``[B, G]`` for the B
+    ``members`` (G: the most trained tokens of one); ``None`` gives the mask."""
+    local = {k: i for i, k in enumerate(members)}
+    seq = torch.tensor([local[int(k)] for k in batch["seq"]])  # [N]
+    shape = (len(members), int(batch["rank"].max()) + 1)
+
+    def dense(values: torch.Tensor | None) -> torch.Tensor:
+        if values is None:
+            values = torch.ones(len(seq))
+        return torch.zeros(shape, dtype=values.dtype).index_put((seq, batch["rank"]), values)
+
+    return dense
 
 
 class TaskSampler:
@@ -381,10 +408,11 @@ def load_reference(contract: ExperimentContract, model):
 
 
 def reference_logits(model, reference, batch) -> torch.Tensor:
+    """The fixed reference's logits at the trained tokens of a shared batch: ``[N, V]``."""
     if reference == "adapter-disabled":
         with model.disable_adapter():
-            return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return trained_token_logits(model, batch)
+    return trained_token_logits(reference, batch)
 
 
 def check_resumable(meta: dict[str, Any], contract_hash: str, template_hash: str, path: Path) -> None:

@@ -79,6 +79,24 @@ def test_every_row_has_its_own_random_stream(tiny):
     assert [c.token_ids for c in halves] == [c.token_ids for c in out]
 
 
+def test_identical_prompts_are_prefilled_once(tiny):
+    model, tok = tiny
+    shapes = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        s = Sampling(temperature=1.0, max_new_tokens=3, seed=2)
+        out = HFPolicy(model, tok).generate([CONVS[0], CONVS[1], CONVS[0], CONVS[0]], s)
+    finally:
+        hook.remove()
+    L = max(len(chat_ids(tok, c, add_generation_prompt=True)) for c in CONVS[:2])
+    assert shapes[0] == (2, L) and all(shape == (4, 1) for shape in shapes[1:])
+    # each row still samples from its own stream, with the log-probs of its own tokens
+    alone = [HFPolicy(model, tok).generate([c], s)[0] for c in (CONVS[0],)]
+    assert out[0].token_ids == alone[0].token_ids
+    assert out[0].logprobs == pytest.approx(alone[0].logprobs, abs=1e-5)
+
+
 def test_prompts_over_the_limit_are_not_generated_for(tiny):
     model, tok = tiny
     policy = HFPolicy(model, tok)

@@ -9,10 +9,12 @@ from agent_rl.models import smollm2_tokenizer, tiny_model, tiny_tokenizer
 from agent_rl.policy import sequence_logprobs
 from agent_rl.render import (
     collate_rows,
+    collate_shared,
     pack,
     packed_attention_mask,
     render_episode,
     render_session,
+    share_prefixes,
 )
 from trajectories import Session, Turn
 from trajectories.testing import episode
@@ -284,6 +286,45 @@ def test_packed_logprobs_equal_unpacked(attn):
         # position 0 of a packed sequence is scored from its neighbour; it is never trained
         torch.testing.assert_close(g[1:], ref[1:], atol=1e-5, rtol=0)
     assert not batch["loss_mask"][1, len(c):].any()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prefix_rows_give_the_unpacked_log_probs_and_gradients(attn):
+    from agent_rl.grpo import picked_logprobs
+    from agent_rl.train import trained_token_logits
+
+    model, tok = tiny_model(seed=0)
+    model.set_attn_implementation(attn)
+    prompt = [Turn(role="system", content="Copy the needed facts exactly."),
+              Turn(role="user", content="The red box has code 47. Copy the red box line.")]
+    group = [render_session(tok, Session(session_id=f"s{k}", episode_id="e",
+                                         turns=[*prompt, _sampled(tok, text)]))
+             for k, text in enumerate(["The red box has code 47.", "47", "The red box"])]
+    other = render_session(tok, tool_session(tok, "a"))
+    rendered = [group[0], other, group[1], group[2]]
+    rows = share_prefixes(rendered, min_shared=4)
+    assert sorted(sorted(r.members) for r in rows) == [[0, 2, 3], [1]]
+    shared = next(r for r in rows if len(r.members) == 3)
+    first_trained = int(group[0].loss_mask.nonzero()[0])
+    assert shared.prefix == first_trained  # the whole prompt, up to the first sampled token
+    assert len(shared) == shared.prefix + sum(len(r) - shared.prefix for r in group)
+    batch = collate_shared(rows, rendered, tok.pad_token_id)
+    assert len(batch["target"]) == sum(int(r.loss_mask.sum()) for r in rendered)
+
+    def per_sequence(logprobs):
+        return [logprobs[batch["seq"] == k][batch["rank"][batch["seq"] == k].argsort()]
+                for k in range(len(rendered))]
+
+    packed = per_sequence(picked_logprobs(trained_token_logits(model, batch), batch["target"]))
+    alone = [sequence_logprobs(model, r.input_ids[None])[0][r.loss_mask] for r in rendered]
+    for got, ref in zip(packed, alone, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    # the gradient through the shared prefix is the sum over its members
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    torch.stack([g.sum() for g in packed]).sum().backward()
+    grad_packed, weight.grad = weight.grad.clone(), None
+    torch.stack([g.sum() for g in alone]).sum().backward()
+    torch.testing.assert_close(grad_packed, weight.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_pack_refuses_a_sequence_longer_than_a_row():

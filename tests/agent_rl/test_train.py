@@ -373,7 +373,7 @@ def test_nonfinite_loss_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_entropy_collapse_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "token_entropy", lambda logits, temperature: torch.zeros(logits.shape[:2]))
+    monkeypatch.setattr(train, "picked_entropy", lambda logits, temperature: torch.zeros(logits.shape[:1]))
     result = train.run(make_contract(tmp_path / "run"), progress=False)
     assert result.stopped is not None and result.stopped.rule == "entropy_collapse"
     assert result.steps == 1
