@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/agent-rl train examples/smollm2_arithmetic.yaml --set run_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
+	$(VENV)/bin/agent-rl train examples/smollm2_relay.yaml --set run_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

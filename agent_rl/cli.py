@@ -234,6 +234,12 @@ def before_after_table(result):
     def pick(summary: dict, name: str) -> dict | None:
         return summary if name == "all" else (summary.get("splits") or {}).get(name)
 
+    def notes(summary: dict) -> list[str]:  # single-session episodes wrote no notes
+        if not summary.get("compressions_per_episode"):
+            return ["–"] * 3
+        return [number(summary[k]) for k in ("compressions_per_episode", "summary_tokens",
+                                             "summary_used_frac")]
+
     for name in ["all", *(before.get("splits") or after.get("splits") or {})]:
         for tag, summary in (("before", pick(before, name)), ("after", pick(after, name))):
             if summary:
@@ -241,9 +247,7 @@ def before_after_table(result):
                               interval(summary["reward_lo"], summary["reward_hi"]),
                               str(summary["n"]), number(summary["success"]),
                               interval(summary["success_lo"], summary["success_hi"]),
-                              number(summary.get("compressions_per_episode")),
-                              number(summary.get("summary_tokens")),
-                              number(summary.get("summary_used_frac")))
+                              *notes(summary))
         c = pick(comparison, name) if comparison else None
         if c:
             table.add_row(name, "paired diff", f"{c['reward_diff']:+.3f}",

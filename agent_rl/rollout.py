@@ -234,8 +234,8 @@ def contrast_stats(episodes: Sequence[Episode]) -> dict[str, int]:
 
 def _baseline(episodes: Sequence[Episode], std: str, scale: str, eps: float) -> GroupBaseline:
     rewards = torch.tensor([e.reward.total for e in episodes], dtype=torch.float64)  # [N]
-    return group_baseline(rewards, [e.group_id for e in episodes],
-                          std=std, scale=scale, eps=eps, correct_threshold=best_total(episodes))
+    return group_baseline(rewards, [e.group_id for e in episodes], std=std, scale=scale, eps=eps,
+                          correct_threshold=best_total(episodes) - 1e-9)  # as filter_groups
 
 
 def budget_report(episodes: list[Episode], drops: list[dict], truncation: str) -> dict[str, Any]:

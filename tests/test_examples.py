@@ -37,3 +37,21 @@ def test_register_env(tmp_path):
     assert out.count("reward 1 (correct, 2 assistant turns)") == 4
     assert "mean reward 1" in out
     assert "examples/Capitals-v0: PASS" in out and "FAIL" not in out
+
+
+@pytest.mark.parametrize("config", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_are_valid_contracts_with_their_splits(config):
+    """Every shipped config validates, and its train and evaluation splits exist, are
+    non-empty and do not leak into each other (what `agent-rl train` checks first)."""
+    import envs
+    from agent_rl.config import ExperimentContract
+    from agent_rl.train import check_data
+    from evals.splits import default_splits
+
+    contract = ExperimentContract.from_yaml(config)
+    env = envs.make(contract.env.id, **contract.env.kwargs)
+    splits = default_splits(env, contract.env.pool_size, contract.env.pool_seed,
+                            iid_fraction=contract.env.iid_fraction)
+    eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
+    check_data(contract, env, list(splits[contract.env.split]), eval_sets)
+    assert all(len(tasks) == contract.eval.n for tasks in eval_sets.values())
