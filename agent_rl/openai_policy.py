@@ -5,7 +5,7 @@ tokenizer, returns no prompt token ids and at best the ids of the sampled tokens
 trainer cannot rebuild the exact token sequence (``agent_rl.render``) nor recompute the
 log-probs the PPO ratio needs. ``trainable`` is False to say so.
 
-Standard library only (``urllib`` + ``json``): one POST per conversation, run by a small
+Standard library only (``http.client`` + ``json``): one POST per conversation, run by a small
 thread pool over the batch; order is kept. Each request asks for
 
     {"model", "messages", "temperature", "top_p", "max_tokens": sampling.max_new_tokens,
@@ -25,9 +25,18 @@ and each reply becomes a ``Completion``:
 - ``prompt_tokens``: ``usage.prompt_tokens`` when given.
 
 If the server rejects the request with HTTP 400 while log-probs were asked for, the request is
-retried once without them and later requests leave them out. Connection failures, timeouts,
-HTTP 408/429/5xx are retried ``max_retries`` times with exponential back-off; the error then
-raised (``OpenAIPolicyError``) names the URL. Non-JSON or malformed replies are not retried.
+retried once without them and later requests leave them out. Connection failures and HTTP
+408/429/5xx are retried ``max_retries`` times with exponential back-off; the error then raised
+(``OpenAIPolicyError``) names the URL. Non-JSON or malformed replies are not retried.
+
+Hostile or broken servers: ``timeout`` is a wall-clock deadline on the whole request (connect,
+send, wait, read, retries and back-off together), enforced by shutting the socket down when it
+passes, so a server that sends one byte a second cannot stall evaluation; the error names the URL
+and the deadline. Redirects (3xx) are refused, never followed, so the ``Authorization`` header
+never reaches another origin and a POST never turns into a GET; the error names the status and
+the Location's origin. Replies over ``MAX_REPLY_BYTES`` are refused. The API key is redacted
+(``***``) from every error message and from ``repr``; proxy environment variables are not used
+(the request goes straight to the URL's host).
 
 Messages: the environments call tools in the text (``<tool_call>...</tool_call>``), so there are
 no OpenAI tool-call ids; a ``tool`` turn is sent as a ``user`` message holding
@@ -37,12 +46,15 @@ tool instructions follow) and assistant turns are sent as their text.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
+import re
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,6 +62,10 @@ from typing import Any
 from envs.runner import Completion, Sampling, stream_seed
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+MAX_REPLY_BYTES = 64 * 2**20
+# `Authorization: Bearer X`, `"api_key": "X"`, `Bearer X`: the credential X becomes ***
+SECRET = re.compile(r"(?i)((?:authorization|api[-_]?key)[\"']?\s*[:=]\s*[\"']?"
+                    r"(?:(?:bearer|basic)\s+)?|\bbearer\s+)[^\s\"',;&]+")
 
 
 class OpenAIPolicyError(RuntimeError):
@@ -60,8 +76,39 @@ class _BadRequest(OpenAIPolicyError):
     """HTTP 400: maybe a parameter the server does not support (retried without logprobs)."""
 
 
+def origin(url: str) -> str:
+    """``scheme://host[:port]`` of a URL, without any user name or password."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+
+
+def redact(text: str, secret: str | None = None) -> str:
+    """``text`` with ``secret`` and anything that looks like a credential header replaced by ***."""
+    if secret:
+        text = text.replace(secret, "***")
+    return SECRET.sub(r"\1***", re.sub(r"(?<=//)[^/\s@]+@", "***@", text))  # and URL user:pass@
+
+
+def _cut(sock: socket.socket) -> None:
+    """Shut a socket down from another thread: a blocked read or write returns at once."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the base method also cuts TLS sockets
+
+
 def chat_url(base_url: str) -> str:
-    """``http://h:p`` or ``http://h:p/v1`` or the full ``.../chat/completions`` URL -> the full URL."""
+    """``http://h:p`` or ``http://h:p/v1`` or the full ``.../chat/completions`` URL -> the full URL;
+    ``ValueError`` for anything but an ``http(s)://host`` URL without credentials in it."""
+    try:
+        parts = urllib.parse.urlsplit(base_url)
+        parts.port  # noqa: B018  (raises ValueError on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"bad endpoint URL {redact(base_url)!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"bad endpoint URL {redact(base_url)!r}: expected "
+                         "http(s)://HOST[:PORT][/PATH]")
+    if parts.username or parts.password:
+        raise ValueError(f"bad endpoint URL {redact(base_url)!r}: credentials in the URL are "
+                         "refused; pass api_key ($OPENAI_API_KEY for the CLI)")
     url = base_url.rstrip("/")
     if url.endswith("/chat/completions"):
         return url
@@ -126,15 +173,25 @@ class OpenAIPolicy:
                  backoff_s: float = 0.5):
         if max_retries < 0 or concurrency < 1:
             raise ValueError("max_retries must be >= 0 and concurrency >= 1")
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+            raise ValueError(f"timeout must be a positive, finite number of seconds, "
+                             f"got {timeout!r}")
+        if api_key and not re.fullmatch(r"[\x21-\x7e]+", api_key):
+            raise ValueError("api_key must be printable ASCII without spaces or newlines")
         self.url = chat_url(base_url)
         self.model = model
-        self.api_key = api_key
+        self._api_key = api_key  # kept out of repr and of every message (see `redact`)
         self.timeout = timeout
         self.max_retries = max_retries
         self.concurrency = concurrency
         self.logprobs = logprobs
         self.extra_body = dict(extra_body or {})
         self.backoff_s = backoff_s
+
+    def __repr__(self) -> str:
+        key = "***" if self._api_key else None
+        return (f"OpenAIPolicy(url={self.url!r}, model={self.model!r}, api_key={key}, "
+                f"timeout={self.timeout})")
 
     def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
         """One completion per conversation, in order (requests run concurrently)."""
@@ -168,35 +225,76 @@ class OpenAIPolicy:
         try:
             return parse_completion(json.loads(raw))
         except (ValueError, AttributeError, TypeError) as exc:
-            raise OpenAIPolicyError(f"{self.url}: malformed chat-completions reply ({exc}): "
-                                    f"{raw[:300]!r}") from None
+            raise self._error(f"malformed chat-completions reply ({exc}): "
+                              f"{self._quote(raw)}") from None
+
+    def _error(self, problem: str, kind=OpenAIPolicyError) -> OpenAIPolicyError:
+        return kind(redact(f"{self.url}: {problem}", self._api_key))
+
+    def _quote(self, text: str) -> str:  # redacted before it is cut, so no part of a key shows
+        return repr(redact(text, self._api_key)[:300])
 
     def _post(self, payload: dict[str, Any]) -> str:
-        """POST with bounded retries; returns the 200 reply's text."""
+        """POST with bounded retries, all within ``timeout`` seconds; the 200 reply's text."""
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
         data = json.dumps(payload).encode()
-        attempts = self.max_retries + 1
-        problem = ""
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+        deadline = time.monotonic() + self.timeout
+        problem, attempts = "", 0
+        while attempts <= self.max_retries:
+            if attempts:
+                left = max(deadline - time.monotonic(), 0)
+                time.sleep(min(self.backoff_s * 2 ** (attempts - 1), left))
+            if time.monotonic() >= deadline:
+                break
+            attempts += 1
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    text = response.read().decode("utf-8", errors="replace")
-                    if response.status == 200:
-                        return text
-                    problem = f"HTTP {response.status}: {text[:300]!r}"
-            except urllib.error.HTTPError as exc:
-                text = exc.read().decode("utf-8", errors="replace")
-                problem = f"HTTP {exc.code}: {text[:300]!r}"
-                if exc.code == 400:
-                    raise _BadRequest(f"{self.url}: request rejected, {problem}") from None
-                if exc.code not in RETRY_STATUSES:
-                    raise OpenAIPolicyError(f"{self.url}: {problem}") from None
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout, ...
-                problem = f"connection failed: {getattr(exc, 'reason', None) or exc!r}"
-        raise OpenAIPolicyError(f"{self.url}: {problem} (after {attempts} attempts; is the "
-                                "server running and the URL right?)")
+                status, location, text = self._attempt(data, headers, deadline)
+            except (OSError, http.client.HTTPException, ValueError) as exc:  # refused, reset, cut
+                if time.monotonic() < deadline:
+                    problem = f"connection failed: {exc!r}"
+                continue
+            if status == 200:
+                return text
+            problem = f"HTTP {status}: {self._quote(text)}"
+            if 300 <= status < 400:
+                target = origin(urllib.parse.urljoin(self.url, location))
+                raise self._error(f"HTTP {status} redirect to {target} refused (credentials are "
+                                  "never sent across a redirect; use the final URL)")
+            if status == 400:
+                raise self._error(f"request rejected, {problem}", _BadRequest)
+            if status not in RETRY_STATUSES:
+                raise self._error(problem)
+        if time.monotonic() >= deadline:
+            last = f"; last: {problem}" if problem else ""
+            raise self._error(f"no complete reply within the {self.timeout:g} s deadline "
+                              f"(timeout; {attempts} attempts{last})")
+        raise self._error(f"{problem} (after {attempts} attempts; is the server running and the "
+                          "URL right?)")
+
+    def _attempt(self, data: bytes, headers: dict, deadline: float) -> tuple[int, str, str]:
+        """One POST, cut off at ``deadline``: (status, Location header, reply text)."""
+        parts = urllib.parse.urlsplit(self.url)
+        kind = {"https": http.client.HTTPSConnection}.get(parts.scheme, http.client.HTTPConnection)
+        conn = kind(parts.hostname, parts.port, timeout=max(deadline - time.monotonic(), 1e-3))
+        try:
+            conn.connect()  # bounded by the socket timeout, which is the time left
+            timer = threading.Timer(deadline - time.monotonic(), _cut, (conn.sock,))
+            timer.daemon = True
+            timer.start()
+            try:
+                path = parts.path + (f"?{parts.query}" if parts.query else "")
+                conn.request("POST", path, body=data, headers=headers)
+                response = conn.getresponse()
+                body = response.read(MAX_REPLY_BYTES + 1)
+            finally:
+                timer.cancel()
+        finally:
+            conn.close()
+        if time.monotonic() >= deadline:  # the socket was cut: what was read may be truncated
+            raise TimeoutError("deadline passed")
+        if len(body) > MAX_REPLY_BYTES:
+            raise self._error(f"reply over {MAX_REPLY_BYTES} bytes refused")
+        text = body.decode("utf-8", errors="replace")
+        return response.status, response.getheader("Location", ""), text

@@ -1,23 +1,30 @@
 """OpenAIPolicy against a local stub OpenAI-compatible server (127.0.0.1 only): episodes recorded
-with the stub's answers, token ids and log-probs when the server gives them, clear errors."""
+with the stub's answers, token ids and log-probs when the server gives them, clear errors; hostile
+servers (redirects, one byte a second, echoed credentials) cannot leak the key or stall a run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 import envs
+from agent_rl.cli import CLIError, build_parser, load_policy, main
 from agent_rl.openai_policy import OpenAIPolicy, OpenAIPolicyError, chat_url, to_openai_messages
 from envs.arithmetic import WEIGHTS, arithmetic_reward
 from envs.runner import Policy, Sampling, run_episodes, stream_seed
 
 ARITH = "agent_rl/Arithmetic-v0"
 MAX_REQUESTS = 200  # the stub answers 503 after this many: a runaway loop fails, never hangs
+SECRET = "sk-secret-123"
+DRIP_S = 0.05  # /drip/: one byte per DRIP_S for about 6 s
 
 
 def stub_answer(messages) -> str:
@@ -44,7 +51,10 @@ def stub_reply(request: dict) -> dict:
 
 class StubHandler(BaseHTTPRequestHandler):
     """``/v1/chat/completions``: answers; ``/fail/...``: HTTP 500; ``/bad/...``: not JSON;
-    ``/nologprobs/...``: HTTP 400 whenever ``logprobs`` is asked for."""
+    ``/nologprobs/...``: HTTP 400 whenever ``logprobs`` is asked for; ``/redirect/...``: HTTP
+    ``redirect_status`` to ``redirect_to``; ``/echo/STATUS/...``: STATUS with the request's headers
+    as the body; ``/drip/head/...``, ``/drip/body/...``: the status line or the body one byte at a
+    time. GET answers like POST (the reply a POST turned into a GET by a redirect would get)."""
 
     def log_message(self, *args):
         pass
@@ -56,14 +66,41 @@ class StubHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def drip(self, data: bytes) -> None:
+        with contextlib.suppress(OSError):  # the client hung up
+            for byte in data:
+                self.wfile.write(bytes([byte]))
+                time.sleep(DRIP_S)
+
+    def do_GET(self):
+        self.do_POST()
+
     def do_POST(self):
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        length = int(self.headers.get("Content-Length") or 0)
+        request = json.loads(self.rfile.read(length)) if length else {
+            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "GET 1"}]}
         server = self.server
         with server.lock:
             server.log.append((self.path, request, dict(self.headers)))
             over_budget = len(server.log) > MAX_REQUESTS
         if over_budget:
             self.send(503, b'{"error": "stub request budget exhausted"}')
+        elif self.path.startswith("/redirect/"):
+            self.send_response(server.redirect_status)
+            self.send_header("Location", server.redirect_to)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path.startswith("/echo/"):
+            body = json.dumps({"Authorization": self.headers.get("Authorization"),
+                               "headers": dict(self.headers)}).encode()
+            self.send(int(self.path.split("/")[2]), body)
+        elif self.path.startswith("/drip/head/"):
+            self.drip(b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * int(6 / DRIP_S))
+        elif self.path.startswith("/drip/body/"):
+            self.send_response(200)
+            self.send_header("Content-Length", str(int(6 / DRIP_S)))
+            self.end_headers()
+            self.drip(b" " * int(6 / DRIP_S))
         elif self.path.startswith("/fail/"):
             self.send(500, b'{"error": "internal error"}')
         elif self.path.startswith("/bad/"):
@@ -76,10 +113,7 @@ class StubHandler(BaseHTTPRequestHandler):
             self.send(404, b'{"error": "not found"}')
 
 
-@pytest.fixture
-def stub(request, monkeypatch):
-    for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
+def serve(request) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
     server.daemon_threads = True
     server.lock = threading.Lock()
@@ -96,6 +130,19 @@ def stub(request, monkeypatch):
 
     request.addfinalizer(stop)
     return server
+
+
+@pytest.fixture
+def stub(request, monkeypatch):
+    for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    return serve(request)
+
+
+@pytest.fixture
+def other(request, stub):
+    """A second stub on another port: another origin."""
+    return serve(request)
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +268,78 @@ def test_client_errors_are_not_retried(stub):
         policy.generate([[{"role": "user", "content": "1"}]], Sampling())
     assert f"{stub.base}/nowhere/chat/completions" in str(info.value)
     assert len(stub.log) == 1
+
+
+# --- hostile servers -----------------------------------------------------------------------
+
+ONE = [[{"role": "user", "content": "1"}]]
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("where", ["other origin", "same origin"])
+def test_redirects_are_refused_and_the_key_is_never_forwarded(stub, other, status, where):
+    target = other if where == "other origin" else stub
+    stub.redirect_status, stub.redirect_to = status, target.base + "/v1/chat/completions"
+    policy = OpenAIPolicy(stub.base + "/redirect", "m", api_key=SECRET, backoff_s=0)
+    with pytest.raises(OpenAIPolicyError) as info:
+        policy.generate(ONE, Sampling())
+    message = str(info.value)
+    assert f"HTTP {status} redirect to {target.base} refused" in message
+    assert f"{stub.base}/redirect/v1/chat/completions" in message
+    assert [path for path, _, _ in stub.log + other.log] == ["/redirect/v1/chat/completions"]
+
+
+@pytest.mark.parametrize("phase", ["head", "body"])
+def test_a_server_sending_one_byte_at_a_time_hits_the_wall_clock_deadline(stub, phase):
+    policy = OpenAIPolicy(stub.base + f"/drip/{phase}", "m", timeout=1, max_retries=2, backoff_s=0)
+    start = time.monotonic()
+    with pytest.raises(OpenAIPolicyError) as info:
+        policy.generate(ONE, Sampling())
+    assert time.monotonic() - start < 3  # each read came within the timeout: only a deadline helps
+    message = str(info.value)
+    assert f"{stub.base}/drip/{phase}/v1/chat/completions" in message
+    assert "within the 1 s deadline" in message
+
+
+@pytest.mark.parametrize("status", [200, 400, 401, 500])
+def test_the_api_key_is_redacted_from_every_message(stub, status):
+    policy = OpenAIPolicy(stub.base + f"/echo/{status}", "m", api_key=SECRET, backoff_s=0)
+    with pytest.raises(OpenAIPolicyError) as info:
+        policy.generate(ONE, Sampling())
+    assert stub.log[0][2]["Authorization"] == f"Bearer {SECRET}"  # it was sent, and echoed back
+    for text in (str(info.value), repr(info.value), repr(policy)):
+        assert SECRET not in text and "sk-secret" not in text
+    assert "Bearer ***" in str(info.value) and "api_key=***" in repr(policy)
+
+
+@pytest.mark.parametrize(("kwargs", "problem"), [
+    ({"timeout": 0}, "timeout must be a positive, finite"),
+    ({"timeout": -1}, "timeout must be a positive, finite"),
+    ({"timeout": math.nan}, "timeout must be a positive, finite"),
+    ({"timeout": math.inf}, "timeout must be a positive, finite"),
+    ({"timeout": "5"}, "timeout must be a positive, finite"),
+    ({"base_url": "ftp://h:1"}, "expected http"),
+    ({"base_url": "127.0.0.1:8000"}, "expected http"),
+    ({"base_url": "http://h:99999"}, "Port out of range"),
+    ({"base_url": f"http://user:{SECRET}@h:1"}, "credentials in the URL are refused"),
+    ({"api_key": "sk-a\nX-Evil: 1"}, "api_key must be printable ASCII"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, problem):
+    with pytest.raises(ValueError, match=problem) as info:
+        OpenAIPolicy(**{"base_url": "http://127.0.0.1:1", "model": "m", **kwargs})
+    assert SECRET not in str(info.value) and "sk-a" not in str(info.value)
+
+
+def test_cli_timeout_reaches_the_policy_and_bounds_eval(stub, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    assert build_parser().parse_args(["eval", "--timeout", "2.5"]).timeout == 2.5
+    loaded = load_policy(f"openai:{stub.base}", "m", "cpu", timeout=2.5)
+    assert loaded.policy.timeout == 2.5 and SECRET not in repr(loaded.policy)
+    with pytest.raises(CLIError, match="timeout must be a positive"):
+        load_policy(f"openai:{stub.base}", "m", "cpu", timeout=0)
+    start = time.monotonic()
+    code = main(["eval", "--env", ARITH, "--policy", f"openai:{stub.base}/drip/body", "--n", "1",
+                 "--timeout", "1", "--out", str(tmp_path / "ev")])
+    err = capsys.readouterr().err
+    assert code == 2 and "within the 1 s deadline" in err  # an error line, not a traceback
+    assert time.monotonic() - start < 20 and SECRET not in err and "Traceback" not in err
