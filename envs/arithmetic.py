@@ -14,8 +14,11 @@ Observation
 Reward
     Components (each 0 or 1) and weights, so a small model can earn partial credit:
     ``accuracy`` (the last number in the reply equals the value; weight 0.5), ``format`` (the
-    reply is a bare integer; weight 0.2), ``exact`` (both; weight 0.3). Exact answer: 1.0;
-    right number with extra text: 0.5; a bare wrong number: 0.2; anything else: 0.
+    reply is a bare number, a final full stop allowed; weight 0.2), ``exact`` (both; weight
+    0.3). Exact answer: 1.0; right number with extra text: 0.5; a bare wrong number: 0.2;
+    anything else: 0. Numbers are read as numbers (``numbers``): an optional minus, digits,
+    commas only between groups of three digits (``1,000`` is 1000; ``1,5`` is 1 and 5), an
+    optional decimal part (``12.0`` is 12; ``12.`` is 12 before a full stop). No exponents.
 
 Episode end
     The first reply ends the episode (outcome ``correct`` when accuracy is 1, ``format_error``
@@ -28,11 +31,14 @@ Hints
 
 Version history
     v0: first release.
+    v1 (same id): numbers are parsed as numbers: "12.0" and "1,000" were read as their last
+    digit group ("0", "000"), and a reply of over 4,300 digits raised ``ValueError``.
 """
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 import numpy as np
 
@@ -41,21 +47,27 @@ from trajectories import Outcome, RewardBreakdown
 
 _OPS = {"+": ("add", lambda a, b: a + b), "-": ("sub", lambda a, b: a - b),
         "*": ("mul", lambda a, b: a * b)}
-_NUMBER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+_BARE = re.compile(rf"\s*{_NUMBER.pattern}\s*\.?\s*")
 WEIGHTS = {"accuracy": 0.5, "format": 0.2, "exact": 0.3}
+
+
+def numbers(text: str) -> list[Decimal]:
+    """The numbers written in ``text``, in order, exactly (Decimal: no digit limit)."""
+    return [Decimal(n.replace(",", "")) for n in _NUMBER.findall(text)]
 
 
 def arithmetic_reward(reply: str, value: int) -> dict[str, float]:
     """The three reward components of a reply (also used by evaluation)."""
-    numbers = _NUMBER.findall(reply)
-    accuracy = float(bool(numbers) and int(numbers[-1]) == value)
-    bare = float(re.fullmatch(r"\s*-?\d+\s*\.?\s*", reply) is not None)
+    said = numbers(reply)
+    accuracy = float(bool(said) and said[-1] == value)
+    bare = float(_BARE.fullmatch(reply) is not None)
     return {"accuracy": accuracy, "format": bare, "exact": accuracy * bare}
 
 
 class ArithmeticEnv(ToolEnv):
     env_id = "agent_rl/Arithmetic-v0"
-    version = 0
+    version = 1
     instructions = "You are a careful calculator. Reply with just the final number, nothing else."
     reward_weights = WEIGHTS
 

@@ -10,6 +10,10 @@
   well-formed tool calls against the env's own tool schemas) never raise, end within
   ``max_turns``, and leave a valid ``Episode`` record (a single rooted session tree, matching
   reward, content hash intact).
+* ``hostile_actions``: every text of ``hostile_actions`` (1,000 nested brackets, numbers of
+  over 4,300 digits, lone surrogates, in plain text and in calls to the env's own tools), sent
+  as the first action and again after it, ends as an observation, a tool error or a scored
+  end: never an exception, always a valid ``Episode`` record.
 * ``determinism``: ``task_pool`` and ``reset(seed=...)`` repeat exactly, and the same seeded
   random episode replayed on a fresh env gives the same ``Episode`` content hash.
 
@@ -64,11 +68,14 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def check_env_id(env_id: str, episodes: int = 20, seed: int = 0) -> CheckReport:
-    """Run the contract checks on one registered environment id."""
+def check_env_id(env_id: str, episodes: int = 20, seed: int = 0,
+                 env_kwargs: dict[str, Any] | None = None) -> CheckReport:
+    """Run the contract checks on one registered environment id, built with ``env_kwargs``
+    (e.g. ``{"branching": True}``)."""
     report = CheckReport(env_id)
+    env_kwargs = dict(env_kwargs or {})
     try:
-        env = make(env_id)
+        env = make(env_id, **env_kwargs)
         name = type(env.unwrapped).__name__
         env.close()
     except Exception as exc:
@@ -77,7 +84,7 @@ def check_env_id(env_id: str, episodes: int = 20, seed: int = 0) -> CheckReport:
     report.results.append(CheckResult("make", True, f"builds {name}"))
     for check_name, check in CHECKS.items():
         try:
-            message = check(lambda: make(env_id), episodes, seed)
+            message = check(lambda: make(env_id, **env_kwargs), episodes, seed)
             report.results.append(CheckResult(check_name, True, message))
         except Exception as exc:
             text = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
@@ -136,6 +143,26 @@ def _random_actions(new_env: EnvFactory, episodes: int, seed: int) -> str:
     return f"{episodes} random episodes ended cleanly; outcomes {dict(sorted(outcomes.items()))}"
 
 
+def _hostile_actions(new_env: EnvFactory, episodes: int, seed: int) -> str:
+    env = new_env()
+    _, info = env.reset(seed=seed)
+    actions = hostile_actions(info.get("tools", []))
+    for k, action in enumerate(actions):
+        _, info = env.reset(seed=seed + k)
+        for turn in range(_step_cap(env.unwrapped)):
+            try:
+                _, reward, terminated, truncated, info = env.step(action if turn < 2 else "42")
+            except Exception as exc:
+                raise CheckFailed(f"hostile action {k} ({action[:40]!r}) raised at step {turn}: "
+                                  f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+            if terminated or truncated:
+                _valid_episode(info, reward, env.unwrapped.task.task_id)
+                break
+        else:
+            raise CheckFailed(f"hostile action {k} ({action[:40]!r}): the episode never ended")
+    return f"{len(actions)} hostile actions ended cleanly"
+
+
 def _determinism(new_env: EnvFactory, episodes: int, seed: int) -> str:
     a, b = new_env(), new_env()
     pool_a = [t.model_dump() for t in a.unwrapped.task_pool(episodes, seed)]
@@ -159,6 +186,7 @@ CHECKS: dict[str, Callable[[EnvFactory, int, int], str]] = {
     "gymnasium_check_env": _gymnasium_check_env,
     "reference_solver": _reference_solver,
     "random_actions": _random_actions,
+    "hostile_actions": _hostile_actions,
     "determinism": _determinism,
 }
 
@@ -197,6 +225,37 @@ def _random_action(rng: np.random.Generator, env: gymnasium.Env, tools: list[dic
         args = {k: _random_value(rng, v) for k, v in props.items() if rng.random() < 0.9}
         return f"<tool_call>{json.dumps({'name': fn['name'], 'arguments': args})}</tool_call>"
     return env.action_space.sample()
+
+
+def hostile_actions(tools: list[dict]) -> list[str]:
+    """Agent texts that once raised inside ``env.step``, plain and as calls to ``tools`` (the
+    env's schemas): deep nesting (``RecursionError``), numbers of over 4,300 digits (Python's
+    int conversion limit), lone surrogates raw and as JSON escapes (unencodable in the
+    episode's UTF-8 JSON), and answers that must parse as numbers."""
+    deep, huge = "[" * 1000 + "]" * 1000, "9" * 4301
+    actions = [
+        f"<tool_call>{deep}</tool_call>",
+        '<tool_call>{"name": "x", "arguments": ' + '{"a": ' * 1000 + "1" + "}" * 1001
+        + "</tool_call>",
+        '<tool_call>{"name": "x", "arguments": "' + "[" * 1000 + '"}</tool_call>',
+        '<tool_call>{"name": "x", "arguments": {"a": ' + "[" * 40 + "]" * 40 + "}}</tool_call>",
+        deep, huge, f"-{huge}.{huge}", f"The answer is {huge}", "\ud800", "a\udfff b \ud800\udc00",
+        '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+        "<tool_call>{\"name\": \"\ud800\", \"arguments\": {}}</tool_call>",
+        "<masked>\ud800</masked>", "12.0", "1,000", "-0", "1e5",
+    ]
+    for fn in (t["function"] for t in tools):
+        props = fn.get("parameters", {}).get("properties", {})
+        for value in ("\ud800", "x\udc00y", "9" * 4300):
+            args = dict.fromkeys(props, value)
+            actions.append(f"<tool_call>{json.dumps({'name': fn['name'], 'arguments': args})}"
+                           "</tool_call>")  # surrogates as JSON escapes
+            actions.append("<tool_call>" + json.dumps({"name": fn["name"], "arguments": args},
+                                                      ensure_ascii=False) + "</tool_call>")
+        numbers = ", ".join(f'"{p}": {huge}' for p in props)
+        actions.append(f'<tool_call>{{"name": "{fn["name"]}", "arguments": {{{numbers}}}}}'
+                       "</tool_call>")
+    return actions
 
 
 def _random_value(rng: np.random.Generator, schema: dict) -> Any:

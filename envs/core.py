@@ -42,8 +42,9 @@ assistant turn of the *active* session, then:
 After every step, if ``compression_due()``, the env asks for a summary. Exceeding ``max_turns``
 assistant turns, ``max_sessions`` sessions, or a prompt the policy refused as longer than its
 prompt limit (``finish_reason == "prompt_too_long"``) ends the episode ``truncated``.
-Nothing the agent sends raises: malformed calls, unknown tools and bad arguments come back
-as tool errors, counted, and the episode ends ``format_error`` only when it ends on one.
+Nothing the agent sends raises: malformed calls (deep nesting and huge numbers included),
+unknown tools and bad arguments come back as tool errors, counted, and the episode ends
+``format_error`` only when it ends on one; lone surrogates in the text become U+FFFD.
 ``step()`` before ``reset()`` or after the end raises ``RuntimeError`` (a driver bug).
 """
 
@@ -79,6 +80,7 @@ from envs.tools import (
     ToolResult,
     ToolSpec,
     allowed_specs,
+    clean_text,
     collect_tools,
     dispatch,
 )
@@ -427,12 +429,15 @@ class ToolEnv(gymnasium.Env):
         return [Turn(role="system", content=system), *worked, Turn(role="user", content=prompt)]
 
     def _assistant_turn(self, action: str | dict[str, Any]) -> tuple[Turn, int | None]:
+        """The action as an assistant turn; lone surrogates become U+FFFD (``clean_text``) so
+        the episode stays valid UTF-8 JSON."""
         if isinstance(action, str):
-            return Turn(role="assistant", content=action), None
+            return Turn(role="assistant", content=clean_text(action)), None
         if not isinstance(action, dict) or not isinstance(action.get("text"), str):
             raise TypeError("action must be a str or a dict with 'text' (and optionally "
                             "'token_ids', 'logprobs', 'finish_reason', 'policy_revision')")
-        turn = Turn(role="assistant", content=action["text"], token_ids=action.get("token_ids"),
+        turn = Turn(role="assistant", content=clean_text(action["text"]),
+                    token_ids=action.get("token_ids"),
                     logprobs=action.get("logprobs"), finish_reason=action.get("finish_reason"))
         return turn, action.get("policy_revision")
 

@@ -28,7 +28,8 @@ Reward
       each side, stopping at the next tag) and its original value appears nowhere in the
       answer.
     * ``format``: the reply holds exactly one ``<masked>...</masked>``.
-    * ``pii_count``: the answer holds as many placeholder tags as the gold.
+    * ``pii_count``: the answer holds as many placeholder tags as the gold and none of the
+      original PII values (a tag added beside a value it should replace masks nothing).
 
     Exact answer: 1.0. No tag: 0.
 
@@ -38,6 +39,8 @@ Episode end
 
 Version history
     v0: first release.
+    v1 (same id): ``pii_count`` needs every PII value gone; in v0 the unmasked text plus the
+    right number of tags scored 0.4.
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def pii_mask_reward(reply: str, gold: str, values: list[str]) -> dict[str, float
         accuracy = 1.0
     else:
         accuracy = 0.5 * masked_spans(answer, gold, values) / max(len(values), 1)
-    count = float(len(_TAG.findall(answer)) == len(_TAG.findall(gold)))
+    unmasked = any(normalize(value) in answer for value in values)
+    count = float(len(_TAG.findall(answer)) == len(_TAG.findall(gold)) and not unmasked)
     return {"accuracy": accuracy, "format": float(n_tags == 1), "pii_count": count}
 
 
@@ -254,7 +258,7 @@ def make_text(rng: np.random.Generator, family: str, kinds: list[str], lookalike
 
 class PIIMaskEnv(ToolEnv):
     env_id = "agent_rl/PIIMask-v0"
-    version = 0
+    version = 1
     instructions = (
         "You mask personal data. Replace every person name with [NAME], every email address "
         "with [EMAIL], every phone number with [PHONE] and every street address with "

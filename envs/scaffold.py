@@ -111,7 +111,7 @@ from trajectories import Outcome, RewardBreakdown
 
 WORDS = ("banana", "mississippi", "session", "reward", "rollout", "summary", "agent", "letter")
 WEIGHTS = {"accuracy": 1.0}
-_NUMBER = re.compile(r"-?\\d+")
+_NUMBER = re.compile(r"(?<!\\d)-?\\d{1,18}(?!\\d)")  # longer digit runs are no answer
 
 
 def count_reward(reply: str, count: int) -> dict[str, float]:

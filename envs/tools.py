@@ -135,9 +135,47 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
 
 
+MAX_JSON_DEPTH = 32  # deeper tool-call JSON is refused, the same at any stack depth
+
+
+def clean_text(text: str) -> str:
+    """``text`` with every lone surrogate (``"\\ud800"``, which UTF-8 cannot encode and so no
+    episode record can hold) replaced by U+FFFD; split surrogate pairs are joined."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    if isinstance(value, dict):
+        return {clean_text(k): _clean(v) for k, v in value.items()}
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in ``value`` (iterative: no recursion limit)."""
+    depth, level = 0, [value]
+    while level := [x for x in level if isinstance(x, dict | list)]:
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)]
+    return depth
+
+
 def strict_json(text: str) -> Any:
-    """json.loads without NaN/Infinity: a non-finite argument would make the episode unhashable."""
-    return json.loads(text, parse_float=_finite_float, parse_constant=_reject_constant)
+    """json.loads for agent text. Refused with ``ValueError``: NaN/Infinity (a non-finite
+    argument would make the episode unhashable), integers over Python's 4,300 digits, nesting
+    deeper than ``MAX_JSON_DEPTH``; ``RecursionError`` on nesting the stack cannot hold. Lone
+    surrogates in strings (``"\\ud800"`` escapes) are replaced (``clean_text``)."""
+    value = json.loads(text, parse_float=_finite_float, parse_constant=_reject_constant)
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    return _clean(value)
 
 
 class HermesParser:

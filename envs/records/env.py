@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Iterable
 from itertools import groupby
 from typing import Any
 
@@ -40,22 +41,44 @@ def normalize_answer(text: str) -> str:
     return text.strip(" .'\"`")
 
 
+_BEFORE, _AFTER = r"(?<![\w@.-])", r"(?![\w@-]|\.\w)"  # not inside a word, id, email, number
+_INTEGER = re.compile(rf"{_BEFORE}\d+{_AFTER}")
+
+
+def _whole(value: str) -> re.Pattern:
+    """``value`` as a whole token sequence of a normalised reply."""
+    return re.compile(_BEFORE + re.escape(value) + _AFTER)
+
+
 def records_reward(answer: str | None, expected_answer: str, diff: dict[str, Any],
-                   expected_diff: dict[str, Any]) -> dict[str, float]:
+                   expected_diff: dict[str, Any],
+                   candidates: Iterable[str] = ()) -> dict[str, float]:
     """The two reward components (also used by evaluation).
 
-    ``answer``: 1 when the normalised reply equals the expected answer, 0.5 when the expected
-    answer appears as a whole token sequence inside a longer reply, else 0. ``state``: 1 when
-    the store diff equals the expected diff (for read-only tasks: nothing was written).
+    ``answer``: 1 when the normalised reply equals the expected answer; when the expected
+    answer appears as a whole token sequence inside a longer reply, ``0.5 / n``, where ``n``
+    counts the distinct candidate answers the reply names: the expected one, plus every other
+    integer and every other value of ``candidates`` (the task's record ids and field values,
+    ``store_values``) outside it; else 0. A reply that lists many values is not an answer.
+    ``state``: 1 when the store diff equals the expected diff (read-only tasks: no write).
     """
     got, want = normalize_answer(answer or ""), normalize_answer(expected_answer)
     if got == want:
         score = 1.0
-    elif want and re.search(rf"(?<![\w@.-]){re.escape(want)}(?![\w@-]|\.\w)", got):
-        score = 0.5
+    elif want and (want_pattern := _whole(want)).search(got):
+        rest = want_pattern.sub(" ", got)  # what the reply says besides the expected answer
+        others = {c for c in map(normalize_answer, candidates)
+                  if c and c != want and c in rest and _whole(c).search(rest)}
+        score = 0.5 / (1 + len(others | set(_INTEGER.findall(rest))))
     else:
         score = 0.0
     return {"answer": score, "state": float(diff == expected_diff)}
+
+
+def store_values(store: dict[str, dict[str, dict[str, Any]]]) -> set[str]:
+    """Every record id and field value of a store, as text: the candidate answers it holds."""
+    return {str(v) for records in store.values() for rid, record in records.items()
+            for v in (rid, *record.values())}
 
 
 def record_facts(task: TaskSpec) -> set[str]:
@@ -102,10 +125,14 @@ class RecordsEnv(ToolEnv):
 
     Reward
         ``records_reward``: ``answer`` (normalised exact match of the final reply: 1; the
-        expected value inside a longer reply: 0.5; else 0) with weight 0.7, and ``state`` (the
-        final store diff equals the expected diff, empty for read-only tasks: 1 or 0) with
-        weight 0.3. Outcome ``correct`` when both are 1, else ``wrong``. A refused write ends
-        the episode ``policy_violation`` with reward 0 and the violation in ``reward.audit``.
+        expected value inside a longer reply: 0.5 divided by the number of distinct candidate
+        answers the reply names, the expected one, other integers and other record ids or
+        field values of the task's store; else 0) with weight 0.7, and ``state`` (the final
+        store diff equals the expected diff, empty for read-only tasks: 1 or 0) with weight
+        0.3. The answer is scored as a single value: listing the store (or the numbers 0-999)
+        earns ~0 for ``answer``, as much as a wrong reply. Outcome ``correct`` when both are
+        1, else ``wrong``. A refused write ends the episode ``policy_violation`` with reward 0
+        and the violation in ``reward.audit``.
         ``Episode.tool_effects`` is the store diff ``{collection: {id: {field: {old, new}}}}``.
 
     Episode end
@@ -114,10 +141,12 @@ class RecordsEnv(ToolEnv):
 
     Version history
         v0: first release.
+        v1 (same id): partial ``answer`` credit is divided by the candidates the reply names;
+        in v0 a reply listing every store value scored 0.65 on read-only tasks.
     """
 
     env_id = "agent_rl/Records-v0"
-    version = 0
+    version = 1
     instructions = (
         f"You work on a record store with three collections: {_FIELDS}. Every record has an "
         "id. Use the tools to solve the task, one step at a time, and only update records the "
@@ -131,11 +160,17 @@ class RecordsEnv(ToolEnv):
         return records_task_pool(n, seed)
 
     def new_state(self, task: TaskSpec) -> dict[str, Any]:
+        target = task.target
+        if not (isinstance(target, dict) and isinstance(target.get("answer"), str)
+                and isinstance(target.get("diff"), dict)):
+            raise ValueError(f"Records task {task.task_id!r} has no valid target (got "
+                             f"{str(target)[:80]}): it needs a dict with 'answer' (str) and "
+                             "'diff' (the expected store diff), and 'solution' for the solver")
         return copy.deepcopy(task.data)
 
     def score(self, task: TaskSpec, answer: str, state: dict[str, Any]) -> RewardBreakdown:
         components = records_reward(answer, task.target["answer"], store_diff(task.data, state),
-                                    task.target["diff"])
+                                    task.target["diff"], store_values(task.data))
         outcome = Outcome.correct if min(components.values()) == 1.0 else Outcome.wrong
         return RewardBreakdown.from_components(components, dict(WEIGHTS), outcome,
                                                f"{self.env_id}@{self.version}")
@@ -250,7 +285,8 @@ class LongRecordsEnv(RecordsEnv):
         and what followed; in a sub-agent: system and the sub-task.
 
     Reward
-        As Records-v0 (``records_reward``, answer 0.7 + state 0.3).
+        As Records-v0 (``records_reward``, answer 0.7 + state 0.3; a reply naming several
+        candidate values earns only a share of the partial credit).
 
     Episode end
         The first top-level reply without a tool call. Truncated after ``max_turns`` (64)
@@ -259,6 +295,7 @@ class LongRecordsEnv(RecordsEnv):
 
     Version history
         v0: first release.
+        v1 (same id): the answer scoring of Records-v0 v1.
     """
 
     env_id = "agent_rl/LongRecords-v0"
@@ -361,4 +398,5 @@ def _note(step: dict[str, Any], result: str) -> str:
 
 
 __all__ = ["WEIGHTS", "LongRecordsEnv", "RecordsEnv", "normalize_answer", "record_facts",
-           "records_reward", "solver_plan", "solver_progress", "solver_summary"]
+           "records_reward", "solver_plan", "solver_progress", "solver_summary",
+           "store_values"]

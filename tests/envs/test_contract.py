@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envs
+from envs.checks import hostile_actions
 from envs.core import ChatSpace, TaskSpec, ToolCall
 from envs.runner import Completion, Sampling, run_episodes
 from trajectories import Episode, Outcome
@@ -113,6 +114,7 @@ def adversarial_actions(tools: list[dict], rng: np.random.Generator) -> list[str
         "The answer is 42.",
     ]
     actions += ["".join(rng.choice(alphabet, size=int(rng.integers(1, 200)))) for _ in range(6)]
+    actions += hostile_actions(tools)  # deep nesting, > 4,300 digits, lone surrogates
     wrong_values = [None, 1, -1, 2**70, 1.5, "x", [], [1, "a"], {"nested": {"deep": None}}, True]
     for schema in tools:
         fn = schema["function"]

@@ -53,8 +53,12 @@ def total(components: dict[str, float]) -> float:
     ("<masked>Call [NAME] at [PHONE] tomorrow morning about order [PHONE].</masked>",
      (0.5, 1.0, 0.0), 0.5, Outcome.wrong),
     # PII left in elsewhere: the NAME tag is in place but "Ava Okafor" is still there -> 1 of 2
-    # spans -> 0.25; 2 tags -> count 1; 0.15 + 0.2 + 0.2 = 0.55
-    (f"<masked>{GOLD} (Ava Okafor)</masked>", (0.25, 1.0, 1.0), 0.55, Outcome.wrong),
+    # spans -> 0.25; 2 tags, but a value is left -> count 0; 0.15 + 0.2 = 0.35
+    (f"<masked>{GOLD} (Ava Okafor)</masked>", (0.25, 1.0, 0.0), 0.35, Outcome.wrong),
+    # every value left unmasked, the right number of tags added: the tags mask nothing ->
+    # format only, 0.2 (v0: count 1, 0.4)
+    (f"<masked>{TEXT} [NAME] [PHONE]</masked>", (0.0, 1.0, 0.0), 0.2, Outcome.wrong),
+    (f"<masked>[NAME] [PHONE] {TEXT}</masked>", (0.0, 1.0, 0.0), 0.2, Outcome.wrong),
     # wrong kind: PHONE window fails, count still 2 -> 0.15 + 0.2 + 0.2 = 0.55
     ("<masked>Call [NAME] at [EMAIL] tomorrow morning about order #48213.</masked>",
      (0.25, 1.0, 1.0), 0.55, Outcome.wrong),
@@ -71,6 +75,17 @@ def test_reward_hand_computed(reply, components, reward, outcome):
     assert got == dict(zip(("accuracy", "format", "pii_count"), components, strict=True))
     assert total(got) == pytest.approx(reward)
     assert pii_mask_outcome(reply, got) == outcome
+
+
+def test_tags_that_mask_nothing_earn_nothing():
+    env = envs.make("agent_rl/PIIMask-v0").unwrapped
+    for task in env.task_pool(30, seed=0):
+        tags = " ".join(f"[{kind}]" for kind in task.data["kinds"])
+        for reply in (f"<masked>{task.data['text']} {tags}</masked>",
+                      f"<masked>{tags} {task.data['text']}</masked>"):
+            env.reset(seed=0, options={"task": task})
+            _, reward, *_ = env.step(reply)
+            assert reward == pytest.approx(WEIGHTS["format"]), task.task_id  # v0: 0.4
 
 
 def test_masked_spans_counts_each_span():
@@ -101,7 +116,7 @@ def test_env_scores_and_maps_outcomes():
         assert terminated and not truncated
         assert got == pytest.approx(reward)
         assert info["episode"].reward.outcome == outcome
-        assert info["episode"].reward.verifier == "agent_rl/PIIMask-v0@0"
+        assert info["episode"].reward.verifier == "agent_rl/PIIMask-v0@1"
     assert PIIMaskEnv.reward_weights == WEIGHTS == {"accuracy": 0.6, "format": 0.2, "pii_count": 0.2}
 
 

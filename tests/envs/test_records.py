@@ -10,7 +10,7 @@ from gymnasium.utils.env_checker import check_env
 
 import envs
 from envs.core import approx_token_count
-from envs.records.env import WEIGHTS, LongRecordsEnv, RecordsEnv, records_reward
+from envs.records.env import WEIGHTS, LongRecordsEnv, RecordsEnv, records_reward, store_values
 from envs.records.world import COLLECTIONS, LONG_STRUCTURES, STRUCTURES
 from trajectories import Outcome
 
@@ -149,6 +149,7 @@ def test_a_write_outside_the_scope_is_a_policy_violation(structure):
     (call("search", collection="people", field="shoe", value="x"), "unknown field"),
     (call("transform", op="reverse", value="abc"), "unknown op"),
     (call("transform", op="double", value="abc"), "not an integer"),
+    (call("transform", op="double", value="9" * 4300), "4300 digits"),  # 4,301 digits doubled
 ])
 def test_bad_calls_give_a_tool_error_and_the_episode_continues(action, message):
     env = RecordsEnv()
@@ -181,6 +182,38 @@ def test_records_reward():
     assert records_reward("Lyon", "Lyon", change, {})["state"] == 0.0  # read-only task wrote
     assert RecordsEnv.reward_weights == LongRecordsEnv.reward_weights == WEIGHTS
     assert max(WEIGHTS, key=WEIGHTS.get) == "answer"
+
+
+def test_partial_credit_is_shared_among_the_candidates_a_reply_names():
+    store = {"people": {"PER-1000": {"city": "Lyon", "age": 34}, "PER-1001": {"city": "Porto",
+                                                                             "age": 12}}}
+    values = store_values(store)
+    assert values == {"PER-1000", "Lyon", "34", "PER-1001", "Porto", "12"}
+
+    def answer(reply, want="Lyon"):
+        return records_reward(reply, want, {}, {}, values)["answer"]
+
+    assert answer("Lyon") == 1.0
+    assert answer("The city is Lyon.") == 0.5
+    assert answer("PER-1000 lives in Lyon.") == 0.25  # two candidates: the id and the city
+    assert answer("Lyon or Porto") == 0.25
+    assert answer("Lyon, aged 34 since 1990") == pytest.approx(0.5 / 3)  # other integers count
+    assert answer("ages: 34, 12", want="34, 12") == 0.5  # the expected list is one answer
+    assert answer("Lyon Porto PER-1000 PER-1001 34 12") == pytest.approx(0.5 / 6)
+
+
+def test_a_reply_listing_many_candidates_scores_as_a_wrong_one():
+    """v0: every store value listed scored 0.65 on read-only get/search tasks; the numbers
+    0..999 averaged 0.42. Now both earn what "no idea" earns: the state component."""
+    env = RecordsEnv()
+    pool = [t for t in env.task_pool(110, seed=0) if t.meta.structure in ("get", "search",
+                                                                         "search>get")]
+    for listing in (lambda t: ", ".join(sorted(store_values(t.data))),
+                    lambda t: " ".join(map(str, range(1000)))):
+        for task in pool:
+            env.reset(seed=0, options={"task": task})
+            _, reward, *_ = env.step(listing(task))
+            assert reward == pytest.approx(WEIGHTS["state"], abs=0.02), task.task_id
 
 
 def test_a_wrong_answer_scores_the_state_only():
