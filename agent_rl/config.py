@@ -1,9 +1,10 @@
 """ExperimentContract: every input of a run, pinned and hashed before the first rollout.
 
 YAML in (``ExperimentContract.from_yaml``), overrides by dotted path (``--set optim.lr=1e-4``),
-validated (unknown keys and impossible combinations are errors that name the key), hashed
-(``contract_hash``: sha256 of the canonical JSON of the resolved contract). The key names are
-the YAML contract of DESIGN section 7.
+validated (unknown keys, wrong types, booleans where a number goes, non-finite numbers, splits
+that do not exist, env kwargs the env's constructor does not take and impossible combinations
+are errors that name the key), hashed (``contract_hash``: sha256 of the canonical JSON of the
+resolved contract). The key names are the YAML contract of DESIGN section 7.
 
 What the hash leaves out: ``optim.max_steps`` (``UNHASHED``). It says where the run stops, not
 how any step is computed: the learning-rate schedule is constant and nothing else reads the
@@ -16,17 +17,34 @@ it back in the hash.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from trajectories.hashing import canonical_hash
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_only_for_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for an int or float field (`optim.max_steps=true` ran 1 step)
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation is not bool:
+            raise ValueError(f"got the boolean {str(value).lower()}; this key is not a boolean")
+        return value
 
 
 class EnvSection(_Section):
@@ -180,6 +198,11 @@ class ExperimentContract(_Section):
         if self.env.split in self.eval.splits:
             raise ValueError(f"eval.split {self.env.split!r} is the training split (env.split): "
                              "held-out evaluation must use tasks the trainer never sees")
+        for key, free in (("env.kwargs", self.env.kwargs), ("credit.params", self.credit.params)):
+            bad = next(_nonfinite(free, key), None)
+            if bad is not None:
+                raise ValueError(f"{bad}: not a finite number")
+        check_env_kwargs(self.env.id, self.env.kwargs)
         budget = self.env.kwargs.get("context_budget")
         if isinstance(budget, int) and budget >= self.rollout.max_prompt_tokens:
             raise ValueError(
@@ -234,6 +257,17 @@ class ExperimentContract(_Section):
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir.replace("${name}", self.name))
 
+    def check_run_dir(self) -> Path:
+        """``resolved_run_dir``, refused when it or a folder above it is a file (a check of
+        the disk, so it is not part of validation: a contract read back from a bundle is valid
+        wherever it is read)."""
+        run_dir = self.resolved_run_dir
+        blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()),
+                       None)
+        if blocked is not None:
+            raise ContractError(f"run_dir: {blocked} is a file, not a directory ({self.run_dir!r})")
+        return run_dir
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -256,6 +290,30 @@ class ExperimentContract(_Section):
         mine, theirs = _leaves(self), _leaves(other)
         return [f"{key}: {theirs[key]!r} -> {mine[key]!r}"
                 for key in mine if key not in UNHASHED and mine[key] != theirs[key]]
+
+
+def _nonfinite(value: Any, key: str):
+    """Dotted keys of the NaN or infinite floats inside a free-form value (dicts and lists)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield key
+    elif isinstance(value, dict | list):
+        for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+            yield from _nonfinite(v, f"{key}.{k}")
+
+
+def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
+    """``env.id`` is registered and its constructor takes every ``env.kwargs`` name, without
+    building the environment (``envs.accepted_kwargs``)."""
+    import envs
+
+    try:
+        takes = envs.accepted_kwargs(env_id)
+    except (LookupError, ImportError) as exc:
+        raise ValueError(f"env.id: {exc}") from None
+    unknown = sorted(set(kwargs) - takes) if takes is not None else []
+    if unknown:
+        raise ValueError(f"env.kwargs.{unknown[0]}: {env_id} takes no such argument; it takes "
+                         f"{sorted(takes)}")
 
 
 UNHASHED = ("optim.max_steps",)  # where a run stops, not what it computes (module docstring)
@@ -284,6 +342,9 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         raise ContractError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.max_steps=4")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise ContractError(f"--set {item!r}: the key has an empty part; expected KEY=VALUE, "
+                            "e.g. optim.max_steps=4")
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -299,7 +360,10 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 def format_errors(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        parts.append(f"{loc}: {msg}")
+        loc = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "value_error":  # our own message, without pydantic's "Value error, "
+            msg = str(err["ctx"]["error"])
+        else:
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{loc}: {msg}" if loc else msg)  # a contract-level message names its keys
     return "; ".join(parts)

@@ -18,6 +18,9 @@ verifier_errors        infrastructure-fault rate > ``max_verifier_error_rate``  
 reward_not_holdout     train reward rose over the last ``holdout_patience``         pause
                        evaluations while the hint-free holdout did not
 =====================  ==========================================================  ======
+
+A NaN metric trips its rule (``_above``/``_below``): a comparison with NaN is false, so a plain
+``kl > max_kl`` would let the broken step pass.
 """
 
 from __future__ import annotations
@@ -25,6 +28,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _above(value: float, limit: float) -> bool:
+    """``value > limit``, or NaN."""
+    return not value <= limit
+
+
+def _below(value: float, limit: float) -> bool:
+    """``value < limit``, or NaN."""
+    return not value >= limit
 
 
 @dataclass(frozen=True)
@@ -61,28 +74,28 @@ class Guards:
             return None
         self._nonfinite_streak = 0
         entropy = m.get("policy/entropy")
-        if entropy is not None and entropy < self.min_entropy:
+        if entropy is not None and _below(entropy, self.min_entropy):
             return GuardTrip("entropy_collapse", "abort",
                              f"token entropy {entropy:.4f} fell below {self.min_entropy}",
                              {"policy/entropy": entropy})
         for key in ("kl/ref", "kl/update", "kl/approx"):
             kl = m.get(key)
-            if kl is not None and kl > self.max_kl:
+            if kl is not None and _above(kl, self.max_kl):
                 return GuardTrip("kl_explosion", "abort", f"{key} = {kl:.4f} exceeds {self.max_kl}",
                                  {key: kl})
-        truncated = m.get("response/truncated_frac", 0.0)
-        self._long_streak = self._long_streak + 1 if truncated >= self.max_truncated_frac else 0
+        truncated = m.get("response/truncated_frac", 0.0)  # NaN counts as long
+        self._long_streak = 0 if truncated < self.max_truncated_frac else self._long_streak + 1
         if self._long_streak >= 2:
             return GuardTrip("length_explosion", "pause",
                              f"{truncated:.0%} of responses hit the length limit two steps running",
                              {"response/truncated_frac": truncated,
                               "response/length_mean": m.get("response/length_mean")})
         lag = m.get("rollout/policy_lag", 0)
-        if lag > self.max_policy_lag:
+        if _above(lag, self.max_policy_lag):
             return GuardTrip("policy_lag", "abort", f"policy lag {lag} exceeds {self.max_policy_lag}",
                              {"rollout/policy_lag": lag})
         errors = m.get("reward/infra_error_rate", 0.0)
-        if errors > self.max_verifier_error_rate:
+        if _above(errors, self.max_verifier_error_rate):
             return GuardTrip("verifier_errors", "pause",
                              f"verifier/sandbox error rate {errors:.1%} exceeds "
                              f"{self.max_verifier_error_rate:.1%}", {"reward/infra_error_rate": errors})
@@ -107,7 +120,7 @@ class Guards:
             return None
         train_gain = window[-1][0] - window[0][0]
         holdout_gain = max(h for _, h in window[1:]) - window[0][1]
-        if train_gain > 0.05 and holdout_gain <= 0.0:
+        if _above(train_gain, 0.05) and not holdout_gain > 0.0:  # a NaN gain is no gain
             return GuardTrip("reward_not_holdout", "pause",
                              f"train reward rose by {train_gain:.3f} over {self.holdout_patience} "
                              "evaluations while the holdout did not improve",

@@ -18,7 +18,7 @@ from envs.core import (
     approx_token_count,
     tool,
 )
-from envs.registry import list_envs, make, register
+from envs.registry import accepted_kwargs, list_envs, make, register
 from envs.sessions import Return, SessionRecorder, Spawn, Summary, used_by_data_flow
 
 register("agent_rl/Arithmetic-v0", "envs.arithmetic:ArithmeticEnv")
@@ -28,6 +28,7 @@ register("agent_rl/PIIMask-v0", "envs.piimask:PIIMaskEnv")
 register("agent_rl/Relay-v0", "envs.relay:RelayEnv")
 
 __all__ = [
+    "accepted_kwargs",
     "ChatSpace",
     "HermesParser",
     "ParseError",

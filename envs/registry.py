@@ -10,6 +10,7 @@ appear in ``list_envs()`` without an import.
 from __future__ import annotations
 
 import difflib
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -55,12 +56,39 @@ def list_envs() -> list[str]:
 
 def make(id: str, **kwargs: Any) -> gymnasium.Env:
     """Build a registered environment. Unknown ids get a suggestion and the fix."""
+    _check_registered(id)
+    return gymnasium.make(id, **kwargs)
+
+
+def accepted_kwargs(id: str) -> set[str] | None:
+    """The keyword arguments ``make(id, ...)`` accepts, read off the entry point's constructor
+    (following ``**kwargs`` up the ``__init__`` chain) without building the environment;
+    ``None`` for a factory taking ``**kwargs``, whose names are not knowable. Raises
+    ``UnregisteredEnv`` (a ``LookupError``) or ``ImportError`` for an id that cannot be built."""
+    _check_registered(id)
+    entry = _REGISTERED[id]["entry_point"]
+    creator = entry if callable(entry) else gymnasium.envs.registration.load_env_creator(entry)
+    inits = ([vars(k)["__init__"] for k in creator.__mro__[:-1] if "__init__" in vars(k)]
+             if inspect.isclass(creator) else [creator])
+    takes: set[str] = set()
+    for init in inits:
+        params = inspect.signature(init).parameters.values()
+        takes |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return takes - {"self"}  # this constructor passes nothing further up
+    return takes - {"self"} if inspect.isclass(creator) else None
+
+
+def _check_registered(id: str) -> None:
     _load_plugins()
     if id not in _REGISTERED:
         close = difflib.get_close_matches(id, list(_REGISTERED), n=3)
         hint = f" Did you mean {close}?" if close else ""
-        raise gymnasium.error.UnregisteredEnv(
+        raise UnregisteredEnv(
             f"No environment {id!r} is registered.{hint} Did you register it, or install/import "
             f"the package that registers it? Registered: {sorted(_REGISTERED)}"
         )
-    return gymnasium.make(id, **kwargs)
+
+
+class UnregisteredEnv(gymnasium.error.UnregisteredEnv, LookupError):
+    """An id nothing registered (a ``LookupError`` as well as Gymnasium's error)."""

@@ -122,6 +122,8 @@ def test_from_dict_does_not_mutate_its_input():
     ("optim.max_steps", "expected KEY=VALUE"),
     ("optim.lr=[1", r"--set optim\.lr: value '\[1' is not valid YAML"),
     ("name.x=1", "'name' is not a section"),
+    ("=1", r"--set '=1': the key has an empty part"),  # was "(top level): unknown key"
+    ("optim..lr=1", r"--set 'optim\.\.lr=1': the key has an empty part"),
 ])
 def test_malformed_overrides_are_named(item, message):
     with pytest.raises(ContractError, match=message):
@@ -144,6 +146,60 @@ def test_wrong_types_and_ranges_name_the_key():
     assert "rollout.truncation" in contract_error(overrides=["rollout.truncation=drop"])
     message = contract_error(overrides=["optim.lr=0", "rollout.top_p=2"])
     assert "optim.lr" in message and "rollout.top_p" in message  # every error, not the first
+
+
+@pytest.mark.parametrize("override", [
+    "rollout.truncation_penalty=.nan", "optim.lr=.inf", "optim.lr=inf", "optim.lr=.nan",
+    "guards.max_kl=.nan", "acceptance.holdout_min=-.inf", "eval.temperature=.inf",
+])
+def test_non_finite_numbers_are_refused(override):
+    key = override.split("=", 1)[0]
+    assert f"{key}: Input should be a finite number" in contract_error(overrides=[override])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("env.kwargs={max_ops: .nan}", "env.kwargs.max_ops"),
+    ("env.kwargs={nested: {deep: [1, .inf]}}", "env.kwargs.nested.deep.1"),
+    ("credit.params={gamma: .nan}", "credit.params.gamma"),
+])
+def test_non_finite_numbers_are_refused_inside_free_form_sections(override, key):
+    message = contract_error(overrides=[override, "credit.assigner=discounted"])
+    assert f"{key}: not a finite number" in message
+
+
+@pytest.mark.parametrize("override", [
+    "optim.max_steps=true", "rollout.group_size=false", "optim.lr=true",
+    "acceptance.holdout_min=true", "name=true",
+])
+def test_booleans_are_not_numbers(override):
+    """pydantic reads true as 1: `optim.max_steps=true` ran one step."""
+    key = override.split("=", 1)[0]
+    assert f"{key}: got the boolean" in contract_error(overrides=[override])
+    assert ExperimentContract.from_dict({}, ["rollout.dynamic_sampling=false"]).rollout \
+        .dynamic_sampling is False  # a boolean key still takes one
+
+
+def test_env_kwargs_are_checked_against_the_constructor():
+    message = contract_error(overrides=["env.kwargs={bogus: 1}"])
+    assert message.startswith("contract: env.kwargs.bogus: agent_rl/Arithmetic-v0 takes no such")
+    assert "max_ops" in message and "max_turns" in message  # its own and its base class's
+    records = ExperimentContract.from_dict({}, [
+        "env.id=agent_rl/Records-v0", "env.kwargs={context_budget: 400, max_turns: 3, hints: true}"])
+    assert records.env.kwargs["max_turns"] == 3
+    assert "env.kwargs.max_ops" in contract_error(
+        overrides=["env.id=agent_rl/Records-v0", "env.kwargs={max_ops: 2}"])
+    unknown = contract_error(overrides=["env.id=agent_rl/Recrds-v0"])
+    assert "env.id: No environment 'agent_rl/Recrds-v0'" in unknown and "Records-v0" in unknown
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "taken").write_text("someone's file")
+    for run_dir in ("taken", "taken/sub"):
+        contract = ExperimentContract.from_dict({"run_dir": str(tmp_path / run_dir)})
+        with pytest.raises(ContractError, match=r"run_dir: .*taken is a file, not a directory"):
+            contract.check_run_dir()
+    free = ExperimentContract.from_dict({"run_dir": str(tmp_path / "new" / "${name}")})
+    assert free.check_run_dir() == tmp_path / "new" / "run"
 
 
 def test_kl_needs_a_fixed_reference():
@@ -193,6 +249,12 @@ def test_credit_params_are_checked_against_the_assigner():
 def test_splits_are_checked_by_name_and_held_out_from_training():
     assert "eval.split: no split 'holdot'" in contract_error(overrides=["eval.split=holdot"])
     assert "env.split: no split 'trian'" in contract_error(overrides=["env.split=trian"])
+    assert "eval.split: no split 'bogus'" in contract_error(overrides=["eval.split=bogus"])
+    # Splits has this key (the dropped duplicates), but it is no split to train on
+    assert "env.split: no split 'dropped_duplicates'" in contract_error(
+        overrides=["env.split=dropped_duplicates"])
+    assert "eval.split: no split 'dropped_duplicates'" in contract_error(
+        overrides=["eval.split=[holdout, dropped_duplicates]"])
     assert "is the training split" in contract_error(
         overrides=["env.split=holdout", "eval.split=holdout"])
     assert "name each split once" in contract_error(overrides=["eval.split=[holdout, holdout]"])
@@ -261,6 +323,6 @@ def test_max_steps_is_left_out_of_the_hash(design_file):
 
 def test_changes_from_says_what_changed(design_file):
     base = ExperimentContract.from_yaml(design_file)
-    changed = ExperimentContract.from_yaml(design_file, ["optim.lr=2e-5", "env.kwargs={x: 1}"])
-    assert changed.changes_from(base) == ["env.kwargs: {} -> {'x': 1}",
+    changed = ExperimentContract.from_yaml(design_file, ["optim.lr=2e-5", "env.kwargs={max_turns: 3}"])
+    assert changed.changes_from(base) == ["env.kwargs: {} -> {'max_turns': 3}",
                                           "optim.lr: 1e-05 -> 2e-05"]

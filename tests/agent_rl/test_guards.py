@@ -81,6 +81,28 @@ def test_single_step_rules_fire_past_their_bound(rule, action, key, bound, below
     assert trip.evidence[key] == beyond and trip.message
 
 
+@pytest.mark.parametrize("rule, key", [
+    ("entropy_collapse", "policy/entropy"), ("kl_explosion", "kl/approx"),
+    ("kl_explosion", "kl/ref"), ("kl_explosion", "kl/update"), ("policy_lag", "rollout/policy_lag"),
+    ("verifier_errors", "reward/infra_error_rate"),
+])
+def test_a_nan_metric_trips_its_rule(rule, key):
+    """Every comparison with NaN is false: a rule written as `value > bound` would pass it."""
+    trip = Guards().after_step(healthy(**{key: NAN}))
+    assert trip.rule == rule and math.isnan(trip.evidence[key])
+
+
+def test_nan_truncation_and_nan_rewards_trip_too():
+    guards = Guards(max_truncated_frac=0.9)
+    assert trips(guards, *[healthy(**{"response/truncated_frac": NAN})] * 2) == [None, "length_explosion"]
+    holdout = Guards(holdout_patience=1)
+    assert holdout.after_eval(0.0, 0.5) is None
+    assert holdout.after_eval(0.5, NAN).rule == "reward_not_holdout"  # a NaN holdout is no gain
+    train = Guards(holdout_patience=1)
+    assert train.after_eval(0.0, 0.5) is None
+    assert train.after_eval(NAN, 0.5).rule == "reward_not_holdout"
+
+
 def test_missing_optional_metrics_do_not_fire():
     """A step with nothing trained logs entropy and KL as None."""
     guards = Guards()
