@@ -10,6 +10,9 @@
                      the same seed gives the same weights, the tokenizer never changes
     a local folder   any Hugging Face causal LM saved with ``save_pretrained``
 
+``model_fingerprint(id)`` is the sha256 of every file that id loads, by part (weights,
+tokenizer): a run pins it at its start and refuses to resume on other files.
+
 Both built-in tokenizers speak ChatML (``<|im_start|>role\\n...<|im_end|>\\n``) with the same
 chat template, and ``<|im_end|>`` is their EOS: the token a policy samples to end its turn.
 
@@ -32,6 +35,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -166,14 +170,13 @@ def _disk_cache_folder(part: str) -> Path | None:
     root = os.environ.get(CACHE_ENV)
     if not root:
         return None
-    path = smollm2_gguf_path()
-    stat = path.stat()
-    key = _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)[:16]
+    key = _sha256_of(smollm2_gguf_path())[:16]
     return Path(root).expanduser() / f"smollm2-135m-{key}" / part
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)
 def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, streamed; cached per process by (path, size, mtime)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -320,3 +323,50 @@ def load_model(
         f"unknown model {model_id!r}: use one of {', '.join(MODEL_IDS)} or the path of a local "
         "folder written by save_pretrained"
     )
+
+
+# The files of a save_pretrained folder that make up the tokenizer; every other file of these
+# names or suffixes makes up the weights (a README or a .git folder beside them is neither).
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "chat_template.jinja", "chat_template.json"})
+WEIGHT_FILES = frozenset({"config.json", "generation_config.json"})
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def model_fingerprint(model_id: str) -> dict[str, Any]:
+    """``{"id", "weights": {file: sha256}, "tokenizer": {file: sha256}}`` of what
+    ``load_model(id)`` reads: a local folder's weight and tokenizer files; for ``"smollm2-135m"`` the GGUF, which
+    holds both; nothing for ``"tiny"`` (its weights follow from the seed, its tokenizer from
+    this code). Files are streamed, and hashed once per process while unchanged."""
+    if model_id == "tiny":
+        return {"id": model_id, "weights": {}, "tokenizer": {}}
+    if model_id == "smollm2-135m":
+        path = smollm2_gguf_path()
+        digest = {path.name: _sha256_of(path)}
+        return {"id": model_id, "weights": digest, "tokenizer": digest}
+    folder = Path(model_id).expanduser()
+    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    return {"id": model_id,
+            "weights": {p.name: _sha256_of(p) for p in files
+                        if p.name in WEIGHT_FILES or p.name.endswith(WEIGHT_SUFFIXES)},
+            "tokenizer": {p.name: _sha256_of(p) for p in files if p.name in TOKENIZER_FILES}}
+
+
+def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two ``model_fingerprint`` results, one line per part:
+    ``weights: model.safetensors changed`` (or ``added``, ``removed``)."""
+    out = []
+    for part in ("weights", "tokenizer"):
+        was, now = old.get(part, {}), new.get(part, {})
+        files = [f"{name} {'added' if name not in was else 'removed' if name not in now else 'changed'}"
+                 for name in sorted(was.keys() | now.keys()) if was.get(name) != now.get(name)]
+        if files:
+            out.append(f"{part}: {', '.join(files)}")
+    return out
+
+
+def _sha256_of(path: Path) -> str:
+    stat = path.stat()
+    return _file_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)

@@ -1,9 +1,15 @@
 """The run directory: what a training run writes and reads back.
 
-``contract.yaml`` + ``contract.sha256`` (pinned before the first rollout), ``metrics.jsonl``
-(one namespaced record per step, mirrored to TensorBoard when it is installed),
-``eval.jsonl`` (held-out summaries) and ``evals/<tag>.jsonl`` (one record per held-out
-episode), ``rollouts.jsonl`` (every episode), ``checkpoints/``, ``guard.json``, ``result.json``.
+``contract.yaml`` + ``contract.sha256`` and ``base_model.json`` (the content hashes of the
+base model's files: pinned before the first rollout), ``metrics.jsonl`` (one namespaced
+record per step, mirrored to TensorBoard when it is installed), ``eval.jsonl`` (held-out
+summaries) and ``evals/<tag>.jsonl`` (one record per held-out episode), ``rollouts.jsonl``
+(every episode), ``checkpoints/``, ``guard.json``, ``result.json``.
+
+What a user owns is never overwritten or dropped: ``check_run_dir`` refuses, writing
+nothing, a folder that is no run of this contract and base model, or whose logs lost what
+its checkpoint committed; only then are the pins written (``pin_run_dir``) and the logs cut
+back to the checkpoint (``rewind_logs``: later lines move to ``<file>.rewound``).
 """
 
 from __future__ import annotations
@@ -11,18 +17,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract
+from agent_rl.models import fingerprint_changes
 from agent_rl.rollout import RolloutBatch
 from evals.run import EvalRecord, slice_summary
 from evals.stats import paired_bootstrap
 
-RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "eval.jsonl", "checkpoints")
+LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl")
+RUN_FILES = (*LOG_FILES, "checkpoints")
+BASE_MODEL_FILE = "base_model.json"
 
 
 def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollout_s: float,
@@ -137,50 +149,172 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def prepare_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,
-                    resume: bool) -> None:
+class RunDirError(ValueError):
+    """The run directory cannot take the run asked for; nothing in it was changed."""
+
+
+def check_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,
+                  base_model: dict[str, Any], resume: bool) -> Path | None:
+    """Check, writing nothing, that ``run_dir`` can take this run; return the checkpoint to
+    resume from (None: start at step 0). Refused: a non-empty folder that is no agent-rl run
+    (no ``contract.sha256``, readable ``contract.yaml`` or checkpoint), a run of another
+    contract, a run without ``resume``; with ``resume``: a folder with nothing to resume, a
+    changed base model (``base_model``: ``{role: models.model_fingerprint}``, pinned in
+    ``base_model.json``) and logs that lost records the checkpoint committed (``split_log``)."""
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if not entries:
+        if resume:
+            raise RunDirError(f"--resume: {run_dir} {'is empty' if run_dir.is_dir() else 'does not exist'}"
+                              ", so there is no run to resume; start it without --resume")
+        return None
+    pinned = pinned_contract_hash(run_dir)
+    latest = (checkpoint.latest_complete(run_dir / "checkpoints")
+              if resume or pinned is None else None)
+    meta = json.loads((latest / checkpoint.META_FILE).read_text()) if latest else {}
+    pinned = pinned or meta.get("contract_hash")
+    if pinned is None:
+        raise RunDirError(f"{run_dir} is not an agent-rl run directory (no contract.sha256, "
+                          f"readable contract.yaml or checkpoint) and holds {entries[:5]}: "
+                          "choose a new or an empty run_dir")
+    if pinned != contract_hash:
+        try:
+            changed = contract.changes_from(ExperimentContract.from_yaml(run_dir / "contract.yaml"))
+        except ValueError:  # the old contract.yaml is missing or no longer validates
+            changed = []
+        raise RunDirError(f"{run_dir} belongs to another contract ({pinned[:12]} != "
+                          f"{contract_hash[:12]}; changed: {'; '.join(changed) or '?'}); "
+                          "use a new run_dir or restore the old config")
+    if not resume:
+        if any((run_dir / name).exists() for name in RUN_FILES):
+            raise RunDirError(f"{run_dir} already holds a run; pass --resume to continue it "
+                              "or choose a new run_dir")
+        return None
+    pin = run_dir / BASE_MODEL_FILE
+    pinned_model = json.loads(pin.read_text()) if pin.exists() else meta.get("base_model", {})
+    changes = [f"{role} {now['id']}: {change}" for role, now in base_model.items()
+               for change in fingerprint_changes(pinned_model.get(role, now), now)]
+    if changes:
+        raise RunDirError(f"cannot resume {run_dir}: its base model changed since the run "
+                          f"started ({'; '.join(changes)}); restore those files or start a "
+                          "new run_dir")
+    for name in LOG_FILES:  # raises when a record the checkpoint committed is lost
+        split_log(run_dir / name, meta.get("step", -1), meta.get("store_cursor", 0))
+    return latest
+
+
+def pinned_contract_hash(run_dir: Path) -> str | None:
+    """The contract hash a run directory was pinned to: ``contract.sha256``, else the hash of
+    a ``contract.yaml`` that still validates, else None."""
+    if (run_dir / "contract.sha256").is_file():
+        return (run_dir / "contract.sha256").read_text().strip()
+    try:
+        return ExperimentContract.from_yaml(run_dir / "contract.yaml").contract_hash()
+    except ValueError:
+        return None
+
+
+def pin_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,
+                base_model: dict[str, Any]) -> None:
+    """Write what the run is pinned to, once ``check_run_dir`` and the checkpoint accepted it:
+    ``contract.yaml``, ``contract.sha256`` and ``base_model.json``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    hash_file = run_dir / "contract.sha256"
-    if hash_file.exists():
-        old = hash_file.read_text().strip()
-        if old != contract_hash:
-            try:
-                changed = contract.changes_from(
-                    ExperimentContract.from_yaml(run_dir / "contract.yaml"))
-            except ValueError:  # the old contract.yaml is missing or no longer validates
-                changed = []
-            raise ValueError(f"{run_dir} belongs to another contract ({old[:12]} != "
-                             f"{contract_hash[:12]}; changed: {'; '.join(changed) or '?'}); "
-                             "use a new run_dir or restore the old config")
-        if not resume and any((run_dir / name).exists() for name in RUN_FILES):
-            raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it "
-                             "or choose a new run_dir")
-    (run_dir / "contract.yaml").write_text(contract.to_yaml())
-    hash_file.write_text(contract_hash + "\n")
+    write_file(run_dir / "contract.yaml", contract.to_yaml())
+    write_file(run_dir / "contract.sha256", contract_hash + "\n")
+    write_file(run_dir / BASE_MODEL_FILE, json.dumps(base_model, indent=2, sort_keys=True) + "\n")
+
+
+def split_log(path: Path, step: int, store_cursor: int) -> tuple[list[bytes], list[bytes], bytes]:
+    """A log of the run cut at the checkpoint of ``step``: (lines kept, lines after it, torn
+    last line). Kept: the first ``store_cursor`` records of ``rollouts.jsonl``, the records of
+    steps <= ``step`` of ``metrics.jsonl`` and ``eval.jsonl``. Raises RunDirError naming the
+    file and the line, record or step when a line before the last is no JSON record (with a
+    step, but in the rollouts) or when a record the checkpoint committed is missing: a rollout
+    record, or the metrics of a step <= ``step``. A crash cannot do that (both are fsynced
+    before the checkpoint is written): the file was damaged, and nothing is cut."""
+    if not path.exists():
+        return [], [], b""
+    *lines, torn = path.read_bytes().split(b"\n")  # torn: b"" when the file ends cleanly
+    records = [_log_record(path, number, line) for number, line in enumerate(lines, start=1)]
+    lost = ""
+    if path.name == "rollouts.jsonl":
+        kept, cut = lines[:store_cursor], lines[store_cursor:]
+        if len(lines) < store_cursor:
+            lost = (f"record {store_cursor}" if len(lines) + 1 == store_cursor
+                    else f"records {len(lines) + 1}..{store_cursor}")
+    else:
+        steps = [_log_step(path, number, record) for number, record in enumerate(records, start=1)]
+        kept = [line for line, s in zip(lines, steps, strict=True) if s <= step]
+        cut = [line for line, s in zip(lines, steps, strict=True) if s > step]
+        missing = sorted(set(range(1, step + 1)) - set(steps)) if path.name == "metrics.jsonl" else []
+        if missing:
+            lost = f"the metrics of step {', '.join(map(str, missing))}"
+    if lost:
+        torn_note = f"; its last line is torn ({len(torn)} bytes without a newline)" if torn else ""
+        raise RunDirError(f"{path}: {lost}, which the checkpoint of step {step} committed, "
+                          f"cannot be found{torn_note}. Restore {path.name}, or move that "
+                          "checkpoint (and any later) out of checkpoints/ to resume from an "
+                          "earlier one")
+    return kept, cut, torn
+
+
+def _log_record(path: Path, number: int, line: bytes) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        record = None
+    if not isinstance(record, dict):
+        raise RunDirError(f"{path}: line {number} is not a JSON record (the file is corrupt "
+                          f"before its last line): restore {path.name}")
+    return record
+
+
+def _log_step(path: Path, number: int, record: dict[str, Any]) -> int:
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise RunDirError(f"{path}: line {number} has no step: not a record agent-rl wrote")
+    return step
 
 
 def rewind_logs(run_dir: Path, step: int, store_cursor: int) -> None:
-    """Cut the run's logs back to a checkpoint: the first ``store_cursor`` rollout records and
-    the metrics/eval records of steps <= ``step`` stay; later records and a torn last line
-    (work of a killed run after its last checkpoint, which the resumed run redoes) move to
-    ``<file>.rewound``. So every step is logged once, and nothing is lost."""
-    for name in ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl"):
+    """Cut the run's logs back to a checkpoint (``split_log``): later records and a torn last
+    line (work of a killed run after its last checkpoint, which the resumed run redoes) move
+    to ``<file>.rewound``, a torn line with a warning naming it. So every step is logged
+    once, and nothing is lost."""
+    for name in LOG_FILES:
         path = run_dir / name
-        if not path.exists():
-            continue
-        *lines, torn = path.read_bytes().split(b"\n")  # torn: b"" when the file ends cleanly
-        if name == "rollouts.jsonl":
-            kept, cut = lines[:store_cursor], lines[store_cursor:]
-        else:
-            late = [json.loads(line)["step"] > step for line in lines]
-            kept = [line for line, x in zip(lines, late, strict=True) if not x]
-            cut = [line for line, x in zip(lines, late, strict=True) if x]
+        kept, cut, torn = split_log(path, step, store_cursor)
+        if torn:
+            started = re.match(rb'\{"step": (\d+)', torn)
+            warnings.warn(f"{path}: its last line ({f'of step {int(started[1])}, ' if started else ''}"
+                          f"{len(torn)} bytes) was cut short by an interrupted write; moved to "
+                          f"{name}.rewound", stacklevel=2)
         if cut or torn:
             with open(path.with_name(name + ".rewound"), "ab") as fh:
                 fh.write(b"".join(line + b"\n" for line in [*cut, torn] if line))
             tmp = path.with_name(name + ".tmp")
             tmp.write_bytes(b"".join(line + b"\n" for line in kept))
             os.replace(tmp, path)
+
+
+def write_file(path: Path, text: str) -> None:
+    """Write ``text`` atomically (temp file, fsync, rename); a file that already holds it is
+    left alone."""
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def logged_eval(run_dir: Path, tag: str, step: int) -> dict[str, Any] | None:
+    """The summary ``eval.jsonl`` holds for ``tag`` at ``step`` (the last one), else None."""
+    path = run_dir / "eval.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    found = [r for r in records if r.get("tag") == tag and r.get("step") == step]
+    return {k: v for k, v in found[-1].items() if k not in ("step", "tag")} if found else None
 
 
 def json_safe(obj: Any) -> Any:
@@ -194,27 +328,32 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def tensorboard_writer(path: Path):
-    """A TensorBoard SummaryWriter when tensorboard is installed, else None."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(path))
+class TensorBoardLog:
+    """Mirrors metrics to TensorBoard when it is installed. The event file is opened at the
+    first record, so a run that logs no step (a finished run resumed) writes none."""
 
+    def __init__(self, path: Path):
+        self.path, self.writer = path, None
 
-def log_tensorboard(writer, metrics: dict[str, Any]) -> None:
-    if writer is None:
-        return
-    for key, value in metrics.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-            writer.add_scalar(key, value, metrics["step"])
-    writer.flush()
+    def log(self, metrics: dict[str, Any]) -> None:
+        if self.writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                return
+            self.writer = SummaryWriter(str(self.path))
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                self.writer.add_scalar(key, value, metrics["step"])
+        self.writer.flush()
 
 
 def log_json(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line, fsynced: a logged step survives a crash as its checkpoint does."""
     with open(path, "a") as fh:
         fh.write(json.dumps(record, default=float) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 class progress_bar:

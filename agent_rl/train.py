@@ -33,21 +33,23 @@ from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract
 from agent_rl.grpo import picked_entropy, picked_logprobs, policy_loss
 from agent_rl.guards import Guards, GuardTrip
-from agent_rl.models import load_model
+from agent_rl.models import load_model, model_fingerprint
 from agent_rl.policy import HFPolicy, scoring_temperature
 from agent_rl.render import Rendered, SharedRow, collate_shared, share_prefixes
 from agent_rl.rollout import TrainSequence, rollout_batch
 from agent_rl.runlog import (
+    TensorBoardLog,
+    check_run_dir,
     compare,
     json_safe,
     log_json,
-    log_tensorboard,
-    prepare_run_dir,
+    logged_eval,
+    pin_run_dir,
     progress_bar,
     rewind_logs,
     step_metrics,
     summarize_eval,
-    tensorboard_writer,
+    write_file,
 )
 from envs.core import TaskSpec
 from envs.runner import Sampling
@@ -80,10 +82,13 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     verifier_id = f"{contract.env.id}@{env.unwrapped.version}"
 
-    # --- 1. run directory: the contract and its hash, pinned before the first rollout ---------
-    run_dir = contract.resolved_run_dir
+    # --- 1. run directory: checked, writing nothing, to be empty or a run of this contract and
+    # base model (the content hashes of its files) whose logs hold what its checkpoint committed
+    run_dir = contract.check_run_dir()
     contract_hash = contract.contract_hash()
-    prepare_run_dir(run_dir, contract, contract_hash, resume)
+    base_model = {role: model_fingerprint(model_id) for role, model_id in
+                  (("model", contract.model.id), ("reference", contract.reference)) if model_id}
+    latest = check_run_dir(run_dir, contract, contract_hash, base_model, resume)
     seed_everything(contract.optim.seed)
 
     # --- 2. model, optional fixed reference, optimizer ------------------------------------
@@ -97,7 +102,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy = HFPolicy(model, tokenizer)
     store = RolloutStore(run_dir / "rollouts.jsonl")
-    tensorboard = tensorboard_writer(run_dir / "tensorboard")
+    tensorboard = TensorBoardLog(run_dir / "tensorboard")
     template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
     guards = Guards(**contract.guards.model_dump())
     eval_sampling = Sampling(temperature=contract.eval.temperature, top_p=1.0,
@@ -105,9 +110,9 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                              seed=contract.eval.seed,
                              max_prompt_tokens=contract.rollout.max_prompt_tokens)
 
-    # --- 3. resume from the newest complete bundle ------------------------------------------
+    # --- 3. resume from the newest complete bundle; once it is accepted too, the run directory
+    # is pinned (contract, its hash, base model) and its logs cut back to the bundle ----------
     start_step, counters, before = 0, Counter(), None
-    latest = checkpoint.latest_complete(run_dir / "checkpoints") if resume else None
     if latest is not None:
         meta = checkpoint.load_bundle(latest, model, optimizer, scheduler)
         check_resumable(meta, contract_hash, template_hash, latest)
@@ -116,6 +121,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         sampler.position = meta["sampler_position"]
         before = meta.get("before")
         guards.load_state(meta.get("guards", {}))
+    pin_run_dir(run_dir, contract, contract_hash, base_model)
     if resume:  # steps a killed run logged after its last checkpoint are redone: unlog them
         rewind_logs(run_dir, start_step if latest else -1, meta["store_cursor"] if latest else 0)
 
@@ -132,6 +138,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                                scheduler=scheduler, meta={
                                    "step": step, "counters": dict(counters),
                                    "contract_hash": contract_hash, "template_hash": template_hash,
+                                   "base_model": base_model,
                                    "reference": contract.reference, "verifier": verifier_id,
                                    "sampler_position": sampler.position,
                                    "store_cursor": store.cursor, "before": before,
@@ -197,7 +204,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 log_json(run_dir / "eval.jsonl", {"step": step, "tag": f"step{step}", **held})
                 trip = trip or guards.after_eval(metrics["reward/mean"], held["reward_mean"])
             log_json(run_dir / "metrics.jsonl", metrics)
-            log_tensorboard(tensorboard, metrics)
+            tensorboard.log(metrics)
             result.steps = step
             advance(metrics)
             if trip is not None:
@@ -209,16 +216,19 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             if contract.checkpoint.every and step % contract.checkpoint.every == 0:
                 save(step)
 
-    # --- 6. evaluate the trained policy on the same held-out tasks, same seeds ---------------
+    # --- 6. evaluate the trained policy on the same held-out tasks, same seeds (once: a
+    # finished run resumed again re-reports what it logged) ----------------------------------
     if result.stopped is None:
         if not (run_dir / "checkpoints" / f"step-{result.steps:06d}").exists():
             save(result.steps)
-        result.after = evaluate_policy("after")
-        log_json(run_dir / "eval.jsonl", {"step": result.steps, "tag": "after", **result.after})
+        result.after = logged_eval(run_dir, "after", result.steps)
+        if result.after is None:
+            result.after = evaluate_policy("after")
+            log_json(run_dir / "eval.jsonl", {"step": result.steps, "tag": "after", **result.after})
         result.comparison = compare(before, result.after)
-        (run_dir / "result.json").write_text(json.dumps(
+        write_file(run_dir / "result.json", json.dumps(
             {"before": before, "after": result.after, "comparison": result.comparison},
-            indent=2))
+            indent=2, sort_keys=True))
     return result
 
 
