@@ -306,8 +306,13 @@ def bundle_hash(path: str | os.PathLike) -> str:
     return canonical_hash(manifest)
 
 
-def verify_bundle(path: str | os.PathLike) -> None:
-    """Raise `BundleError` naming the bad file unless the bundle is complete and intact."""
+def verify_bundle(path: str | os.PathLike) -> str:
+    """Raise `BundleError` naming the bad file unless the bundle is complete and intact (COMPLETE
+    present and equal to the manifest's hash, every file matching its sha256 and size, no file
+    outside the manifest); return its content address (`bundle_hash`).
+
+    `bundle_hash` alone reads only MANIFEST.json: use this where the address must stand for
+    the files, e.g. re-checking an artifact before it is promoted."""
     path = Path(path)
     marker = path / COMPLETE_FILE
     if not marker.is_file():
@@ -340,6 +345,7 @@ def verify_bundle(path: str | os.PathLike) -> None:
         step = json.loads((path / META_FILE).read_text()).get("step")
         if step != int(match.group(1)):
             raise BundleError(f"{path / META_FILE}: step {step} does not match the folder name")
+    return actual
 
 
 def save_bundle(

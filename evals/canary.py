@@ -10,7 +10,9 @@ decision stops it; inconclusive is never a pass):
 2. ``shadow``: both policies run the shadow tasks, each against its own deep copy of the live
    store (write tools act on the copy). The live store's hash (sha256 of its canonical JSON)
    is recorded before and after and must be identical; ``decide`` on the shadow records
-   (paired by task). Not a pass, or the live store changed: ``rolled_back``.
+   (paired by task). Not a pass, or the live store changed: ``rolled_back``. What it compared
+   is reported (``ShadowComparison``): each arm's tool calls and tasks with store writes, and
+   the tasks whose tool effects differ between the arms.
 3. ``canary``: the live traffic is served in order; a seeded ``canary_fraction`` of it goes to
    the candidate with restricted permissions (``allowed_tools`` narrowed to
    ``canary_allowed_tools``, ``write_scopes`` = the task's declared scope, never "any"), the
@@ -18,13 +20,15 @@ decision stops it; inconclusive is never a pass):
    ``decide(candidate share, canary_criteria, baseline share)``. Not a pass: ``rolled_back``
    (the live store and conversation log are restored to the snapshot taken before the canary,
    ``serving`` stays the baseline).
-4. ``promote``: ``candidate.current_hash()`` (the artifact re-read now) must equal
-   ``candidate.bundle_hash`` (what was evaluated); a mismatch is refused and rolled back
-   ("artifact changed after evaluation"). Otherwise ``serving`` becomes the candidate's hash.
+4. ``promote``: ``candidate.current_hash()`` (the whole artifact re-read and verified now)
+   must equal ``candidate.bundle_hash`` (what was evaluated); a mismatch ("artifact changed
+   after evaluation") or an artifact that no longer verifies (a corrupt file, a missing
+   ``COMPLETE`` marker: the error names the file) is refused and rolled back. Otherwise
+   ``serving`` becomes the candidate's hash.
 
-A crash during shadow, canary or promote (a policy raising, an artifact whose hash cannot be
-re-read) counts as a failed gate: rolled back, the exception in the reasons. A crash during the
-offline gate propagates (nothing was served, nothing to undo).
+A crash during shadow or canary (a policy raising) counts as a failed gate: rolled back, the
+exception in the reasons; so does an artifact that cannot be re-read at promotion. A crash
+during the offline gate propagates (nothing was served, nothing to undo).
 
 Live state. ``LiveSystem`` is production state that persists across episodes: a record store
 in the env's own state type (Records-v0: ``{collection: {id: {field: value}}}``), a
@@ -42,12 +46,15 @@ episode's own diff, and ``Episode.tool_effects`` is that diff) and then points t
 ``state`` at the shared store object, so the tools read and write it. This fits any
 ``ToolEnv`` whose state is a dict store copied from ``task.data`` (Records-v0,
 LongRecords-v0). Episodes on one store run one at a time (one env per arm), so a per-episode
-diff holds only that episode's writes.
+diff holds only that episode's writes. Tasks that each carry their own store (Records-v0's
+pool: every task its own records) use ``store_per_task``: ``live.store`` is
+``{task_id: store}`` and each episode acts on its task's entry.
 
 Bundles are addressed by content hash. ``evals`` does not import ``agent_rl``: the caller hands
-the hash and a way to re-read it, e.g.
-``Candidate(name, bundle_hash(path), policy, current_hash=lambda: bundle_hash(path))`` with
-``agent_rl.checkpoint.bundle_hash`` (after ``verify_bundle``).
+the hash and a way to re-read and verify it, e.g.
+``Candidate(name, verify_bundle(path), policy, current_hash=partial(verify_bundle, path))``
+with ``agent_rl.checkpoint.verify_bundle`` (every file against the manifest, the marker
+present; returns the hash). ``bundle_hash`` alone would read only ``MANIFEST.json``.
 
 Traffic split. The canary arms serve different tasks, so a ``no_regression`` criterion (paired
 by task and sample) would find no pairs and be inconclusive on every run; ``canary_criteria``
@@ -88,8 +95,10 @@ ARTIFACT_CHANGED = "artifact changed after evaluation"
 class Candidate:
     """A servable bundle: ``run`` reads only these four attributes (any object having them works).
 
-    ``current_hash`` re-reads the artifact's content hash now (e.g. ``lambda:
-    agent_rl.checkpoint.bundle_hash(path)``), so weights swapped after evaluation are caught.
+    ``current_hash`` re-reads and verifies the whole artifact now and returns its content hash,
+    raising (naming the bad file) when it does not verify (e.g. ``partial(
+    agent_rl.checkpoint.verify_bundle, path)``), so weights swapped or corrupted after
+    evaluation are caught.
     """
 
     name: str
@@ -192,7 +201,8 @@ def rollback_drill(live: LiveSystem, to_snapshot: LiveSnapshot, reason: str = "d
 
 
 class LiveStore(gymnasium.Wrapper):
-    """Points a store env (state = a dict copied from ``task.data``) at a shared ``store``.
+    """Points a store env (state = a dict copied from ``task.data``) at a shared ``store``
+    (with ``per_task``: at ``store[task_id]``).
 
     On reset the task is rebased onto the store as it is now, so scoring and ``tool_effects``
     see this episode's diff; the tools then act on ``store`` itself. Finished episodes are
@@ -201,20 +211,21 @@ class LiveStore(gymnasium.Wrapper):
 
     def __init__(self, env: gymnasium.Env, store: dict[str, Any], served_by: str,
                  log: list[dict[str, Any]] | None = None, stage: str = "",
-                 latencies: dict[str, float] | None = None):
+                 latencies: dict[str, float] | None = None, per_task: bool = False):
         super().__init__(env)
         self.store, self.served_by, self.log, self.stage = store, served_by, log, stage
         self.latencies = latencies if latencies is not None else {}
-        self._t0 = 0.0
+        self.per_task, self._t0 = per_task, 0.0
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         options = dict(options or {})
         task = options["task"]
         task = task if isinstance(task, TaskSpec) else TaskSpec.model_validate(task)
-        options["task"] = task.model_copy(update={"data": copy.deepcopy(self.store)})
+        state = self.store[task.task_id] if self.per_task else self.store
+        options["task"] = task.model_copy(update={"data": copy.deepcopy(state)})
         self._t0 = time.perf_counter()
         obs, info = self.env.reset(seed=seed, options=options)
-        self.env.unwrapped.state = self.store
+        self.env.unwrapped.state = state
         return obs, info
 
     def step(self, action: Any):
@@ -227,6 +238,8 @@ class LiveStore(gymnasium.Wrapper):
                     "episode_id": episode.episode_id, "task_id": episode.task_id,
                     "served_by": self.served_by, "stage": self.stage,
                     "sessions": {s.session_id: s.messages() for s in episode.sessions},
+                    "tool_calls": sum(t.role == "tool" for s in episode.sessions
+                                      for t in s.turns),
                     "tool_effects": episode.tool_effects})
         return obs, reward, terminated, truncated, info
 
@@ -257,6 +270,9 @@ class CanaryPlan(BaseModel):
     canary_writes: Literal["task_scope", "none"] = Field(
         "task_scope", description="task_scope: only the ids the task declares (a task with no "
                                   "declared scope gets none); none: no writes at all")
+    store_per_task: bool = Field(False, description="live.store is {task_id: store} and each "
+                                 "episode acts on its task's entry (tasks that carry their own "
+                                 "stores, as Records-v0); False: one store shared by all tasks")
     sampling: Sampling = Field(default_factory=Sampling)
     seed: int = Field(0, description="episode seeds and the traffic split")
     env_kwargs: dict[str, Any] = Field(default_factory=dict, description="for every env made")
@@ -273,7 +289,29 @@ class CanaryPlan(BaseModel):
                              "inconclusive); use min/max bounds at the baseline's level")
         if not self.canary_criteria:
             raise ValueError("canary_criteria is empty: a gate with no criteria passes anything")
+        missing = [t.task_id for t in self.shadow_tasks + self.live_tasks
+                   if self.store_per_task and t.task_id not in self.live.store]
+        if missing:
+            raise ValueError(f"store_per_task: live.store has no store for tasks {missing[:5]}")
         return self
+
+
+class ShadowComparison(BaseModel):
+    """What the shadow stage compared, task by task, each arm on its own copy of the live store."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tasks: int
+    tool_calls: dict[str, int] = Field(description="arm (candidate | baseline) -> tool calls")
+    writing_tasks: dict[str, int] = Field(description="arm -> tasks with store writes")
+    differing: list[str] = Field(description="task ids whose tool effects differ between arms")
+
+    def summary(self) -> str:
+        arms = "; ".join(f"{arm} {self.tool_calls[arm]} tool calls, writes on "
+                         f"{self.writing_tasks[arm]} tasks" for arm in self.tool_calls)
+        listed = f" ({', '.join(self.differing[:5])}{', ...' if len(self.differing) > 5 else ''})"
+        return (f"compared {self.tasks} tasks on store copies: {arms}; tool effects differ "
+                f"on {len(self.differing)}{listed if self.differing else ''}")
 
 
 class StageReport(BaseModel):
@@ -288,6 +326,7 @@ class StageReport(BaseModel):
     candidate_records: list[EvalRecord] = Field(default_factory=list)
     baseline_records: list[EvalRecord] = Field(default_factory=list)
     hashes: dict[str, str] = Field(default_factory=dict, description="live/shadow store hashes")
+    compared: ShadowComparison | None = Field(None, description="shadow: what was compared")
 
 
 class CanaryResult(BaseModel):
@@ -350,15 +389,25 @@ def _shadow(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> Stag
     live = plan.live
     live_before, log_before = live.store_hash(), live.conversations_hash()
     copies = {who.bundle_hash: copy.deepcopy(live.store) for who in (candidate, baseline)}
-    records = []
+    records, logs = [], []
     for who in (candidate, baseline):
+        logs.append([])
         env = LiveStore(make(plan.env_id, **plan.env_kwargs), copies[who.bundle_hash],
-                        who.bundle_hash, stage="shadow")
+                        who.bundle_hash, logs[-1], stage="shadow", per_task=plan.store_per_task)
         try:
             records.append(_serve(who, plan.shadow_tasks, env, plan.sampling, plan.seed))
         finally:
             env.close()
     cand, base = records
+    effects = [{e["task_id"]: e["tool_effects"] for e in log} for log in logs]
+    compared = ShadowComparison(
+        tasks=len(plan.shadow_tasks),
+        tool_calls={arm: sum(e["tool_calls"] for e in log)
+                    for arm, log in zip(("candidate", "baseline"), logs, strict=True)},
+        writing_tasks={arm: sum(map(bool, eff.values()))
+                       for arm, eff in zip(("candidate", "baseline"), effects, strict=True)},
+        differing=[t.task_id for t in plan.shadow_tasks
+                   if effects[0].get(t.task_id) != effects[1].get(t.task_id)])
     hashes = {"live_before": live_before, "live_after": live.store_hash(),
               "shadow_after": canonical_hash(copies[candidate.bundle_hash]),
               "baseline_shadow_after": canonical_hash(copies[baseline.bundle_hash])}
@@ -373,8 +422,10 @@ def _shadow(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> Stag
     else:
         reasons.append(f"live store unchanged by shadow ({live_before[:12]}); candidate's "
                        f"shadow copy {hashes['shadow_after'][:12]}")
+    reasons.append(compared.summary())
     return StageReport(stage="shadow", status=status, reasons=reasons, decision=decision,
-                       candidate_records=cand, baseline_records=base, hashes=hashes)
+                       candidate_records=cand, baseline_records=base, hashes=hashes,
+                       compared=compared)
 
 
 def _canary(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> StageReport:
@@ -383,7 +434,8 @@ def _canary(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> Stag
     live.canary = candidate.bundle_hash
     to_candidate = canary_split(len(plan.live_tasks), plan.canary_fraction, plan.seed)
     pool = {who.bundle_hash: LiveStore(make(plan.env_id, **plan.env_kwargs), live.store,
-                                       who.bundle_hash, live.conversations, stage="canary")
+                                       who.bundle_hash, live.conversations, stage="canary",
+                                       per_task=plan.store_per_task)
             for who in (candidate, baseline)}
     records: dict[str, list[EvalRecord]] = {candidate.bundle_hash: [], baseline.bundle_hash: []}
     try:  # serve in traffic order, one run of consecutive same-arm tasks at a time
@@ -408,7 +460,11 @@ def _canary(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> Stag
 
 def _promote(candidate: Candidate, plan: CanaryPlan) -> StageReport:
     live = plan.live
-    current = candidate.current_hash()
+    try:
+        current = candidate.current_hash()
+    except Exception as exc:  # e.g. agent_rl.checkpoint.BundleError, naming the file
+        return StageReport(stage="promote", status="fail", reasons=[
+            f"FAIL the artifact does not verify now: {exc}; refused"])
     if current != candidate.bundle_hash:
         return StageReport(stage="promote", status="fail", reasons=[
             f"{ARTIFACT_CHANGED}: evaluated {candidate.bundle_hash}, the artifact now hashes "
@@ -472,10 +528,7 @@ def run(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> CanaryRe
     if stages[-1].status != "pass":
         return end("rolled_back", before_canary)
 
-    try:
-        stages.append(_promote(candidate, plan))
-    except Exception as exc:  # e.g. the bundle is gone and its hash cannot be read
-        stages.append(_crashed("promote", exc))
+    stages.append(_promote(candidate, plan))
     if stages[-1].status != "pass":
         return end("rolled_back", before_canary)
     return end("promoted")

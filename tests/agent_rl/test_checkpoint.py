@@ -203,6 +203,19 @@ def test_a_flipped_byte_is_named_and_the_bundle_skipped(tmp_path, name):
         assert latest_complete(tmp_path) == older
 
 
+def test_verify_bundle_returns_the_address_that_bundle_hash_alone_cannot_vouch_for(tmp_path):
+    model, _, _ = _setup()
+    path = _save(tmp_path, 3, model)
+    address = verify_bundle(path)
+    assert address == bundle_hash(path) == (path / "COMPLETE").read_text()
+    weights = bytearray((path / "model.safetensors").read_bytes())
+    weights[-1] ^= 0x01
+    (path / "model.safetensors").write_bytes(bytes(weights))
+    assert bundle_hash(path) == address  # it reads only MANIFEST.json
+    with pytest.raises(BundleError, match=r"model\.safetensors: sha256 differs"):
+        verify_bundle(path)
+
+
 def test_marker_manifest_and_truncation_errors_name_the_file(tmp_path):
     model, _, _ = _setup()
     path = _save(tmp_path, 0, model)

@@ -1,6 +1,8 @@
 """Canary release: a regressed candidate stops offline, live failures and inconclusive gates roll
 back to the pre-canary store, swapped weights are refused, shadow never writes live, a good
 candidate is promoted, and the rollback drill restores bundle, conversations and tool effects.
+A real bundle corrupted or unmarked after the gates is refused at promotion (the CLI's wiring);
+shadow reports the tool effects it compared; tasks with their own stores act on their own entry.
 
 Offline gate: Arithmetic-v0, answered by parsing the expression. Shadow and canary: Records-v0
 tasks built on one shared live store (disjoint records, so serving order does not change any
@@ -13,11 +15,15 @@ import ast
 import copy
 import json
 import operator
+import re
 
 import numpy as np
 import pytest
+import torch
 
 import envs  # noqa: F401  (registers the environments)
+from agent_rl.checkpoint import bundle_hash, save_bundle, verify_bundle
+from agent_rl.cli import LoadedPolicy, release_candidate
 from envs import TaskMeta, TaskSpec
 from envs.arithmetic import ArithmeticEnv
 from envs.records.env import solver_plan, solver_progress
@@ -34,6 +40,7 @@ from evals.canary import (
     run,
 )
 from evals.gates import Criterion
+from evals.splits import default_splits
 from trajectories import Outcome
 from trajectories.hashing import canonical_hash
 
@@ -107,8 +114,8 @@ class Agent:
     """Right on everything here: Arithmetic by parsing, Records by the env's scripted solver
     (the task looked up by its prompt, progress read from the messages)."""
 
-    def __init__(self):
-        self.tasks = {t.prompt: t for t in SHADOW + LIVE}
+    def __init__(self, tasks=()):
+        self.tasks = {t.prompt: t for t in [*SHADOW, *LIVE, *tasks]}
 
     def generate(self, batch, sampling):
         return [Completion(self.reply(messages)) for messages in batch]
@@ -188,6 +195,36 @@ class LeaksIntoLive(Agent):
         if messages[1]["content"] in {t.prompt for t in SHADOW}:
             self.live.store["people"][UNTOUCHED]["city"] = "Leaked"
         return super().reply(messages)
+
+
+class SpoilsBundle(Agent):
+    """Damages its own bundle on disk once live traffic reaches it (after every gate)."""
+
+    def __init__(self, path, how: str):
+        super().__init__()
+        self.path, self.how, self.spoiled = path, how, False
+
+    def reply(self, messages) -> str:
+        if messages[1]["content"] in LIVE_PROMPTS and not self.spoiled:
+            self.spoiled = True
+            if self.how == "unmark":
+                (self.path / "COMPLETE").unlink()
+            else:
+                weights = bytearray((self.path / "model.safetensors").read_bytes())
+                weights[-1] ^= 0x01
+                (self.path / "model.safetensors").write_bytes(bytes(weights))
+        return super().reply(messages)
+
+
+class WritesSevenInShadow(Agent):
+    """Writes 7 instead of the right value, in shadow only."""
+
+    def reply(self, messages) -> str:
+        action = super().reply(messages)
+        if messages[1]["content"] in LIVE_PROMPTS or '"name": "update"' not in action:
+            return action
+        call = json.loads(action.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        return tool_call("update", {**call["arguments"], "value": "7"})
 
 
 class CrashesOnLive(Agent):
@@ -338,6 +375,60 @@ def test_weights_swapped_after_evaluation_are_refused_at_promotion():
     assert stage(result, "promote").reasons[0].startswith(ARTIFACT_CHANGED)
     assert plan.live.serving == BASE and plan.live.store_hash() == canonical_hash(STORE)
     assert plan.live.conversations == []
+
+
+@pytest.mark.parametrize(("how", "named"), [("flip", r"model\.safetensors: sha256 differs"),
+                                             ("unmark", r"COMPLETE is missing")])
+def test_a_bundle_corrupted_after_the_gates_is_refused_at_promotion(tmp_path, how, named):
+    path = save_bundle(tmp_path, 1, model=torch.nn.Linear(4, 2), meta={})
+    address = verify_bundle(path)
+    loaded = LoadedPolicy(SpoilsBundle(path, how), "candidate", path, address)
+    plan = plan_for()
+    result = run(release_candidate(loaded), fixed("baseline", BASE, Agent()), plan)
+    assert bundle_hash(path) == address  # the manifest alone does not see the damage
+    assert stage(result, "canary").status == "pass"
+    assert (result.status, result.stage) == ("rolled_back", "promote")
+    reason = stage(result, "promote").reasons[0]
+    assert reason.startswith("FAIL the artifact does not verify now") and str(path) in reason
+    assert re.search(named, reason)
+    assert plan.live.serving == BASE and plan.live.store_hash() == canonical_hash(STORE)
+
+
+def test_shadow_reports_the_tool_effects_it_compared(promoted):
+    compared = stage(promoted[0], "shadow").compared
+    assert compared.tasks == len(SHADOW) and compared.differing == []
+    writers = sum(bool(t.target["diff"]) for t in SHADOW)
+    assert writers and compared.writing_tasks == {"candidate": writers, "baseline": writers}
+    assert compared.tool_calls["candidate"] == compared.tool_calls["baseline"] > len(SHADOW)
+
+    result, _ = release(WritesSevenInShadow())
+    shadow = stage(result, "shadow")
+    assert shadow.compared.differing == [t.task_id for t in SHADOW if t.target["diff"]]
+    assert f"tool effects differ on {writers} (" in shadow.reasons[-1]
+
+
+def test_tasks_with_their_own_stores_act_on_their_own_entry():
+    held_out = list(default_splits(RECORDS, 64, seed=0)["holdout"])
+    shadow, live_tasks = held_out[:10], held_out[10:34]
+    stores = {t.task_id: t.data for t in shadow + live_tasks}
+    live = LiveSystem(store=stores, serving=BASE)
+    result = run(fixed("candidate", CAND, Agent(held_out)),
+                 fixed("baseline", BASE, Agent(held_out)),
+                 plan_for(shadow_tasks=shadow, live_tasks=live_tasks, canary_fraction=0.5,
+                          shadow_criteria=OFFLINE[1:], store_per_task=True, live=live))
+    assert (result.status, result.stage) == ("promoted", "promote")
+    canary = stage(result, "canary")
+    assert all(r.success for r in canary.candidate_records + canary.baseline_records)
+    assert stage(result, "shadow").compared.writing_tasks["candidate"] > 0
+    for task in live_tasks:  # every write landed on its own task's store, nowhere else
+        want = copy.deepcopy(task.data)
+        for coll, records in task.target["diff"].items():
+            for rid, fields in records.items():
+                want[coll][rid].update({f: change["new"] for f, change in fields.items()})
+        assert live.store[task.task_id] == want
+    with pytest.raises(ValueError, match="no store for tasks"):
+        plan_for(shadow_tasks=shadow, live_tasks=live_tasks, store_per_task=True,
+                 live=LiveSystem(store={}, serving=BASE))
 
 
 def test_an_artifact_that_does_not_match_its_hash_is_not_evaluated():
