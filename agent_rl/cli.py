@@ -156,14 +156,19 @@ def load_bundle_policy(path: str | Path, model_id: str | None, device: str) -> L
                         f"{bundle.parent.parent.name}/{bundle.name}", bundle, digest, contract)
 
 
-def load_policy(spec: str, model_id: str | None, device: str) -> LoadedPolicy:
-    """``base`` | ``PATH`` | ``openai:URL`` -> a policy (see ``POLICY_HELP``)."""
+def load_policy(spec: str, model_id: str | None, device: str,
+                timeout: float = 60) -> LoadedPolicy:
+    """``base`` | ``PATH`` | ``openai:URL`` -> a policy (see ``POLICY_HELP``); ``timeout``: the
+    wall-clock seconds one request to an ``openai:URL`` server may take, retries included."""
     if spec.startswith("openai:"):
         from agent_rl.policy import OpenAIPolicy
 
-        url = spec.removeprefix("openai:")
-        return LoadedPolicy(OpenAIPolicy(url, model=model_id or "default",
-                                         api_key=os.environ.get("OPENAI_API_KEY")), spec)
+        try:
+            policy = OpenAIPolicy(spec.removeprefix("openai:"), model=model_id or "default",
+                                  api_key=os.environ.get("OPENAI_API_KEY"), timeout=timeout)
+        except ValueError as exc:  # a bad URL, --timeout or $OPENAI_API_KEY
+            raise CLIError(f"--policy openai:...: {exc}") from None
+        return LoadedPolicy(policy, spec)
     if spec == "base":
         from agent_rl.policy import HFPolicy
 
@@ -261,6 +266,7 @@ def train(args: argparse.Namespace) -> int:
 
     try:  # a broken contract fails before torch is imported
         contract = ExperimentContract.from_yaml(args.config, args.overrides)
+        run_dir = contract.check_run_dir()
     except ContractError as exc:
         raise CLIError(str(exc)) from exc
     import gymnasium
@@ -273,7 +279,6 @@ def train(args: argparse.Namespace) -> int:
     for module in ("transformers", "peft", "torch"):
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     load_model_or_fail(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
-    run_dir = contract.resolved_run_dir
     out = console()
     try:
         with _StopSignal():
@@ -345,6 +350,9 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--max-new-tokens", type=int, default=None, metavar="M",
                         help="per reply (default: the run's max_response_tokens, else 128)")
+    parser.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
+                        help="openai:URL only: wall-clock limit on one request, retries "
+                             "included (default: 60)")
     parser.add_argument("--hinted", action="store_true",
                         help="show the tasks' hints (evaluation is hint-free without it; every "
                              "record says whether a hint was shown)")
@@ -408,7 +416,7 @@ def eval_(args: argparse.Namespace) -> int:
 
     if args.n < 1:
         raise CLIError(f"--n must be >= 1, got {args.n}")
-    loaded = load_policy(args.policy, args.model, default_device())
+    loaded = load_policy(args.policy, args.model, default_device(), timeout=args.timeout)
     contract = loaded.contract
     if args.config is not None:
         from agent_rl.config import ContractError, ExperimentContract
@@ -476,8 +484,10 @@ def canary_criteria(contract) -> tuple[list, list]:
 
 
 def canary_plan(env_id: str, contract, n: int, fraction: float, seed: int, live_serving: str):
-    """Offline: held-out tasks; shadow: train tasks; live: the next train tasks, enough that the
-    candidate's share is about ``n``. The live store is the first live task's ``data``."""
+    """All from the held-out split: the offline gate's ``n`` tasks, mirrored again in shadow
+    against copies of the live store; live: the next ones, enough that the candidate's share is
+    about ``n``. Tasks that carry their own stores (Records-v0) each act on their own entry of
+    the live store (``store_per_task``)."""
     import math
 
     from envs.runner import Sampling
@@ -486,30 +496,39 @@ def canary_plan(env_id: str, contract, n: int, fraction: float, seed: int, live_
 
     if not 0 < fraction < 1:
         raise CLIError(f"--canary-fraction must be in (0, 1), got {fraction}")
-    holdout, env_kwargs = eval_tasks(env_id, "holdout", n, contract)
-    traffic, _ = eval_tasks(env_id, "train", n + math.ceil(n / fraction), contract)
-    shadow, live = traffic[:n], traffic[n:]
+    tasks, env_kwargs = eval_tasks(env_id, "holdout", n + math.ceil(n / fraction), contract)
+    shadow, live = tasks[:n], tasks[n:]
     if not live:
-        raise CLIError(f"the train split of {env_id} has {len(traffic)} tasks: too few for "
-                       f"{n} shadow tasks and a live stage; lower --n")
-    if len({canonical_hash(t.data) for t in live}) > 1:
-        print(f"agent-rl canary: warning: {env_id} tasks carry their own stores; shadow and live "
-              "tasks are rebased onto one store (the first live task's), so some may not be "
-              "solvable there. For a faithful live stage build the plan with evals.canary.",
-              file=sys.stderr)
+        raise CLIError(f"the holdout split of {env_id} has {len(tasks)} tasks: too few for {n} "
+                       "offline and shadow tasks and a live stage; lower --n (or raise "
+                       "env.pool_size)")
+    per_task = len({canonical_hash(t.data) for t in tasks}) > 1
+    store = {t.task_id: t.data for t in tasks} if per_task else live[0].data
     gate, bounds = canary_criteria(contract)
     max_new = contract.rollout.max_response_tokens if contract else 128
-    return CanaryPlan(env_id=env_id, offline_tasks=holdout, criteria=gate, shadow_tasks=shadow,
+    return CanaryPlan(env_id=env_id, offline_tasks=shadow, criteria=gate, shadow_tasks=shadow,
                       live_tasks=live, canary_fraction=fraction, canary_criteria=bounds,
+                      store_per_task=per_task,
                       sampling=Sampling(temperature=0.0, max_new_tokens=max_new, seed=seed),
                       seed=seed, env_kwargs=env_kwargs,
-                      live=LiveSystem(store=live[0].data, serving=live_serving))
+                      live=LiveSystem(store=store, serving=live_serving))
+
+
+def release_candidate(loaded: LoadedPolicy):
+    """A canary ``Candidate`` of a loaded bundle; before promotion its whole bundle is verified
+    again (every file against the manifest, the COMPLETE marker present)."""
+    from functools import partial
+
+    from agent_rl.checkpoint import verify_bundle
+    from evals.canary import Candidate
+
+    return Candidate(loaded.name, loaded.bundle_hash, loaded.policy,
+                     current_hash=partial(verify_bundle, loaded.bundle))
 
 
 @command("canary", "release a bundle: offline gate -> shadow -> canary -> promote, or roll back",
          _canary_arguments)
 def canary(args: argparse.Namespace) -> int:
-    from agent_rl.checkpoint import bundle_hash
     from evals import canary as release
 
     if args.n < 1:
@@ -523,11 +542,7 @@ def canary(args: argparse.Namespace) -> int:
     if env_id is None:
         raise CLIError("pass --env ID: neither bundle comes from a run with a contract")
     plan = canary_plan(env_id, contract, args.n, args.canary_fraction, args.seed, base.bundle_hash)
-    candidate, baseline = (
-        release.Candidate(who.name, who.bundle_hash, who.policy,
-                          current_hash=lambda path=who.bundle: bundle_hash(path))
-        for who in (cand, base))
-    result = release.run(candidate, baseline, plan)
+    result = release.run(release_candidate(cand), release_candidate(base), plan)
     out = console()
     for stage in result.stages:
         out.print(f"[bold]{stage.stage}[/bold]: {stage.status.upper()}")
@@ -689,9 +704,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from agent_rl.openai_policy import OpenAIPolicyError
+
     try:
         return args._run(args)
-    except CLIError as exc:
+    except (CLIError, OpenAIPolicyError) as exc:  # a remote endpoint's failure is redacted
         print(f"agent-rl {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,12 +1,14 @@
 """Can the embedded SmolLM2-135M-Instruct call ``spawn`` at all? The rate of valid calls.
 
-    python benchmarks/spawn_rate.py            # n=48 per condition, greedy and T=1.0
+    python benchmarks/spawn_rate.py            # n=48 per condition, greedy, T=0.7 and T=1.0
 
 A call is valid when ``HermesParser`` parses it, it is named ``spawn`` and its ``task`` is a
 non-empty string (what ``envs.sessions.control_action`` turns into a ``Spawn``). Conditions:
 
 * ``longrecords``: the first turn of LongRecords-v0 (``branching=True``): the env's own system
   message with every tool schema, ``spawn`` included, and a task the scripted solver delegates;
+* ``relay``: the first turn of Relay-v0 (``branching=True``): facts, a worked example of a
+  spawn call, and the explicit request to delegate the question with the needed facts;
 * ``explicit``: the same tool instructions with one example call, and a user turn that says
   to call spawn: ``Use the spawn tool to start a sub-agent with the task "...". Reply with
   only the tool call.``
@@ -46,7 +48,10 @@ def conversations(n: int) -> dict[str, list[list[dict]]]:
                          {"role": "user", "content": f'Use the spawn tool to start a sub-agent '
                                                      f'with the task "{sub_task}". Reply with '
                                                      'only the tool call.'}])
-    return {"longrecords": first_turns, "explicit": explicit}
+    relay_env = envs.make("agent_rl/Relay-v0", branching=True).unwrapped
+    relay = [relay_env.reset(seed=0, options={"task": task})[0]
+             for task in relay_env.task_pool(n, seed=5)]
+    return {"longrecords": first_turns, "relay": relay, "explicit": explicit}
 
 
 def valid_spawn(text: str) -> bool:
@@ -57,7 +62,7 @@ def valid_spawn(text: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=48)
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     model, tokenizer = load_model("smollm2-135m")

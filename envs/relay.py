@@ -25,8 +25,12 @@ Description
     (README, "Relay-v0"). The examples are prompt, never trained on.
 
 Tools
-    None, and no ``spawn``: SmolLM2-135M-Instruct emitted no valid spawn call (0/48 greedy and
-    at T=1) unless the task told it to call spawn and showed an example call (README).
+    None by default. With ``branching=True`` there is no compression: the root sees every
+    fact at once and is asked to ``spawn`` a sub-agent with a task that copies the needed
+    lines and asks the question (one worked example call shown); the sub-agent sees only that
+    task and answers, its reply returns to the root as the tool result, and the root's next
+    reply is the answer. The embedded model makes a valid spawn call on 60% of these tasks
+    greedy, 56% at T=0.7 (``benchmarks/spawn_rate.py``; 0% on LongRecords-v0's first turn).
 
 Observation
     The active session's messages. Root: ``[system, user: example facts + request, assistant:
@@ -38,7 +42,9 @@ Reward
     last number of the reply is the expected value; ``format`` (0.1) the reply is a bare
     number; ``relayed`` (0.3) what crossed the last boundary: the share of the needed numbers
     in the note the answering session saw, times the share of that note's numbers that were
-    needed (copying every fact does not pay). A right bare number after a clean note: 1.0.
+    needed (copying every fact does not pay). With ``branching`` the note is the last
+    sub-agent's task without the question (whose "plus 1" is no fact). A right bare number
+    after a clean note: 1.0.
 
 Episode end
     The answering session's first reply. Truncated after ``max_turns`` (8) assistant turns.
@@ -212,8 +218,10 @@ class RelayEnv(ToolEnv):
         if self.branching:  # the facts reach a sub-agent through the task given to spawn
             data = self.task.data
             later = [data["facts"][j] for batch in data["batches"][1:] for j in batch]
-            self._recorder.ask("\n".join(later + [delegate_request(
-                [data["facts"][j] for j in data["needed"]], data["question"])]))
+            if later:  # the facts of every batch, one list
+                self._recorder.ask("\n".join(later), separator="\n")
+            self._recorder.ask(delegate_request([data["facts"][j] for j in data["needed"]],
+                                                data["question"]))
             obs, info = self._observation(), self._info()
         return obs, info
 
@@ -269,9 +277,9 @@ class RelayEnv(ToolEnv):
 
     # --- scoring, usage and the solver -------------------------------------------------------
     def score(self, task: TaskSpec, answer: str, state: Any) -> RewardBreakdown:
-        if self.branching:  # what crossed: the task the last sub-agent was given
+        if self.branching:  # what crossed: the last sub-agent's task, less the question
             tasks = [s.turns[1].content for s in self._recorder.sessions() if s.origin == "branch"]
-            note = tasks[-1] if tasks else ""
+            note = tasks[-1].replace(task.data["question"], " ") if tasks else ""
         else:
             prompt = [t.content for t in self._recorder.turns() if t.role == "user"][-1]
             note = prompt.split("Your note: ", 1)[-1].split("\n\nQuestion: ", 1)[0]

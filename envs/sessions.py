@@ -200,12 +200,13 @@ class SessionRecorder:
             draft.policy_revision = (policy_revision if draft.policy_revision is None
                                      else min(draft.policy_revision, policy_revision))
 
-    def ask(self, text: str) -> None:
-        """Put a request to the agent (a compression request): it joins the last message when
-        that is the user's (the session has not replied since), else it is a new user turn."""
+    def ask(self, text: str, separator: str = "\n\n") -> None:
+        """Put a request to the agent (a compression request): it joins the last message after
+        ``separator`` when that is the user's (the session has not replied since), else it is
+        a new user turn."""
         turns = self._drafts[self.active].turns
         if turns and turns[-1].role == "user":
-            turns[-1] = Turn(role="user", content=f"{turns[-1].content}\n\n{text}")
+            turns[-1] = Turn(role="user", content=f"{turns[-1].content}{separator}{text}")
         else:
             turns.append(Turn(role="user", content=text))
 

@@ -74,6 +74,29 @@ def test_bad_config_key_exits_2_naming_the_key(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("override, named", [
+    ("eval.split=bogus", "eval.split: no split 'bogus'"),
+    ("env.split=dropped_duplicates", "env.split: no split 'dropped_duplicates'"),
+    ("env.kwargs.bogus=1", "env.kwargs.bogus: agent_rl/Arithmetic-v0 takes no such argument"),
+    ("rollout.truncation_penalty=.nan", "rollout.truncation_penalty: Input should be a finite"),
+    ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
+    ("optim.max_steps=true", "optim.max_steps: got the boolean true"),
+    ("=1", "--set '=1': the key has an empty part"),
+])
+def test_contract_errors_exit_2_naming_the_key_before_the_run_dir(tmp_path, override, named):
+    result = agent_rl("train", TINY, "--set", f"run_dir={tmp_path}/r", "--set", override)
+    assert result.returncode == 2 and named in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "r").exists()
+
+
+def test_a_run_dir_that_is_a_file_exits_2_untouched(tmp_path):
+    (tmp_path / "r").write_text("someone's notes\n")
+    result = agent_rl("train", TINY, "--set", f"run_dir={tmp_path}/r")
+    assert result.returncode == 2, result.stderr
+    assert f"run_dir: {tmp_path}/r is a file, not a directory" in result.stderr
+    assert "Traceback" not in result.stderr and (tmp_path / "r").read_text() == "someone's notes\n"
+
+
 def test_missing_config_file_exits_2(tmp_path):
     result = agent_rl("train", tmp_path / "nope.yaml")
     assert result.returncode == 2 and "not found" in result.stderr

@@ -125,6 +125,20 @@ def test_the_default_splits_hold_out_a_composition_an_entity_group_and_a_length(
     assert splits["holdout_iid"] and splits["holdout"]
 
 
+def test_the_branching_solver_scores_1_when_the_question_holds_numbers(pool):
+    """v0 counted the "1" of "plus 1" and the "2" of "times 2" as relayed numbers (0.9)."""
+    env = envs.make(RELAY, branching=True).unwrapped
+    tasks = [t for t in pool if t.meta.operation in ("plus1", "double", "sum_plus1", "max_double")]
+    assert len(tasks) >= 12
+    for task in tasks[:12]:
+        env.reset(seed=0, options={"task": task})
+        for _ in range(8):
+            _, reward, terminated, truncated, info = env.step(env.reference_action())
+            if terminated or truncated:
+                break
+        assert reward == pytest.approx(1.0), (task.task_id, info["episode"].reward.components)
+
+
 def test_the_branching_variant_relays_through_a_sub_agent(pool):
     task = task_of(pool, "recall>combine", 2)
     env = envs.make(RELAY, branching=True).unwrapped
