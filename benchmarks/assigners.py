@@ -71,6 +71,12 @@ def finished_runs(out: Path) -> dict[str, dict]:
     return {r["contract_hash"]: r for r in runs if "contract_hash" in r}
 
 
+def kept(results: list[dict], earlier: dict[str, dict]) -> list[dict]:
+    """This invocation's runs, then the earlier ones it did not ask for (none is dropped)."""
+    done = {r["contract_hash"] for r in results}
+    return results + [r for h, r in earlier.items() if h not in done]
+
+
 def per_task(summary: dict) -> dict[str, float]:
     return dict(zip(summary["keys"], summary["rewards"], strict=True))
 
@@ -138,12 +144,13 @@ def main() -> None:
         for name in args.assigners:
             print(f"== {name}, seed {seed}", flush=True)
             results.append(run_one(args.config, name, seed, args.steps, args.out, earlier))
-            (args.out / "assigners.json").write_text(json.dumps(results, indent=1))
+            (args.out / "assigners.json").write_text(json.dumps(kept(results, earlier), indent=1))
     befores = {json.dumps(r["before"]["rewards"]) for r in results if r["seed"] == args.seeds[0]}
     print(f"before-training evaluations identical across assigners: {len(befores) == 1}")
     rows = table(results, args.assigners, args.seeds)
     md = markdown(rows, args.seeds, results[0]["steps"])
-    (args.out / "assigners.json").write_text(json.dumps({"runs": results, "rows": rows}, indent=1))
+    (args.out / "assigners.json").write_text(
+        json.dumps({"runs": kept(results, earlier), "rows": rows}, indent=1))
     (args.out / "assigners.md").write_text(md + "\n")
     print(md)
 
