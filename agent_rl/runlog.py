@@ -291,19 +291,18 @@ def rewind_logs(run_dir: Path, step: int, store_cursor: int) -> None:
         if cut or torn:
             with open(path.with_name(name + ".rewound"), "ab") as fh:
                 fh.write(b"".join(line + b"\n" for line in [*cut, torn] if line))
-            tmp = path.with_name(name + ".tmp")
-            tmp.write_bytes(b"".join(line + b"\n" for line in kept))
-            os.replace(tmp, path)
+            write_file(path, b"".join(line + b"\n" for line in kept))
 
 
-def write_file(path: Path, text: str) -> None:
-    """Write ``text`` atomically (temp file, fsync, rename); a file that already holds it is
-    left alone."""
-    if path.exists() and path.read_text() == text:
+def write_file(path: Path, content: str | bytes) -> None:
+    """Write ``content`` atomically (temp file, fsync, rename); a file that already holds it is
+    left alone. The one way the run directory's files are replaced."""
+    data = content.encode() if isinstance(content, str) else content
+    if path.exists() and path.read_bytes() == data:
         return
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
