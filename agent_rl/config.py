@@ -70,10 +70,18 @@ class EvalSection(_Section):
 
 class ModelSection(_Section):
     id: str = Field("smollm2-135m", description="smollm2-135m | tiny | a local HF folder")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16: forward passes under bf16 autocast, fp32 master weights and optimizer state")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: cuda when available); policy, trainer, reference and evaluation run there")
     adapter: Literal["none", "lora"] = Field("lora", description="full fine-tune or LoRA (peft)")
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device_spec(cls, value: str) -> str:
+        from agent_rl.models import check_device_spec
+
+        return check_device_spec(value)
 
 
 class RolloutSection(_Section):
@@ -87,7 +95,9 @@ class RolloutSection(_Section):
     truncation: Literal["mask", "penalize", "keep"] = "mask"
     truncation_penalty: float = Field(0.0, description="reward given to overlong responses under penalize")
     dynamic_sampling: bool = Field(True, description="drop groups with zero reward contrast")
-    max_policy_lag: int = Field(0, ge=0, description="rollout policy may lag the trained one by N updates")
+    max_policy_lag: int = Field(0, ge=0, description="0: synchronous; k > 0: the next steps' rollouts run while this step trains, on a weight copy synced after every update; sessions sampled more than k updates ago are dropped and counted")
+    correction: Literal["none", "tis", "mask"] = Field("none", description="rollout/trainer mismatch: none (ratio against the rollout's log-probs), tis (truncated importance weight), mask (drop tokens whose ratio leaves [1/cap, cap])")
+    correction_cap: float = Field(2.0, gt=1.0, description="the cap C of rollout.correction")
 
 
 class CreditSection(_Section):
@@ -125,7 +135,8 @@ class OptimSection(_Section):
 
 class BackendSection(_Section):
     name: Literal["torch", "deepspeed"] = "torch"
-    zero_stage: int = Field(0, ge=0, le=3)
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (deepspeed only)")
+    offload: Literal["none", "cpu"] = Field("none", description="DeepSpeed ZeRO optimizer offload (deepspeed only)")
 
 
 class CheckpointSection(_Section):

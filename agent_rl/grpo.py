@@ -42,6 +42,19 @@ Aggregation over tokens, with per-sequence weights w_b (default 1):
                             (sequences without valid tokens leave the mean)
     seq_mean_token_sum_norm mean_b w_b sum_t l_bt m_bt / max_len             (Dr. GRPO)
 
+Rollout/trainer mismatch (``behaviour_correction``). The rollout engine (vLLM, a bf16 or a
+lagging weight copy) samples token t with log-prob mu_t; the trainer, before its update, gives
+the same token prox_t (its own numerics, its current weights). With rho_t = exp(prox_t - mu_t):
+
+    none   the ratio is taken against mu (old_logp = mu): mismatch counts as policy change
+    tis    the ratio is taken against prox, and the token's loss is weighted by min(rho_t, C)
+           (truncated importance sampling, Yao et al. 2025; decoupled PPO, Hilton et al.)
+    mask   the ratio is taken against prox, and tokens with rho_t outside [1/C, C] get
+           weight 0 (they stay in token_mean's count, so micro-batches still add up)
+
+The weights multiply the clipped surrogate only (not the KL-to-reference term) and are
+constants. |prox - mu| over trained tokens is reported as ``rollout/logprob_diff_mean|max``.
+
 Departures: advantages may also be given per token ([B, T]); the per-sequence weights
 (session weighting) are ours; a batch with no valid token gives loss 0.0 that is still
 attached to the graph (zero gradients), so a training step never sees NaN from it.
@@ -182,11 +195,13 @@ def policy_loss(
     max_len: int | None = None,
     weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss (scalar, differentiable in `logprobs`) and float metrics.
 
-    Shapes: logprobs, old_logprobs, mask, ref_logprobs, entropy `[B, T]`; advantages `[B]`
-    or `[B, T]`; weights `[B]`. With no valid token the loss is 0.0 (graph intact) and the
+    Shapes: logprobs, old_logprobs, mask, ref_logprobs, entropy, token_weights `[B, T]`;
+    advantages `[B]` or `[B, T]`; weights `[B]`. ``token_weights`` (from
+    ``behaviour_correction``) multiply each token's surrogate. With no valid token the loss is 0.0 (graph intact) and the
     metrics are neutral: fractions and KLs 0.0, ratio stats 1.0, tokens 0.0.
     """
     _choice("aggregation", aggregation, AGGREGATIONS)
@@ -215,6 +230,8 @@ def policy_loss(
     ratio = torch.exp(log_ratio)  # [B, T]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
     loss_t = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if token_weights is not None:
+        loss_t = loss_t * token_weights.detach().to(loss_t.dtype)  # [B, T]
     if ref_logprobs is not None:
         d_ref = torch.where(valid, ref_logprobs.detach() - logprobs, 0.0)  # [B, T]
         kl_ref = KL_ESTIMATORS[kl](d_ref)  # [B, T]
@@ -251,6 +268,45 @@ def policy_loss(
         if entropy is not None:
             metrics["entropy"] = float(entropy[valid].sum()) / denom
     return loss, metrics
+
+
+CORRECTIONS = ("none", "tis", "mask")
+
+
+def behaviour_correction(
+    prox_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "none",
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """``(old_logprobs, token_weights, metrics)`` for ``policy_loss`` (module docstring).
+
+    prox_logprobs: the trainer's log-probs before its update; behaviour_logprobs: the rollout
+    engine's; mask: trained tokens; all ``[N]`` or ``[B, T]``. ``token_weights`` is None for
+    ``none``. Metrics: ``rollout/logprob_diff_mean|max`` (always), ``rollout/capped_frac``
+    (tis: share of tokens with rho > C; mask: share outside [1/C, C])."""
+    _choice("correction", mode, CORRECTIONS)
+    if cap <= 1.0:
+        raise ValueError(f"correction cap must be > 1, got {cap}")
+    valid = mask.bool()
+    prox = prox_logprobs.detach()
+    log_rho = torch.where(valid, prox - behaviour_logprobs, 0.0)  # log(pi_prox / mu)
+    diff = log_rho.abs()[valid]  # [n]
+    n = int(valid.sum())
+    metrics = {"rollout/logprob_diff_mean": float(diff.mean()) if n else 0.0,
+               "rollout/logprob_diff_max": float(diff.max()) if n else 0.0}
+    if mode == "none":
+        return behaviour_logprobs, None, metrics
+    rho = torch.exp(log_rho)
+    if mode == "tis":
+        capped = valid & (rho > cap)
+        weights = rho.clamp(max=cap)
+    else:
+        capped = valid & ((rho > cap) | (rho < 1.0 / cap))
+        weights = (~capped).to(prox.dtype)
+    metrics["rollout/capped_frac"] = float(capped.sum()) / max(n, 1)
+    return prox, torch.where(valid, weights, 0.0), metrics
 
 
 def _scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import inspect
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from agent_rl.grpo import token_logprobs
+from agent_rl.models import autocast
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
 from agent_rl.render import chat_ids, stop_token_ids
 from envs.core import PROMPT_TOO_LONG
@@ -110,12 +111,15 @@ def _sample(logits: torch.Tensor, sampling: Sampling,
 
 
 class HFPolicy:
-    """A transformers causal LM as a ``envs.runner.Policy``. The model is moved to ``device``."""
+    """A transformers causal LM as a ``envs.runner.Policy``. The model is moved to ``device``;
+    ``compute_dtype`` bfloat16 runs its forward passes under autocast (weights stay as they are)."""
 
-    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu", batch_size: int = 32):
+    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu",
+                 batch_size: int = 32, compute_dtype: str | torch.dtype = "float32"):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -155,7 +159,8 @@ class HFPolicy:
                 chunk = rows[start:start + self.batch_size]
                 generators = [torch.Generator(device=self.device).manual_seed(stream_seed(base, b))
                               for b in chunk]
-                outs = self._generate_chunk([prompts[b] for b in chunk], sampling, generators)
+                with autocast(self.device, self.compute_dtype):
+                    outs = self._generate_chunk([prompts[b] for b in chunk], sampling, generators)
                 completions.update(zip(chunk, outs, strict=True))
             return [completions[b] for b in range(len(batch))]
         finally:
@@ -224,6 +229,17 @@ class HFPolicy:
             )
             for ids, lps, prompt in zip(tokens, logprobs, prompts, strict=True)
         ]
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
+        """Copy pushed weights (names as in ``model.named_parameters()``) into this policy's
+        model and take their revision. Every name must exist; shapes must match."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"load_weights: the rollout model has no parameter {name!r}")
+            params[name].copy_(tensor)
+        self.revision = revision
 
     # --- training ------------------------------------------------------------------------
     def logprobs(

@@ -38,7 +38,10 @@ BASE_MODEL_FILE = "base_model.json"
 
 
 def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollout_s: float,
-                 train_s: float, counters: Counter, lag: dict[str, float]) -> dict[str, Any]:
+                 train_s: float, counters: Counter, lag: dict[str, float],
+                 wait_s: float = 0.0) -> dict[str, Any]:
+    """One step's record. ``rollout_s``: generating the batch (on whatever thread did);
+    ``wait_s``: how long the trainer waited for it (all of ``rollout_s`` when synchronous)."""
     episodes = batch.episodes
     groups = batch.advantage_stats  # over every valid episode, dropped groups included
     compressed = [s for e in episodes for s in e.compressed_sessions()]
@@ -93,7 +96,8 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "rollout/seconds": rollout_s,
         "rollout/policy_lag": lag["max"],
         "rollout/policy_lag_mean": lag["mean"],
-        "rollout/data_wait_s": 0.0,
+        "rollout/data_wait_s": wait_s,
+        **{k: v for k, v in update.items() if k.startswith("rollout/")},
         "train/tokens": update.get("tokens", 0),
         "train/tokens_per_s": update.get("tokens", 0) / max(train_s, 1e-9),
         "train/seconds": train_s,

@@ -7,14 +7,23 @@
     -> evaluate after -> report
 
 The math lives in ``grpo.py`` (advantages, clipped loss, KL) and ``rollout.py`` (filtering,
-credit, rendering), what the run directory holds in ``runlog.py``; this file only wires it. Rollouts are synchronous (policy lag 0): each
-batch is sampled by the current weights, so the first update on a batch has ratio 1, and
-``updates_per_batch > 1`` reuses the batch with importance ratios against the rollout
-policy's old log-probs.
+credit, rendering), what the run directory holds in ``runlog.py``; this file only wires it. With synchronous rollouts each batch is sampled by
+the current weights, so the first update on a batch has ratio 1, and ``updates_per_batch > 1``
+reuses the batch with importance ratios against the rollout policy's old log-probs. Rollouts are synchronous (policy lag 0) unless
+``rollout.max_policy_lag`` is k > 0: then the next steps' batches are generated on a weight
+copy (or a vLLM engine) while this step trains, and the weights are pushed after every
+update (``pipeline.py``); sessions more than k updates old are dropped and counted.
+
+Devices and numerics: everything runs on ``model.device``; ``model.dtype: bfloat16`` keeps
+fp32 master weights and runs forward passes under bf16 autocast. The trainer's log-probs of
+the trained tokens, before its update, are compared with the rollout's on every step
+(``rollout/logprob_diff_mean|max``); ``rollout.correction`` decides what to do about the
+difference (``grpo.behaviour_correction``).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -31,9 +40,10 @@ import torch
 import envs
 from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract
-from agent_rl.grpo import picked_entropy, picked_logprobs, policy_loss
+from agent_rl.grpo import behaviour_correction, picked_entropy, picked_logprobs, policy_loss
 from agent_rl.guards import Guards, GuardTrip
-from agent_rl.models import load_model, model_fingerprint
+from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device
+from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.policy import HFPolicy, scoring_temperature
 from agent_rl.render import Rendered, SharedRow, collate_shared, share_prefixes
 from agent_rl.rollout import TrainSequence, rollout_batch
@@ -80,6 +90,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
     check_data(contract, env, train_tasks, eval_sets)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
+    device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
     verifier_id = f"{contract.env.id}@{env.unwrapped.version}"
 
     # --- 1. run directory: checked, writing nothing, to be empty or a run of this contract and
@@ -91,16 +102,18 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     latest = check_run_dir(run_dir, contract, contract_hash, base_model, resume)
     seed_everything(contract.optim.seed)
 
-    # --- 2. model, optional fixed reference, optimizer ------------------------------------
-    model, tokenizer = load_model(contract.model.id, dtype=contract.model.dtype)
+    # --- 2. model (fp32 master weights on the device), optional fixed reference, optimizer,
+    # the policy that evaluates (and rolls out, when synchronous) and the rollout policy -----
+    model, tokenizer = load_model(contract.model.id)
     if contract.model.adapter == "lora":
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
-    reference = load_reference(contract, model)
+    model.to(device)
+    reference = load_reference(contract, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=contract.optim.lr,
                                   weight_decay=contract.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    policy = HFPolicy(model, tokenizer)
+    policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype)
     store = RolloutStore(run_dir / "rollouts.jsonl")
     tensorboard = TensorBoardLog(run_dir / "tensorboard")
     template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
@@ -118,9 +131,9 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         check_resumable(meta, contract_hash, template_hash, latest)
         start_step, counters = meta["step"], Counter(meta["counters"])
         policy.revision = meta.get("policy_revision", start_step)
-        sampler.position = meta["sampler_position"]
         before = meta.get("before")
         guards.load_state(meta.get("guards", {}))
+    rollout_policy = make_rollout_policy(contract, model, tokenizer, policy, run_dir)
     pin_run_dir(run_dir, contract, contract_hash, base_model)
     if resume:  # steps a killed run logged after its last checkpoint are redone: unlog them
         rewind_logs(run_dir, start_step if latest else -1, meta["store_cursor"] if latest else 0)
@@ -140,7 +153,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                                    "contract_hash": contract_hash, "template_hash": template_hash,
                                    "base_model": base_model,
                                    "reference": contract.reference, "verifier": verifier_id,
-                                   "sampler_position": sampler.position,
+                                   "sampler_position": step * contract.rollout.tasks_per_step,
                                    "store_cursor": store.cursor, "before": before,
                                    "policy_revision": policy.revision,
                                    "guards": guards.state(), **(extra or {})})
@@ -151,49 +164,65 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         before = evaluate_policy("before")
         log_json(run_dir / "eval.jsonl", {"step": start_step, "tag": "before", **before})
 
-    # --- 5. the loop ------------------------------------------------------------------------
+    def rollout(step: int):  # rollout -> assign -> advantages (rollout.py does the three)
+        t0 = time.perf_counter()
+        batch = rollout_batch(
+            rollout_policy, rollout_policy.tokenizer, contract.env.id,
+            sampler.for_step(step, contract.rollout.tasks_per_step),
+            group_size=contract.rollout.group_size,
+            sampling=Sampling(temperature=contract.rollout.temperature,
+                              top_p=contract.rollout.top_p,
+                              max_new_tokens=contract.rollout.max_response_tokens,
+                              seed=contract.optim.seed * 100_003 + step,
+                              max_prompt_tokens=contract.rollout.max_prompt_tokens),
+            seed=contract.optim.seed * 100_003 + step, env_kwargs=contract.env.kwargs,
+            truncation=contract.rollout.truncation,
+            truncation_penalty=contract.rollout.truncation_penalty,
+            dynamic_sampling=contract.rollout.dynamic_sampling,
+            assigner=contract.credit.assigner, assigner_params=contract.credit.params,
+            session_weighting=contract.credit.session_weighting,
+            std=contract.advantage.std, scale=contract.advantage.scale,
+            eps=contract.advantage.eps, group_prefix=f"step{step}/")
+        return batch, time.perf_counter() - t0
+
+    # --- 5. the loop: rollouts come from this thread (max_policy_lag 0) or run ahead on a
+    # background thread, at most max_policy_lag updates behind --------------------------------
     result = RunResult(run_dir, start_step, before, None)
-    with progress_bar(progress, contract.optim.max_steps, start_step) as advance:
+    lag_bound = contract.rollout.max_policy_lag
+    rollouts = (RolloutPipeline(rollout, start_step + 1, contract.optim.max_steps, lag_bound)
+                if lag_bound else Synchronous(rollout))
+    with rollouts, progress_bar(progress, contract.optim.max_steps, start_step) as advance:
         for step in range(start_step + 1, contract.optim.max_steps + 1):
-            # rollout -> assign -> advantages (rollout.py does the three, recorded in the store)
+            # rollout -> assign -> advantages, recorded in the store; sessions sampled more
+            # than max_policy_lag updates ago are dropped (counted), never trained on
             t0 = time.perf_counter()
-            tasks = sampler.next(contract.rollout.tasks_per_step)
-            batch = rollout_batch(
-                policy, tokenizer, contract.env.id, tasks,
-                group_size=contract.rollout.group_size,
-                sampling=Sampling(temperature=contract.rollout.temperature,
-                                  top_p=contract.rollout.top_p,
-                                  max_new_tokens=contract.rollout.max_response_tokens,
-                                  seed=contract.optim.seed * 100_003 + step,
-                                  max_prompt_tokens=contract.rollout.max_prompt_tokens),
-                seed=contract.optim.seed * 100_003 + step, env_kwargs=contract.env.kwargs,
-                truncation=contract.rollout.truncation,
-                truncation_penalty=contract.rollout.truncation_penalty,
-                dynamic_sampling=contract.rollout.dynamic_sampling,
-                assigner=contract.credit.assigner, assigner_params=contract.credit.params,
-                session_weighting=contract.credit.session_weighting,
-                std=contract.advantage.std, scale=contract.advantage.scale,
-                eps=contract.advantage.eps, store=store, group_prefix=f"step{step}/")
-            rollout_s = time.perf_counter() - t0
+            batch, rollout_s = rollouts.take(step)
+            wait_s = time.perf_counter() - t0
+            store.append(batch.episodes)
+            fresh, stale = split_stale(batch.sequences, policy.revision, lag_bound)
+            lag = policy_lag(fresh, policy.revision)
 
             # loss -> optimizer step (updates_per_batch passes over the batch); every step
-            # taken bumps the policy revision that later samples record
+            # taken bumps the policy revision that later samples record, and the rollout
+            # policy (a weight copy or a vLLM engine) gets the new weights
             t1 = time.perf_counter()
-            lag = policy_lag(batch.sequences, policy.revision)
-            update = {}
+            update, prox = {}, {}
             for _ in range(contract.optim.updates_per_batch):
-                update = policy_update(model, reference, optimizer, batch.sequences, contract,
-                                       pad_id=tokenizer.pad_token_id or 0)
+                update = {**update, **policy_update(model, reference, optimizer, fresh, contract,
+                                                    pad_id=tokenizer.pad_token_id or 0, prox=prox)}
                 policy.revision += not update.get("optim/skipped")
             if not update.get("optim/skipped"):
                 scheduler.step()
+            if rollout_policy is not policy:
+                rollout_policy.push(push_weights(rollout_policy, model), policy.revision)
             train_s = time.perf_counter() - t1
+            update["rollout/dropped_stale"] = len(stale)
 
             # log
             counters["tokens_generated"] += batch.report["tokens_generated"]
             counters["tokens_trained"] += update.get("tokens", 0)
             counters["episodes"] += len(batch.episodes)
-            metrics = step_metrics(step, batch, update, rollout_s, train_s, counters, lag)
+            metrics = step_metrics(step, batch, update, rollout_s, train_s, counters, lag, wait_s)
             result.losses.append(metrics["loss/policy"])
 
             # guards, evaluation, checkpoint
@@ -267,12 +296,16 @@ def policy_lag(sequences: list[TrainSequence], revision: int) -> dict[str, float
 
 
 def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
-                  contract: ExperimentContract, pad_id: int,
+                  contract: ExperimentContract, pad_id: int, prox: dict[int, torch.Tensor],
                   micro_tokens: int = 2048) -> dict[str, float]:
     """One optimizer step over all sequences, in micro-batches whose losses add up exactly to
     the loss of the whole batch under the chosen aggregation. Sequences that begin alike (a
     group's shared prompt) are computed once (``render.share_prefixes``), and the vocabulary
-    projection runs only where a trained token is predicted."""
+    projection runs only where a trained token is predicted.
+
+    ``prox`` holds, per micro-batch, the trainer's log-probs before the first update on this
+    batch: filled by the first pass, which also measures them against the rollout's
+    (``rollout/logprob_diff_*``), reused by later passes (``grpo.behaviour_correction``)."""
     if not sequences:
         return {"loss/policy": 0.0, "tokens": 0, "optim/grad_norm": 0.0, "optim/nonfinite": 0.0,
                 "optim/skipped": 1.0}
@@ -283,33 +316,49 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
     temperature = scoring_temperature(contract.rollout.temperature)
     loss_sum, sums = 0.0, Counter()
     micro = micro_batches(share_prefixes(rendered), micro_tokens)
-    for rows in micro:
-        batch = collate_shared(rows, rendered, pad_id)
+    device, dtype = next(model.parameters()).device, contract.model.dtype
+    for index, rows in enumerate(micro):
+        batch = {k: v.to(device) for k, v in collate_shared(rows, rendered, pad_id).items()}
         members = [k for row in rows for k in row.members]
-        logits = trained_token_logits(model, batch)  # [N, V]
+        with autocast(device, dtype):
+            logits = trained_token_logits(model, batch)  # [N, V]
         logprobs = picked_logprobs(logits, batch["target"], temperature)  # [N]
         entropy = picked_entropy(logits.detach(), temperature)  # [N]
         ref_logprobs = None
         if contract.loss.kl.beta > 0:
-            with torch.no_grad():
+            with torch.no_grad(), autocast(device, dtype):
                 ref_logprobs = picked_logprobs(reference_logits(model, reference, batch),
                                                batch["target"], temperature)  # [N]
+        first_pass = index not in prox
+        if first_pass:
+            prox[index] = logprobs.detach()  # [N] the trainer's numerics, before any update
+        old, token_weights, mismatch = behaviour_correction(
+            prox[index], batch["old_logprobs"], torch.ones_like(prox[index], dtype=torch.bool),
+            contract.rollout.correction, contract.rollout.correction_cap)  # [N], [N] | None
         dense = to_sequences(batch, members)
         loss, m = policy_loss(
-            dense(logprobs), dense(batch["old_logprobs"]),
-            torch.tensor([sequences[k].advantage for k in members]), dense(None),
+            dense(logprobs), dense(old),
+            torch.tensor([sequences[k].advantage for k in members], device=device), dense(None),
             clip_low=contract.loss.clip_low, clip_high=contract.loss.clip_high,
             aggregation=contract.loss.aggregation,
             ref_logprobs=None if ref_logprobs is None else dense(ref_logprobs),
             beta=contract.loss.kl.beta, kl=contract.loss.kl.estimator,
             max_len=contract.rollout.max_response_tokens,
-            weights=torch.tensor([sequences[k].weight for k in members]), entropy=dense(entropy))
+            weights=torch.tensor([sequences[k].weight for k in members], device=device),
+            entropy=dense(entropy),
+            token_weights=None if token_weights is None else dense(token_weights))
+        if first_pass:
+            m.update(mismatch)
+        else:
+            m.update({k: v for k, v in mismatch.items() if k == "rollout/capped_frac"})
         share = (m["tokens"] / max(total_tokens, 1) if contract.loss.aggregation == "token_mean"
                  else len(members) / len(sequences))
         (loss * share).backward()
         loss_sum += float(loss.detach()) * share
         for key, value in m.items():
-            if key not in ("tokens", "ratio/min", "ratio/max"):
+            if key == "rollout/logprob_diff_max":
+                sums[key] = max(sums.get(key, 0.0), value)
+            elif key not in ("tokens", "ratio/min", "ratio/max"):
                 sums[key] += value * share
         sums["ratio/min"] = min(sums.get("ratio/min", math.inf), m["ratio/min"])
         sums["ratio/max"] = max(sums.get("ratio/max", -math.inf), m["ratio/max"])
@@ -318,7 +367,7 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:  # a non-finite step is skipped and counted; the guards decide when to stop
         optimizer.step()
-        sums["kl/update"] = update_kl(model, micro[0], rendered, pad_id, temperature)
+        sums["kl/update"] = update_kl(model, micro[0], rendered, pad_id, temperature, dtype)
     optimizer.zero_grad(set_to_none=True)
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
@@ -327,13 +376,16 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
 
 @torch.no_grad()
 def update_kl(model, rows: list[SharedRow], rendered: list[Rendered], pad_id: int,
-              temperature: float) -> float:
+              temperature: float, dtype: str = "float32") -> float:
     """How far the step moved the policy on (a micro-batch of) its own batch: the k3 estimate
     of KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d, d = old - new.
     One forward pass over the first micro-batch keeps it cheap. (``kl/approx`` is measured
     before the step, so it is ~0 whenever the batch is fresh.)"""
-    batch = collate_shared(rows, rendered, pad_id)
-    new = picked_logprobs(trained_token_logits(model, batch), batch["target"], temperature)  # [N]
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in collate_shared(rows, rendered, pad_id).items()}
+    with autocast(device, dtype):
+        logits = trained_token_logits(model, batch)  # [N, V]
+    new = picked_logprobs(logits, batch["target"], temperature)  # [N]
     d = batch["old_logprobs"] - new  # [N]
     return float((torch.exp(d) - 1 - d).mean())
 
@@ -354,7 +406,7 @@ def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     projects onto the vocabulary only at the predicting positions (``logits_to_keep``)."""
     R, T = batch["input_ids"].shape
     flat = batch["row"] * T + batch["predictor"]  # [N]
-    keep = torch.zeros(R * T, dtype=torch.bool)  # [R*T]
+    keep = torch.zeros(R * T, dtype=torch.bool, device=flat.device)  # [R*T]
     keep[flat] = True
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], use_cache=False,
@@ -366,32 +418,32 @@ def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
     """A function laying per-token values ``[N]`` out per sequence: ``[B, G]`` for the B
     ``members`` (G: the most trained tokens of one); ``None`` gives the mask."""
     local = {k: i for i, k in enumerate(members)}
-    seq = torch.tensor([local[int(k)] for k in batch["seq"]])  # [N]
+    seq = torch.tensor([local[int(k)] for k in batch["seq"]], device=batch["seq"].device)  # [N]
     shape = (len(members), int(batch["rank"].max()) + 1)
 
     def dense(values: torch.Tensor | None) -> torch.Tensor:
         if values is None:
-            values = torch.ones(len(seq))
-        return torch.zeros(shape, dtype=values.dtype).index_put((seq, batch["rank"]), values)
+            values = torch.ones(len(seq), device=seq.device)
+        return torch.zeros(shape, dtype=values.dtype, device=seq.device).index_put((seq, batch["rank"]), values)
 
     return dense
 
 
 class TaskSampler:
-    """Cycles through the train tasks in a seeded order; ``position`` is saved in checkpoints."""
+    """Cycles through the train tasks in a seeded order, one shuffle per epoch: step s takes
+    positions (s - 1) * n .. s * n - 1, a pure function of the step (so a batch can be drawn
+    ahead of training, and a resumed run draws what the killed one would have)."""
 
     def __init__(self, tasks: list[TaskSpec], seed: int):
         self.tasks = tasks
         self.seed = seed
-        self.position = 0
 
-    def next(self, n: int) -> list[TaskSpec]:
+    def for_step(self, step: int, n: int) -> list[TaskSpec]:
         out = []
-        for _ in range(n):
-            epoch, index = divmod(self.position, len(self.tasks))
+        for position in range((step - 1) * n, step * n):
+            epoch, index = divmod(position, len(self.tasks))
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))
             out.append(self.tasks[int(order[index])])
-            self.position += 1
         return out
 
 
@@ -405,15 +457,48 @@ def add_lora(model, rank: int, alpha: int):
     return get_peft_model(model, config)
 
 
-def load_reference(contract: ExperimentContract, model):
+def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: HFPolicy,
+                        run_dir: Path):
+    """Who samples the training rollouts: ``policy`` itself (HF, synchronous: it shares the
+    trained weights); else a ``SyncedPolicy`` over a weight copy (HF, max_policy_lag > 0) or a
+    vLLM engine (``rollout.backend: vllm``), given the current weights now and after every
+    update."""
+    if contract.rollout.backend == "hf" and not contract.rollout.max_policy_lag:
+        return policy
+    if contract.rollout.backend == "vllm":
+        from agent_rl.vllm_policy import VLLMPolicy
+
+        engine = VLLMPolicy.from_model(model, tokenizer, run_dir / "rollout-engine",
+                                       dtype=contract.model.dtype, device=policy.device,
+                                       max_model_len=contract.rollout.max_prompt_tokens
+                                       + contract.rollout.max_response_tokens,
+                                       seed=contract.optim.seed)
+    else:
+        # its own tokenizer too: a fast tokenizer is not safe to share across threads
+        engine = HFPolicy(copy.deepcopy(model).requires_grad_(False), copy.deepcopy(tokenizer),
+                          device=policy.device, compute_dtype=contract.model.dtype)
+    synced = SyncedPolicy(engine)
+    synced.push(push_weights(synced, model), policy.revision)
+    return synced
+
+
+def push_weights(rollout_policy: SyncedPolicy, model):
+    """What the rollout policy is sent after an update: a vLLM engine takes full (LoRA
+    merged) weights; a weight copy of the trained model only the trainable tensors."""
+    if hasattr(rollout_policy.policy, "weights_to_push"):
+        return rollout_policy.policy.weights_to_push(model)
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def load_reference(contract: ExperimentContract, model, device: torch.device):
     """The fixed KL reference: None without KL; the base weights (adapter off) for LoRA on the
     same model; otherwise a separately loaded, frozen model. Never the rollout policy."""
     if contract.loss.kl.beta <= 0:
         return None
     if contract.reference == contract.model.id and contract.model.adapter == "lora":
         return "adapter-disabled"
-    reference, _ = load_model(contract.reference, dtype=contract.model.dtype)
-    reference.eval().requires_grad_(False)
+    reference, _ = load_model(contract.reference)
+    reference.to(device).eval().requires_grad_(False)
     return reference
 
 

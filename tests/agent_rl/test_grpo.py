@@ -7,7 +7,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent_rl.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
+from agent_rl.grpo import (
+    behaviour_correction,
+    group_advantages,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
 
 LN2 = math.log(2)
 
@@ -319,3 +325,49 @@ def test_token_entropy_alignment():
     # [0, ln 2, -(0.75 ln 0.75 + 0.25 ln 0.25)] = [0, 0.6931, 0.5623]
     expected = [[0.0, LN2, -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]]
     assert close(token_entropy(_logits()), expected)
+
+
+# --- rollout/trainer mismatch: behaviour_correction -------------------------------------------
+
+
+def test_behaviour_correction_by_hand():
+    # rho = exp(prox - mu) = [1, e, 1/e] ; cap 2
+    prox = torch.tensor([0.0, -1.0, -2.0])
+    mu = torch.tensor([0.0, -2.0, -1.0])
+    valid = torch.tensor([True, True, True])
+    old, w, m = behaviour_correction(prox, mu, valid, "none", 2.0)
+    assert w is None and torch.equal(old, mu)
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(2 / 3)
+    assert m["rollout/logprob_diff_max"] == pytest.approx(1.0)
+    assert "rollout/capped_frac" not in m
+
+    old, w, m = behaviour_correction(prox, mu, valid, "tis", 2.0)
+    assert torch.equal(old, prox)
+    assert torch.allclose(w, torch.tensor([1.0, 2.0, math.exp(-1)]))
+    assert m["rollout/capped_frac"] == pytest.approx(1 / 3)
+
+    old, w, m = behaviour_correction(prox, mu, valid, "mask", 2.0)
+    assert torch.equal(w, torch.tensor([1.0, 0.0, 0.0]))  # e > 2 and 1/e < 1/2 both leave
+    assert m["rollout/capped_frac"] == pytest.approx(2 / 3)
+
+
+def test_behaviour_correction_ignores_invalid_tokens_and_checks_its_arguments():
+    prox, mu = torch.tensor([0.0, 5.0]), torch.tensor([0.0, -5.0])
+    valid = torch.tensor([True, False])
+    _, w, m = behaviour_correction(prox, mu, valid, "tis", 2.0)
+    assert torch.equal(w, torch.tensor([1.0, 0.0]))
+    assert m["rollout/logprob_diff_max"] == 0.0 and m["rollout/capped_frac"] == 0.0
+    with pytest.raises(ValueError, match="correction"):
+        behaviour_correction(prox, mu, valid, "clip", 2.0)
+    with pytest.raises(ValueError, match="cap"):
+        behaviour_correction(prox, mu, valid, "tis", 1.0)
+
+
+def test_token_weights_scale_each_tokens_surrogate_by_hand():
+    # one sequence, two tokens, ratio 1 (logp == old), A = 1: l_t = -1 * w_t; token_mean
+    logp = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                          token_weights=torch.tensor([[2.0, 0.5]]))
+    assert float(loss.detach()) == pytest.approx(-(2.0 + 0.5) / 2)
+    loss.backward()  # d l_t / d logp_t = -A * w_t / 2 at ratio 1
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -0.25]]))

@@ -439,3 +439,73 @@ def test_evaluation_tasks_that_overlap_training_are_refused_before_anything_is_w
     with pytest.raises(ValueError, match="eval.split 'holdout' overlaps env.split 'holdout_structure'"):
         train.run(contract, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+# --- devices, numerics and asynchronous rollouts -----------------------------------------------
+
+
+def test_the_rollout_trainer_mismatch_is_measured_every_step(straight):
+    """Synchronous fp32 rollouts: the trainer's log-probs before its update are the rollout's,
+    up to float noise (both come from grpo.token_logprobs on the same weights)."""
+    _, result = straight
+    for m in read_jsonl(result.run_dir / "metrics.jsonl"):
+        assert 0.0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < 1e-4
+        assert m["rollout/dropped_stale"] == 0
+        assert m["rollout/data_wait_s"] == pytest.approx(m["rollout/seconds"], rel=0.2, abs=0.05)
+
+
+def test_asynchronous_rollouts_train_within_the_lag_bound(tmp_path):
+    """max_policy_lag 1: step n+1's batch is generated on a weight copy while step n trains;
+    the copy gets the weights after every update, so every trained session is 0 or 1 update
+    old, never more, and the lag is measured from the revisions the sessions recorded."""
+    contract = make_contract(tmp_path / "run", "rollout.max_policy_lag=1", "eval.every=0")
+    result = train.run(contract, progress=False)
+    assert result.steps == STEPS
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert all(m["rollout/policy_lag"] <= 1 for m in metrics)
+    assert max(m["rollout/policy_lag"] for m in metrics) == 1  # it did run ahead
+    assert all(m["rollout/dropped_stale"] == 0 for m in metrics)
+    episodes = list(RolloutStore(result.run_dir / "rollouts.jsonl").read())
+    steps = sorted({int(e.group_id.split("/")[0][len("step"):]) for e in episodes})
+    assert steps == list(range(1, STEPS + 1))  # the store holds each trained step once, in order
+    for e in episodes:
+        step = int(e.group_id.split("/")[0][len("step"):])
+        assert {s.policy_revision for s in e.sessions} <= {step - 2, step - 1}
+    # the sampled log-probs were the copy's: off by the lag, but not by numerics at lag 0
+    assert metrics[0]["rollout/logprob_diff_max"] < 1e-4
+
+
+@pytest.mark.parametrize("correction", ["tis", "mask"])
+def test_bfloat16_autocast_with_a_correction(tmp_path, correction):
+    """bf16 autocast over fp32 master weights: the run trains, the parameters stay fp32, and
+    the correction reports how many tokens it capped."""
+    contract = make_contract(tmp_path / "run", "model.dtype=bfloat16", "eval.every=0",
+                             f"rollout.correction={correction}", "rollout.correction_cap=1.5",
+                             "optim.max_steps=2")
+    result = train.run(contract, progress=False)
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert len(metrics) == 2
+    for m in metrics:
+        assert 0.0 <= m["rollout/capped_frac"] <= 1.0
+        assert m["rollout/logprob_diff_max"] >= m["rollout/logprob_diff_mean"] >= 0.0
+        assert math.isfinite(m["loss/policy"])
+    latest = checkpoint.latest_complete(result.run_dir / "checkpoints")
+    params = safetensors.torch.load_file(latest / "model.safetensors")
+    assert {t.dtype for t in params.values()} == {torch.float32}
+
+
+def test_device_selection_on_this_machine(tmp_path):
+    from agent_rl.models import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no GPU"):
+            resolve_device("cuda:0")
+        # refused before the run directory is written
+        with pytest.raises(ValueError, match="sees no GPU"):
+            train.run(make_contract(tmp_path / "run", "model.device=cuda"), progress=False)
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(Exception, match="not a device"):
+        make_contract(tmp_path / "run", "model.device=gpu0")

