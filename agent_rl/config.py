@@ -185,9 +185,10 @@ class ExperimentContract(_Section):
         if self.backend.name != "torch":
             raise ValueError(f"backend.name: {self.backend.name!r} is not implemented yet; "
                              "use torch (single process, CPU or GPU)")
-        if self.rollout.backend != "hf":
-            raise ValueError(f"rollout.backend: {self.rollout.backend!r} is not implemented yet; "
-                             "use hf (HFPolicy)")
+        if self.rollout.backend == "vllm" and self.rollout.top_p < 1.0:
+            raise ValueError("rollout.top_p < 1 with rollout.backend vllm: vLLM reports log-probs "
+                             "renormalised over the nucleus, not the full softmax the trainer "
+                             "recomputes; use top_p 1.0 or rollout.backend hf")
         if self.loss.kl.beta > 0 and self.reference is None:
             raise ValueError("loss.kl.beta > 0 needs `reference` (a fixed model id); got reference: null")
         if self.reference is not None and self.reference in ("rollout", "policy"):

