@@ -13,6 +13,8 @@ A bundle is one folder, `root/step-000042/`:
                        verifier ids, sampler position, data cursor, rollout-store cursor ...)
                        plus `format_version`, `step`, `created`, `trainable_only`,
                        `parameter_names` and `parameter_aliases` (tied weights)
+    ...                any plain files the caller's `extra_writer` adds (a training backend's
+                       state: `agent_rl.distributed`)
     MANIFEST.json      canonical JSON {"format_version", "files": {name: {"sha256", "size"}}}
     COMPLETE           sha256 of MANIFEST.json's canonical content: the bundle's address
 
@@ -357,8 +359,14 @@ def save_bundle(
     scheduler: Any | None = None,
     meta: dict[str, Any],
     trainable_only: bool = True,
+    extra_writer: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write `root/step-{step:06d}/` atomically (see the module docstring) and return it.
+
+    `extra_writer(temp_folder)`, when given, runs after the standard files are written and
+    may add plain files there (a training backend's own state, e.g. DeepSpeed's optimizer
+    partitions of every rank); each is fsynced, listed in the manifest and verified like the
+    others. It must leave the files already there alone and create no folders.
 
     Refuses to overwrite a complete, intact bundle of the same step; an incomplete or corrupt
     one is moved aside to `root/.broken-step-...`. On a full disk the temp folder is removed
@@ -429,6 +437,16 @@ def save_bundle(
                 "sha256": _sha256_file(tmp / file_name),
                 "size": (tmp / file_name).stat().st_size,
             }
+        if extra_writer is not None:
+            extra_writer(tmp)
+            for file_name in sorted(set(os.listdir(tmp)) - set(files)):
+                file = tmp / file_name
+                plain = file.is_file() and not file.is_symlink()
+                if file_name in (MANIFEST_FILE, COMPLETE_FILE) or not plain:
+                    raise BundleError(f"extra_writer left {file}: only plain files other than "
+                                      f"{MANIFEST_FILE} and {COMPLETE_FILE} can go into a bundle")
+                _write_file(file, lambda _: None)  # written by extra_writer: only fsync it
+                files[file_name] = {"sha256": _sha256_file(file), "size": file.stat().st_size}
         manifest_obj = {"format_version": FORMAT_VERSION, "files": files}
         manifest = canonical_json(manifest_obj).encode("utf-8")
         _write_file(tmp / MANIFEST_FILE, _writer_bytes(manifest))

@@ -110,6 +110,27 @@ def _sample(logits: torch.Tensor, sampling: Sampling,
                       for row, g in zip(probs, generators, strict=True)])  # [B]
 
 
+def chat_prompts(tokenizer: Any, batch: Sequence[list[dict[str, Any]]], sampling: Sampling,
+                 revision: int, max_len: int | None = None
+                 ) -> tuple[list[list[int]], list[int], dict[int, Completion], int]:
+    """What every policy backend does first: check ``sampling``, render each conversation with
+    the chat template (generation header included), and split off the prompts over
+    ``sampling.max_prompt_tokens`` (or ``max_len``, an engine's own limit), which get an empty
+    ``PROMPT_TOO_LONG`` completion. Returns (prompts, rows to generate for, those completions,
+    the base seed: ``sampling.seed``, or a fresh random one when unseeded)."""
+    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+        raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
+    base = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+    prompts = [chat_ids(tokenizer, messages, add_generation_prompt=True) for messages in batch]
+    limit = sampling.max_prompt_tokens
+    fits = [(limit is None or len(p) <= limit) and (max_len is None or len(p) < max_len)
+            for p in prompts]
+    too_long = {b: Completion("", finish_reason=PROMPT_TOO_LONG, prompt_tokens=len(prompts[b]),
+                              policy_revision=revision)
+                for b, ok in enumerate(fits) if not ok}
+    return prompts, [b for b, ok in enumerate(fits) if ok], too_long, base
+
+
 class HFPolicy:
     """A transformers causal LM as a ``envs.runner.Policy``. The model is moved to ``device``;
     ``compute_dtype`` bfloat16 runs its forward passes under autocast (weights stay as they are)."""
@@ -141,17 +162,7 @@ class HFPolicy:
     # --- rollout -------------------------------------------------------------------------
     def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
         """One completion per conversation, in order. Reproducible for a given ``sampling.seed``."""
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
-            raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
-        base = sampling.seed
-        if base is None:
-            base = secrets.randbits(62)  # unseeded: a fresh stream per call
-        prompts = [chat_ids(self.tokenizer, messages, add_generation_prompt=True) for messages in batch]
-        limit = sampling.max_prompt_tokens
-        rows = [b for b, p in enumerate(prompts) if limit is None or len(p) <= limit]
-        completions = {b: Completion("", finish_reason=PROMPT_TOO_LONG, prompt_tokens=len(prompts[b]),
-                                     policy_revision=self.revision)
-                       for b in range(len(batch)) if b not in set(rows)}
+        prompts, rows, completions, base = chat_prompts(self.tokenizer, batch, sampling, self.revision)
         was_training = self.model.training
         self.model.eval()
         try:

@@ -55,7 +55,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,8 +62,8 @@ from typing import Any
 import torch
 
 from agent_rl.models import as_dtype
-from agent_rl.render import chat_ids, stop_token_ids
-from envs.core import PROMPT_TOO_LONG
+from agent_rl.policy import HFPolicy, chat_prompts
+from agent_rl.render import stop_token_ids
 from envs.runner import Completion, Sampling, stream_seed
 
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU KV cache, in GiB
@@ -298,33 +297,20 @@ class VLLMPolicy:
         """An engine started on ``model``'s current weights (LoRA merged), written to ``folder``."""
         return cls(save_for_engine(model, tokenizer, folder), tokenizer, **kwargs)
 
-    def count_tokens(self, messages: Sequence[dict[str, Any]]) -> int:
-        """Prompt tokens of a conversation as this policy sees it (chat template, generation
-        header included): what env context budgets are counted in."""
-        return len(chat_ids(self.tokenizer, messages, add_generation_prompt=True))
+    count_tokens = HFPolicy.count_tokens  # the same chat template, the same count
 
     # --- rollout -------------------------------------------------------------------------
     def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
         """One completion per conversation, in order. Reproducible for a given ``sampling.seed``."""
         from vllm import SamplingParams
 
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
-            raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
         if sampling.top_p < 1:
             raise ValueError(
                 f"VLLMPolicy: top_p={sampling.top_p} is not supported: vLLM reports log-probs "
                 "renormalised over the top-p nucleus, not under the full softmax(logits / T) the "
                 "trainer recomputes. Use top_p: 1.0, or rollout.backend: hf")
-        base = sampling.seed
-        if base is None:
-            base = secrets.randbits(62)  # unseeded: a fresh stream per call
-        prompts = [chat_ids(self.tokenizer, messages, add_generation_prompt=True) for messages in batch]
-        limit = sampling.max_prompt_tokens
-        fits = [(limit is None or len(p) <= limit) and len(p) < self.max_model_len for p in prompts]
-        rows = [b for b, ok in enumerate(fits) if ok]
-        completions = {b: Completion("", finish_reason=PROMPT_TOO_LONG, prompt_tokens=len(prompts[b]),
-                                     policy_revision=self.revision)
-                       for b, ok in enumerate(fits) if not ok}
+        prompts, rows, completions, base = chat_prompts(self.tokenizer, batch, sampling,
+                                                        self.revision, self.max_model_len)
         requests, params = [], []
         for b in rows:
             budget = min(sampling.max_new_tokens, self.max_model_len - len(prompts[b]))

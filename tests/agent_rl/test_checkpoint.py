@@ -272,6 +272,30 @@ def test_resave_refuses_a_complete_step_and_moves_an_incomplete_one_aside(tmp_pa
         save_bundle(tmp_path, 5, model=model, meta={"tokens": float("nan")})
 
 
+def test_extra_writer_files_join_the_manifest_and_are_verified(tmp_path):
+    model, _, _ = _setup()
+
+    def write_state(folder):
+        (folder / "backend-state.bin").write_bytes(b"partition 0")
+        (folder / "backend.json").write_text("{}")
+
+    path = _save(tmp_path, 1, model, extra_writer=write_state)
+    files = json.loads((path / "MANIFEST.json").read_text())["files"]
+    assert {"backend-state.bin", "backend.json", "model.safetensors"} <= set(files)
+    verify_bundle(path)
+    with open(path / "backend-state.bin", "ab") as f:
+        f.write(b"!")
+    with pytest.raises(BundleError, match="backend-state.bin"):
+        verify_bundle(path)
+
+
+def test_extra_writer_may_not_add_folders_and_a_failure_leaves_nothing(tmp_path):
+    model, _, _ = _setup()
+    with pytest.raises(BundleError, match="only plain files"):
+        _save(tmp_path, 1, model, extra_writer=lambda folder: (folder / "sub").mkdir())
+    assert list(tmp_path.iterdir()) == []
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

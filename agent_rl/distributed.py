@@ -1,0 +1,479 @@
+"""Training backends: the one protocol the trainer calls for backward, optimizer step,
+collectives and training state, with two implementations.
+
+    TorchBackend      a world of one: backward, clip_grad_norm_, optimizer.step (CPU or GPU)
+    DeepSpeedBackend  DeepSpeed ZeRO 0-3, optionally with the optimizer offloaded to the CPU;
+                      one process or many under `torchrun` / `deepspeed` (gloo on CPU, nccl on
+                      CUDA). Without a launcher it sets up a world of one itself.
+
+One optimizer step, the same on every rank::
+
+    backend.zero_grad()
+    n = backend.max_across(len(micro))             # every rank runs n forward/backward passes
+    for k in range(n):
+        rows, weight = (micro[k], 1.0) if k < len(micro) else (micro[0], 0.0)  # padding
+        loss = ...                                 # forward through backend.model
+        backend.backward(loss * share * weight)
+    result = backend.step()                        # StepResult(grad_norm, stepped)
+
+Loss scaling. The losses passed to `backward` in one step, summed over micro-batches and over
+ranks, must equal the loss of the whole global batch: under `token_mean` a micro-batch's loss
+(its own token mean) times its trained tokens / the GLOBAL trained-token count (every rank's
+count through `all_reduce_sum`); under the per-sequence aggregations times its sequences / the
+global sequence count. The caller applies no factor of the world size: DeepSpeed averages
+gradients over the data-parallel ranks, so `DeepSpeedBackend.backward` multiplies the loss by
+`world_size` before `engine.backward`, which makes the gradient exactly that of the global
+loss; in a world of one both backends pass the loss as is. The loss to log is `all_reduce_sum`
+of each rank's sum of the losses it passed.
+
+Why the same number of passes: ZeRO-3 all-gathers parameters in every forward, and ZeRO-2/3
+reduce gradients in every backward, both collectives, so a rank that runs fewer passes leaves
+the others waiting. Pad with a real micro-batch times 0.0, never an empty one (0 * nan is nan
+and would skip the step). Every rank also runs the same no-grad forwards (``update_kl``).
+
+Non-finite steps, one rule for both backends: a loss that is not finite poisons its gradient
+(its gradient is multiplied by nan; a finite loss is passed unchanged), and the step is taken
+only when the global gradient norm is finite. Otherwise `StepResult.stepped` is False, the
+optimizer state and the weights are untouched and the gradients are dropped (DeepSpeed's own
+overflow check under ZeRO 1-3 and bf16; under ZeRO 0 in fp32 DeepSpeed hands our optimizer
+through unchanged, and the backend clips, and skips, in that optimizer's step pre-hook).
+`grad_norm` is the global L2 norm before clipping; DeepSpeed reports inf for a skipped step.
+
+Micro-batches per step may vary: DeepSpeed runs with `managed_gradient_accumulation: false`
+(deepspeed 0.19.8): `backward` only accumulates (ZeRO-2/3 reduce into their partitions as they
+go), `step` is the accumulation boundary, and `gradient_accumulation_steps` stays 1, so
+DeepSpeed never divides the loss. `overlap_comm` is off (that mode needs it off for ZeRO-3).
+
+Precision follows the model's parameters: fp32 parameters train in fp32 (the trainer's bf16
+autocast works as with `torch`), bf16 parameters turn on DeepSpeed's bf16 mode, which keeps
+fp32 master weights in the optimizer.
+
+Training state and bundles. `save_state(folder)` / `load_state(folder)` are collective: every
+rank passes the same folder (shared by every rank). They write / read plain files: the
+backend's own optimizer state (`optimizer.pt` for torch; for DeepSpeed its module file and
+every rank's optimizer partition, as `engine.save_checkpoint` names them) and `backend.json`
+(backend, ZeRO stage, world size: a DeepSpeed state resumes only on the same stage and world
+size). `write_bundle` puts them into a checkpoint bundle through `save_bundle`'s
+`extra_writer`, next to model.safetensors written from the full parameters (`gathered`). To
+resume: on every rank, `checkpoint.load_bundle(path, model, scheduler=...)` into the plain
+model BEFORE `make_backend` (ZeRO-3 partitions what it wraps), then `backend.load_state(path)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+from agent_rl import checkpoint
+
+BACKEND_FILE = "backend.json"
+OFFLOADS = ("none", "cpu")
+Number = int | float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float  # global L2 norm of the gradients before clipping (inf/nan: not finite)
+    stepped: bool  # False: the update was skipped (non-finite loss or gradients)
+
+
+class Backend(Protocol):
+    """What the trainer calls. Every method is collective (all ranks call it, in the same
+    order) except `zero_grad` and the attributes."""
+
+    rank: int
+    world_size: int
+    model: Any  # call it for forward passes (and .train() / .eval()): the DeepSpeed engine
+    module: torch.nn.Module  # the wrapped nn.Module itself (under ZeRO-3 its parameters are
+    # partitioned: read them inside `gathered()` or through `full_state_dict()`)
+
+    @property
+    def is_main(self) -> bool: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> StepResult: ...
+    def zero_grad(self) -> None: ...
+    def all_reduce_sum(self, x: Number | torch.Tensor) -> Number | torch.Tensor: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def barrier(self) -> None: ...
+    def max_across(self, n: int) -> int: ...
+    def gathered(self) -> contextlib.AbstractContextManager: ...
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]: ...
+    def save_state(self, folder: str | os.PathLike) -> None: ...
+    def load_state(self, folder: str | os.PathLike) -> None: ...
+
+
+def _poisoned(loss: torch.Tensor) -> torch.Tensor:
+    """`loss` unchanged when finite; otherwise with a nan gradient, so the norm shows it."""
+    finite = torch.isfinite(loss.detach())
+    return loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
+
+
+def _read_backend_file(folder: Path) -> dict[str, Any] | None:
+    path = folder / BACKEND_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _check_saved_by(folder: Path, expected: dict[str, Any]) -> None:
+    saved = _read_backend_file(folder)
+    if saved is None and expected["backend"] == "torch":
+        return  # bundles from before backend.json: optimizer.pt alone
+    if saved != expected:
+        raise checkpoint.BundleError(
+            f"{folder / BACKEND_FILE}: the training state was saved by {saved}, this run is "
+            f"{expected}; resume with the same backend, ZeRO stage and world size, or start a "
+            "new run from the bundle's model.safetensors (model.init)")
+
+
+# ---------------------------------------------------------------------------------------------
+# A world of one
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchBackend:
+    """Single process: `loss.backward()`, `clip_grad_norm_` over the trainable parameters,
+    `optimizer.step()` when the norm is finite. Collectives are identities."""
+
+    rank = 0
+    world_size = 1
+    is_main = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 grad_clip: float = 1.0):
+        self.model = self.module = model
+        self.optimizer = optimizer
+        self.grad_clip = grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        _poisoned(loss).backward()
+
+    def step(self) -> StepResult:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        stepped = math.isfinite(grad_norm)
+        if stepped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm, stepped)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def all_reduce_sum(self, x):
+        return x
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def max_across(self, n: int) -> int:
+        return n
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        return _state_dict(self.module, trainable_only)
+
+    def save_state(self, folder: str | os.PathLike) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), folder / checkpoint.OPTIMIZER_FILE)
+        _write_json(folder / BACKEND_FILE, self._identity())
+
+    def load_state(self, folder: str | os.PathLike) -> None:
+        folder = Path(folder)
+        _check_saved_by(folder, self._identity())
+        path = folder / checkpoint.OPTIMIZER_FILE
+        if not path.is_file():
+            raise checkpoint.BundleError(f"{path} is missing: the bundle holds no optimizer state")
+        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    @staticmethod
+    def _identity() -> dict[str, Any]:
+        return {"backend": "torch", "world_size": 1}
+
+
+def _state_dict(module: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """Every state-dict entry (tied names each get their copy), or only trainable parameters,
+    as CPU copies."""
+    if trainable_only:
+        return {n: p.detach().to("cpu", copy=True)
+                for n, p in module.named_parameters() if p.requires_grad}
+    return {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str | torch.device = "cpu") -> None:
+    """Join the process group a launcher described (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT), or, when none did, make a world of one on 127.0.0.1 and a
+    free port. gloo on CPU, nccl on CUDA (each rank on cuda:LOCAL_RANK). Idempotent."""
+    import deepspeed
+    import deepspeed.ops
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        # DeepSpeed's CPU accelerator would compile its shared-memory all-reduce (used only by
+        # inference_all_reduce; ~1 min on first use) when its comm backend starts; training
+        # collectives go through gloo, so mark the op unavailable instead.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+
+
+def deepspeed_config(zero_stage: int, offload: str, grad_clip: float,
+                     bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config the backend runs with (see the module docstring for why)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    if offload != "none" and zero_stage == 0:
+        raise ValueError("offload: cpu needs ZeRO stage 1, 2 or 3 (zero_stage >= 1)")
+    zero: dict[str, Any] = {"stage": zero_stage, "overlap_comm": False}
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # the trainer's own torch.optim.AdamW
+        "zero_force_ds_cpu_optimizer": False,  # offload runs it too: no compiled CPU Adam
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedBackend:
+    """`deepspeed.initialize(model, optimizer, config)`; forward through `backend.model` (the
+    engine). The caller's optimizer is a plain torch optimizer (no compiled op is needed)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 zero_stage: int = 1, offload: Literal["none", "cpu"] = "none",
+                 grad_clip: float = 1.0):
+        import deepspeed
+
+        dtypes = {p.dtype for p in model.parameters()}
+        if not dtypes <= {torch.float32, torch.bfloat16} or len(dtypes) != 1:
+            raise ValueError(f"DeepSpeedBackend trains fp32 or bf16 parameters, got {dtypes}")
+        bf16 = dtypes == {torch.bfloat16}
+        init_distributed(next(model.parameters()).device)
+        self.zero_stage, self.offload, self.grad_clip = zero_stage, offload, grad_clip
+        # ZeRO 0 in fp32 gives our optimizer to the engine as is (no norm, no overflow check):
+        # we clip in its step pre-hook, after DeepSpeed's all-reduce, and skip from there.
+        self._own_clip = zero_stage == 0 and not bf16
+        config = deepspeed_config(zero_stage, offload, 0.0 if self._own_clip else grad_clip, bf16)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._own_norm = math.nan
+        if self._own_clip:
+            optimizer.register_step_pre_hook(self._clip_or_drop)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config)
+        self.model, self.module = self.engine, self.engine.module
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages gradients over ranks; the caller's losses add up to the global
+        # loss, so the sum is restored here (module docstring, "Loss scaling").
+        self.engine.backward(_poisoned(loss) * self.world_size)
+
+    def step(self) -> StepResult:
+        self.engine.step()
+        if self._own_clip:
+            grad_norm = self._own_norm
+            stepped = math.isfinite(grad_norm)
+        else:
+            stepped = self.engine.was_step_applied()
+            grad_norm = float(self.engine.get_global_grad_norm()) if stepped else math.inf
+            stepped = stepped and math.isfinite(grad_norm)
+        self.engine.zero_grad()
+        return StepResult(grad_norm, stepped)
+
+    def _clip_or_drop(self, optimizer, args, kwargs) -> None:
+        self._own_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        if not math.isfinite(self._own_norm):
+            for p in self.params:  # torch optimizers skip parameters without a gradient
+                p.grad = None
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    # --- collectives ---------------------------------------------------------------------------
+
+    def all_reduce_sum(self, x):
+        if isinstance(x, torch.Tensor):
+            out = x.detach().to(self._device, copy=True)
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            return out.to(x.device)
+        out = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64,
+                           device=self._device)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return type(x)(out.item())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def max_across(self, n: int) -> int:
+        out = torch.tensor(int(n), dtype=torch.int64, device=self._device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out.item())
+
+    # --- weights and state ---------------------------------------------------------------------
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Inside, every parameter of `module` holds its full value (ZeRO-3 all-gathers them
+        on every rank, read-only); a no-op for ZeRO 0-2. Collective."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()),
+                                                 modifier_rank=None)
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """CPU copies of the full weights (the module's dtype) on every rank: for a rollout
+        copy or model.safetensors. Collective."""
+        with self.gathered():
+            return _state_dict(self.module, trainable_only)
+
+    def save_state(self, folder: str | os.PathLike) -> None:
+        """`engine.save_checkpoint` into `folder` itself (tag "."): the module file and every
+        rank's optimizer partition, plus backend.json; DeepSpeed's recovery scripts are
+        removed. Collective; the same folder on every rank."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(folder), tag=".", client_state={}, save_latest=False)
+        self.barrier()
+        if self.is_main:
+            for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+                (folder / script).unlink(missing_ok=True)
+            _write_json(folder / BACKEND_FILE, self._identity())
+        self.barrier()
+
+    def load_state(self, folder: str | os.PathLike) -> None:
+        """Module weights, fp32 master weights and optimizer states as `save_state` wrote
+        them. Collective; on a fresh backend (ZeRO-3 cannot reload an engine it trained)."""
+        folder = Path(folder)
+        _check_saved_by(folder, self._identity())
+        load_path, _ = self.engine.load_checkpoint(
+            str(folder), tag=".", load_module_strict=True, load_optimizer_states=True,
+            load_lr_scheduler_states=False)
+        if load_path is None:
+            raise checkpoint.BundleError(f"{folder}: DeepSpeed found no checkpoint to load")
+
+    def _identity(self) -> dict[str, Any]:
+        return {"backend": "deepspeed", "zero_stage": self.zero_stage,
+                "world_size": self.world_size}
+
+
+# ---------------------------------------------------------------------------------------------
+# Factory and bundles
+# ---------------------------------------------------------------------------------------------
+
+
+def make_backend(name: Literal["torch", "deepspeed"], zero_stage: int, offload: str,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 grad_clip: float) -> TorchBackend | DeepSpeedBackend:
+    """The backend `backend.name` names (the contract's flat fields)."""
+    if name == "torch":
+        if zero_stage != 0 or offload != "none":
+            raise ValueError(f"backend torch has no ZeRO stage {zero_stage} or offload "
+                             f"{offload!r}; use backend.name: deepspeed")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(f"backend torch is a world of one, but WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']}; use backend.name: deepspeed")
+        return TorchBackend(model, optimizer, grad_clip)
+    if name == "deepspeed":
+        return DeepSpeedBackend(model, optimizer, zero_stage, offload, grad_clip)
+    raise ValueError(f"backend {name!r} is not one of torch, deepspeed")
+
+
+def write_bundle(backend: Backend, root: str | os.PathLike, step: int, *,
+                 meta: dict[str, Any], scheduler: Any | None = None,
+                 trainable_only: bool = True) -> Path | None:
+    """`checkpoint.save_bundle` for any backend and world size. Collective: call it on every
+    rank. Every rank writes its training state into one staging folder under `root`
+    (`save_state`); the main rank writes the bundle from the full parameters, with the staged
+    files moved in through `extra_writer`. Returns the bundle on the main rank, else None.
+
+    The staging folder is named like save_bundle's temp folders (`.tmp-...-<host>-<pid>`), so
+    `apply_retention` removes one a crash left behind."""
+    root = Path(root)
+    stage = Path(backend.all_gather_object(
+        str(root / f".tmp-state-{step:06d}-{checkpoint._host()}-{os.getpid()}"))[0])
+    if backend.is_main:
+        shutil.rmtree(stage, ignore_errors=True)
+    backend.barrier()
+    backend.save_state(stage)
+    path = None
+    try:
+        with backend.gathered():
+            if backend.is_main:
+                path = checkpoint.save_bundle(
+                    root, step, model=backend.module, scheduler=scheduler, meta=meta,
+                    trainable_only=trainable_only, extra_writer=_move_files_from(stage))
+    finally:
+        if backend.is_main:
+            shutil.rmtree(stage, ignore_errors=True)
+    backend.barrier()
+    return path
+
+
+def _move_files_from(src: Path) -> Callable[[Path], None]:
+    def move(dst: Path) -> None:
+        for entry in sorted(os.listdir(src)):
+            if (dst / entry).exists():
+                raise checkpoint.BundleError(f"{src / entry}: the bundle already has {entry}")
+            os.replace(src / entry, dst / entry)
+
+    return move
