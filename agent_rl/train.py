@@ -40,6 +40,7 @@ import torch
 import envs
 from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract
+from agent_rl.distributed import Backend, make_backend, write_bundle
 from agent_rl.grpo import behaviour_correction, picked_entropy, picked_logprobs, policy_loss
 from agent_rl.guards import Guards, GuardTrip
 from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device
@@ -124,16 +125,25 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                              seed=contract.eval.seed,
                              max_prompt_tokens=contract.rollout.max_prompt_tokens)
 
-    # --- 3. resume from the newest complete bundle; once it is accepted too, the run directory
-    # is pinned (contract, its hash, base model) and its logs cut back to the bundle ----------
+    # --- 3. resume from the newest complete bundle (into the plain model, before a backend
+    # partitions it); the training backend (torch, or a DeepSpeed engine) then takes model and
+    # optimizer, and the bundle's optimizer state. Once accepted, the run directory is pinned
+    # (contract, its hash, base model) and its logs cut back to the bundle --------------------
     start_step, counters, before = 0, Counter(), None
     if latest is not None:
-        meta = checkpoint.load_bundle(latest, model, optimizer, scheduler)
+        meta = checkpoint.load_bundle(latest, model, scheduler=scheduler)
         check_resumable(meta, contract_hash, template_hash, latest)
         start_step, counters = meta["step"], Counter(meta["counters"])
         policy.revision = meta.get("policy_revision", start_step)
         before = meta.get("before")
         guards.load_state(meta.get("guards", {}))
+    backend = make_backend(contract.backend.name, contract.backend.zero_stage,
+                           contract.backend.offload, model, optimizer, contract.optim.grad_clip)
+    if backend.world_size > 1:
+        raise ValueError(f"train.run is a world of one for now (WORLD_SIZE={backend.world_size}): "
+                         "its rollouts, logs and evaluation are not sharded across ranks yet")
+    if latest is not None:
+        backend.load_state(latest)
     rollout_policy = make_rollout_policy(contract, model, tokenizer, policy, run_dir)
     pin_run_dir(run_dir, contract, contract_hash, base_model)
     if resume:  # steps a killed run logged after its last checkpoint are redone: unlog them
@@ -148,8 +158,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         return summarize_eval(records)
 
     def save(step: int, extra: dict[str, Any] | None = None) -> None:
-        checkpoint.save_bundle(run_dir / "checkpoints", step, model=model, optimizer=optimizer,
-                               scheduler=scheduler, meta={
+        write_bundle(backend, run_dir / "checkpoints", step, scheduler=scheduler, meta={
                                    "step": step, "counters": dict(counters),
                                    "contract_hash": contract_hash, "template_hash": template_hash,
                                    "base_model": base_model,
@@ -209,7 +218,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             t1 = time.perf_counter()
             update, prox = {}, {}
             for _ in range(contract.optim.updates_per_batch):
-                update = {**update, **policy_update(model, reference, optimizer, fresh, contract,
+                update = {**update, **policy_update(backend, reference, fresh, contract,
                                                     pad_id=tokenizer.pad_token_id or 0, prox=prox)}
                 policy.revision += not update.get("optim/skipped")
             if not update.get("optim/skipped"):
@@ -298,7 +307,7 @@ def policy_lag(sequences: list[TrainSequence], revision: int) -> dict[str, float
     return {"max": float(max(lags, default=0)), "mean": float(np.mean(lags)) if lags else 0.0}
 
 
-def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
+def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
                   contract: ExperimentContract, pad_id: int, prox: dict[int, torch.Tensor],
                   micro_tokens: int = 2048) -> dict[str, float]:
     """One optimizer step over all sequences, in micro-batches whose losses add up exactly to
@@ -312,8 +321,9 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
     if not sequences:
         return {"loss/policy": 0.0, "tokens": 0, "optim/grad_norm": 0.0, "optim/nonfinite": 0.0,
                 "optim/skipped": 1.0}
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
+    model = backend.module
+    backend.model.train()
+    backend.zero_grad()
     rendered = [q.rendered for q in sequences]
     total_tokens = sum(int(r.loss_mask.sum()) for r in rendered)
     temperature = scoring_temperature(contract.rollout.temperature)
@@ -356,7 +366,7 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
             m.update({k: v for k, v in mismatch.items() if k == "rollout/capped_frac"})
         share = (m["tokens"] / max(total_tokens, 1) if contract.loss.aggregation == "token_mean"
                  else len(members) / len(sequences))
-        (loss * share).backward()
+        backend.backward(loss * share)
         loss_sum += float(loss.detach()) * share
         for key, value in m.items():
             if key == "rollout/logprob_diff_max":
@@ -365,13 +375,12 @@ def policy_update(model, reference, optimizer, sequences: list[TrainSequence],
                 sums[key] += value * share
         sums["ratio/min"] = min(sums.get("ratio/min", math.inf), m["ratio/min"])
         sums["ratio/max"] = max(sums.get("ratio/max", -math.inf), m["ratio/max"])
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, contract.optim.grad_clip))
-    finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-    if finite:  # a non-finite step is skipped and counted; the guards decide when to stop
-        optimizer.step()
+    # clipped to optim.grad_clip; a non-finite loss or gradient skips the step (counted: the
+    # guards decide when to stop) and leaves weights and optimizer state alone
+    stepped = backend.step()
+    grad_norm, finite = stepped.grad_norm, stepped.stepped and math.isfinite(loss_sum)
+    if finite:
         sums["kl/update"] = update_kl(model, micro[0], rendered, pad_id, temperature, dtype)
-    optimizer.zero_grad(set_to_none=True)
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
             "optim/skipped": 0.0 if finite else 1.0}

@@ -271,9 +271,14 @@ def test_a_context_budget_must_fit_the_prompt_limit():
     assert ExperimentContract.from_dict({}, ["env.kwargs={context_budget: 400}"]).env.kwargs
 
 
-def test_backends_not_built_yet_are_refused():
-    assert "backend.name: 'deepspeed' is not implemented yet" in contract_error(
-        overrides=["backend.name=deepspeed"])
+def test_backend_keys_are_checked_together():
+    ok = ExperimentContract.from_dict({}, ["backend.name=deepspeed", "backend.zero_stage=2",
+                                           "backend.offload=cpu"])
+    assert ok.backend.zero_stage == 2
+    assert "need backend.name: deepspeed" in contract_error(overrides=["backend.zero_stage=2"])
+    assert "offload: cpu needs backend.zero_stage >= 1" in contract_error(
+        overrides=["backend.name=deepspeed", "backend.offload=cpu"])
+    assert "ZeRO 0-2" in contract_error(overrides=["backend.name=deepspeed", "backend.zero_stage=3"])
 
 
 def test_vllm_rollouts_need_the_full_softmax():
