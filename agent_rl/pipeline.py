@@ -39,7 +39,7 @@ class SyncedPolicy:
         self._pending: tuple[list[tuple[str, torch.Tensor]], int] | None = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
-        snapshot = [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors]
+        snapshot = [(name, t.detach().clone()) for name, t in named_tensors]  # same device
         with self._lock:
             self._pending = (snapshot, revision)
 

@@ -7,12 +7,14 @@
     -> evaluate after -> report
 
 The math lives in ``grpo.py`` (advantages, clipped loss, KL) and ``rollout.py`` (filtering,
-credit, rendering), what the run directory holds in ``runlog.py``; this file only wires it. With synchronous rollouts each batch is sampled by
-the current weights, so the first update on a batch has ratio 1, and ``updates_per_batch > 1``
-reuses the batch with importance ratios against the rollout policy's old log-probs. Rollouts are synchronous (policy lag 0) unless
-``rollout.max_policy_lag`` is k > 0: then the next steps' batches are generated on a weight
-copy (or a vLLM engine) while this step trains, and the weights are pushed after every
-update (``pipeline.py``); sessions more than k updates old are dropped and counted.
+credit, rendering), what the run directory holds in ``runlog.py``; this file only wires it.
+
+Rollouts are synchronous (policy lag 0) unless ``rollout.max_policy_lag`` is k > 0. Synchronous:
+each batch is sampled by the current weights, so the first update on a batch has ratio 1, and
+``updates_per_batch > 1`` reuses the batch with importance ratios against the rollout policy's
+old log-probs. Asynchronous: the next steps' batches are generated on a weight copy (or a vLLM
+engine) while this step trains, the weights are pushed after every update (``pipeline.py``),
+and sessions more than k updates old are dropped and counted.
 
 Devices and numerics: everything runs on ``model.device``; ``model.dtype: bfloat16`` keeps
 fp32 master weights and runs forward passes under bf16 autocast. The trainer's log-probs of
@@ -159,14 +161,12 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
 
     def save(step: int, extra: dict[str, Any] | None = None) -> None:
         write_bundle(backend, run_dir / "checkpoints", step, scheduler=scheduler, meta={
-                                   "step": step, "counters": dict(counters),
-                                   "contract_hash": contract_hash, "template_hash": template_hash,
-                                   "base_model": base_model,
-                                   "reference": contract.reference, "verifier": verifier_id,
-                                   "sampler_position": step * contract.rollout.tasks_per_step,
-                                   "store_cursor": store.cursor, "before": before,
-                                   "policy_revision": policy.revision,
-                                   "guards": guards.state(), **(extra or {})})
+            "step": step, "counters": dict(counters),
+            "contract_hash": contract_hash, "template_hash": template_hash,
+            "base_model": base_model, "reference": contract.reference, "verifier": verifier_id,
+            "sampler_position": step * contract.rollout.tasks_per_step,  # TaskSampler.for_step
+            "store_cursor": store.cursor, "before": before, "policy_revision": policy.revision,
+            "guards": guards.state(), **(extra or {})})
         checkpoint.apply_retention(run_dir / "checkpoints", contract.checkpoint.keep)
 
     # --- 4. evaluate the starting policy on the held-out tasks ------------------------------
@@ -331,7 +331,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     micro = micro_batches(share_prefixes(rendered), micro_tokens)
     device, dtype = next(model.parameters()).device, contract.model.dtype
     for index, rows in enumerate(micro):
-        batch = {k: v.to(device) for k, v in collate_shared(rows, rendered, pad_id).items()}
+        batch = device_batch(rows, rendered, pad_id, device)
         members = [k for row in rows for k in row.members]
         with autocast(device, dtype):
             logits = trained_token_logits(model, batch)  # [N, V]
@@ -394,12 +394,18 @@ def update_kl(model, rows: list[SharedRow], rendered: list[Rendered], pad_id: in
     One forward pass over the first micro-batch keeps it cheap. (``kl/approx`` is measured
     before the step, so it is ~0 whenever the batch is fresh.)"""
     device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in collate_shared(rows, rendered, pad_id).items()}
+    batch = device_batch(rows, rendered, pad_id, device)
     with autocast(device, dtype):
         logits = trained_token_logits(model, batch)  # [N, V]
     new = picked_logprobs(logits, batch["target"], temperature)  # [N]
     d = batch["old_logprobs"] - new  # [N]
     return float((torch.exp(d) - 1 - d).mean())
+
+
+def device_batch(rows: list[SharedRow], rendered: list[Rendered], pad_id: int,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """``render.collate_shared`` of a micro-batch, its tensors on the model's device."""
+    return {k: v.to(device) for k, v in collate_shared(rows, rendered, pad_id).items()}
 
 
 def micro_batches(rows: list[SharedRow], max_tokens: int) -> list[list[SharedRow]]:
