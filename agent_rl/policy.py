@@ -241,6 +241,11 @@ class HFPolicy:
             for ids, lps, prompt in zip(tokens, logprobs, prompts, strict=True)
         ]
 
+    def weights_to_push(self, model: Any) -> list[tuple[str, torch.Tensor]]:
+        """What a weight copy of ``model`` is sent after an update: its trainable tensors (the
+        frozen ones never change)."""
+        return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
         """Copy pushed weights (names as in ``model.named_parameters()``) into this policy's

@@ -224,7 +224,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             if not update.get("optim/skipped"):
                 scheduler.step()
             if rollout_policy is not policy:
-                rollout_policy.push(push_weights(rollout_policy, model), policy.revision)
+                rollout_policy.push(rollout_policy.weights_to_push(model), policy.revision)
             train_s = time.perf_counter() - t1
             update["rollout/dropped_stale"] = len(stale)
 
@@ -507,16 +507,8 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
         engine = HFPolicy(copy.deepcopy(model).requires_grad_(False), copy.deepcopy(tokenizer),
                           device=policy.device, compute_dtype=contract.model.dtype)
     synced = SyncedPolicy(engine)
-    synced.push(push_weights(synced, model), policy.revision)
+    synced.push(synced.weights_to_push(model), policy.revision)
     return synced
-
-
-def push_weights(rollout_policy: SyncedPolicy, model):
-    """What the rollout policy is sent after an update: a vLLM engine takes full (LoRA
-    merged) weights; a weight copy of the trained model only the trainable tensors."""
-    if hasattr(rollout_policy.policy, "weights_to_push"):
-        return rollout_policy.policy.weights_to_push(model)
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def load_reference(contract: ExperimentContract, model, device: torch.device):
