@@ -1,7 +1,8 @@
 """From a policy and tasks to training sequences: rollout -> filter -> credit -> advantages -> render.
 
 1. Collect: ``envs.runner.run_episodes`` with G samples per task (a group shares
-   ``group_id``); every episode, kept or not, goes to the RolloutStore with its ``filter``.
+   ``group_id``); every episode, kept or not, carries its ``filter`` decision (the trainer
+   appends them all to the RolloutStore when it takes the batch).
 2. Overlong responses (any assistant turn cut with ``finish_reason == "length"``) follow
    ``truncation``: ``mask`` keeps the episode in its group's baseline but gives its sequences
    loss weight 0 (DAPO's overlong filtering); ``penalize`` replaces its reward by
@@ -45,7 +46,7 @@ from agent_rl.grpo import GroupBaseline, group_baseline
 from agent_rl.render import Rendered, render_session
 from envs.core import TaskSpec
 from envs.runner import Policy, Sampling, run_episodes
-from trajectories import Episode, Outcome, RewardBreakdown, RolloutStore, assign, session_weights
+from trajectories import Episode, Outcome, RewardBreakdown, assign, session_weights
 
 
 @dataclass
@@ -277,7 +278,6 @@ def rollout_batch(
     std: str = "population",
     scale: str = "group",
     eps: float = 1e-6,
-    store: RolloutStore | None = None,
     group_prefix: str = "",
 ) -> RolloutBatch:
     """Steps 1-7 of the module docstring, in order."""
@@ -286,8 +286,6 @@ def rollout_batch(
                             group_prefix=group_prefix)
     episodes = [apply_truncation(e, truncation, truncation_penalty) for e in episodes]
     episodes, drops = filter_groups(episodes, dynamic_sampling)
-    if store is not None:
-        store.append(episodes)
     sequences, _ = build_sequences(tokenizer, episodes, assigner, assigner_params or {},
                                    session_weighting, std, scale, eps)
     return RolloutBatch(episodes, sequences, budget_report(episodes, drops, truncation),

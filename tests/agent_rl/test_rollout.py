@@ -608,7 +608,8 @@ def test_rollout_batch_end_to_end_with_the_tiny_model(tiny, tmp_path):
     store = RolloutStore(tmp_path / "rollouts.jsonl")
     sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=0)
     batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
-                          sampling=sampling, seed=5, store=store, group_prefix="step0/")
+                          sampling=sampling, seed=5, group_prefix="step0/")
+    store.append(batch.episodes)  # as the trainer does when it takes the batch
 
     assert len(batch.episodes) == 4
     assert sorted({e.group_id for e in batch.episodes}) == sorted(f"step0/{t.task_id}" for t in tasks)
