@@ -280,10 +280,13 @@ def train(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     load_model_or_fail(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
     out = console()
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun / deepspeed: rank 0 reports
     try:
         with _StopSignal():
             result = trainer.run(contract, resume=args.resume, progress=not args.no_progress)
     except KeyboardInterrupt:
+        if not main_rank:
+            return 130
         latest = checkpoint.latest_complete(run_dir / "checkpoints")
         where = f"from {latest}" if latest else "from the start (no complete checkpoint yet)"
         print(f"agent-rl train: interrupted; `agent-rl train {args.config} --resume` (same "
@@ -293,6 +296,8 @@ def train(args: argparse.Namespace) -> int:
         return 130
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
         raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
+    if not main_rank:
+        return 3 if result.stopped is not None else 0
     report = write_run_report(run_dir)
     if result.before or result.after:
         out.print(before_after_table(result))

@@ -186,10 +186,6 @@ class ExperimentContract(_Section):
             raise ValueError("backend.zero_stage / backend.offload need backend.name: deepspeed")
         if self.backend.offload != "none" and self.backend.zero_stage == 0:
             raise ValueError("backend.offload: cpu needs backend.zero_stage >= 1")
-        if self.backend.zero_stage == 3:
-            raise ValueError("backend.zero_stage: 3 partitions the weights that the trainer's "
-                             "rollouts and evaluation read whole; train.run supports ZeRO 0-2 "
-                             "(ZeRO-3 is tested in agent_rl.distributed only)")
         if self.rollout.backend == "vllm" and self.rollout.top_p < 1.0:
             raise ValueError("rollout.top_p < 1 with rollout.backend vllm: vLLM reports log-probs "
                              "renormalised over the nucleus, not the full softmax the trainer "

@@ -421,6 +421,11 @@ class DeepSpeedBackend:
 # ---------------------------------------------------------------------------------------------
 
 
+def launched_world_size() -> int:
+    """The world size a launcher (torchrun, deepspeed) set for this process: 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def make_backend(name: Literal["torch", "deepspeed"], zero_stage: int, offload: str,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  grad_clip: float) -> TorchBackend | DeepSpeedBackend:
@@ -429,9 +434,9 @@ def make_backend(name: Literal["torch", "deepspeed"], zero_stage: int, offload: 
         if zero_stage != 0 or offload != "none":
             raise ValueError(f"backend torch has no ZeRO stage {zero_stage} or offload "
                              f"{offload!r}; use backend.name: deepspeed")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if launched_world_size() > 1:
             raise ValueError(f"backend torch is a world of one, but WORLD_SIZE="
-                             f"{os.environ['WORLD_SIZE']}; use backend.name: deepspeed")
+                             f"{launched_world_size()}; use backend.name: deepspeed")
         return TorchBackend(model, optimizer, grad_clip)
     if name == "deepspeed":
         return DeepSpeedBackend(model, optimizer, zero_stage, offload, grad_clip)
@@ -454,9 +459,9 @@ def write_bundle(backend: Backend, root: str | os.PathLike, step: int, *,
     if backend.is_main:
         shutil.rmtree(stage, ignore_errors=True)
     backend.barrier()
-    backend.save_state(stage)
     path = None
-    try:
+    try:  # the staging folder goes whatever happens (an interrupt mid-write included)
+        backend.save_state(stage)
         with backend.gathered():
             if backend.is_main:
                 path = checkpoint.save_bundle(

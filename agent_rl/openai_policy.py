@@ -9,7 +9,8 @@ Standard library only (``http.client`` + ``json``): one POST per conversation, r
 thread pool over the batch; order is kept. Each request asks for
 
     {"model", "messages", "temperature", "top_p", "max_tokens": sampling.max_new_tokens,
-     "n": 1, "seed": stream_seed(sampling.seed, i) mod 2**31 (when set), "logprobs": true, **extra_body}
+     "n": 1, "seed": stream_seed(sampling.seed, *sampling.stream(i)) mod 2**31 (when set),
+     "logprobs": true, **extra_body}
 
 and each reply becomes a ``Completion``:
 
@@ -195,6 +196,7 @@ class OpenAIPolicy:
 
     def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
         """One completion per conversation, in order (requests run concurrently)."""
+        sampling.check_batch(len(batch))
         if not batch:
             return []
         jobs = list(enumerate(batch))
@@ -208,7 +210,7 @@ class OpenAIPolicy:
             "temperature": sampling.temperature, "top_p": sampling.top_p,
             "max_tokens": sampling.max_new_tokens, "n": 1}
         if sampling.seed is not None:
-            payload["seed"] = stream_seed(sampling.seed, index) % 2**31  # servers take int32
+            payload["seed"] = stream_seed(sampling.seed, *sampling.stream(index)) % 2**31  # servers take int32
         if self.logprobs:
             payload["logprobs"] = True
         return {**payload, **self.extra_body}

@@ -19,9 +19,9 @@ The loop, per batch of up to ``batch_size`` conversations:
                the batch (and the KV cache), so the last long reply does not drag the rest
 
 Random streams: row b of a ``generate`` call samples from its own generator seeded with
-``envs.runner.stream_seed(sampling.seed, b)``, so rows never share random numbers and a row's
-draws do not depend on how the batch is cut into chunks; the runner gives every round its own
-``sampling.seed``. A prompt longer than ``sampling.max_prompt_tokens`` is not generated for:
+``envs.runner.stream_seed(sampling.seed, *sampling.stream(b))`` (its index b unless
+``sampling.streams`` names it; the runner names each job's call), so rows never share random
+numbers and a row's draws do not depend on the other rows or how the batch is cut into chunks. A prompt longer than ``sampling.max_prompt_tokens`` is not generated for:
 its completion is empty with finish reason ``prompt_too_long`` (the env ends the episode
 truncated). Every completion carries ``policy_revision``: the trainer bumps ``revision``
 after each optimizer step.
@@ -120,6 +120,7 @@ def chat_prompts(tokenizer: Any, batch: Sequence[list[dict[str, Any]]], sampling
     the base seed: ``sampling.seed``, or a fresh random one when unseeded)."""
     if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
         raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
+    sampling.check_batch(len(batch))
     base = sampling.seed if sampling.seed is not None else secrets.randbits(62)
     prompts = [chat_ids(tokenizer, messages, add_generation_prompt=True) for messages in batch]
     limit = sampling.max_prompt_tokens
@@ -168,7 +169,7 @@ class HFPolicy:
         try:
             for start in range(0, len(rows), self.batch_size):
                 chunk = rows[start:start + self.batch_size]
-                generators = [torch.Generator(device=self.device).manual_seed(stream_seed(base, b))
+                generators = [torch.Generator(device=self.device).manual_seed(stream_seed(base, *sampling.stream(b)))
                               for b in chunk]
                 with autocast(self.device, self.compute_dtype):
                     outs = self._generate_chunk([prompts[b] for b in chunk], sampling, generators)

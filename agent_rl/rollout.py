@@ -68,6 +68,7 @@ class RolloutBatch:
     sequences: list[TrainSequence]
     report: dict[str, Any]
     advantage_stats: dict[str, Any] = field(default_factory=dict)
+    drops: list[dict] = field(default_factory=list)  # the dropped groups (filter_groups)
 
     @property
     def kept(self) -> list[Episode]:
@@ -289,4 +290,16 @@ def rollout_batch(
     sequences, _ = build_sequences(tokenizer, episodes, assigner, assigner_params or {},
                                    session_weighting, std, scale, eps)
     return RolloutBatch(episodes, sequences, budget_report(episodes, drops, truncation),
-                        contrast_stats(episodes))
+                        contrast_stats(episodes), drops)
+
+
+def merge_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """One step's batch from the batches of its shards (contiguous slices of the step's tasks,
+    in order; one per rank): what ``rollout_batch`` gives for all the tasks at once. A group
+    never spans shards, so filtering, credit and advantages were already per group; the budget
+    report and the group statistics are recounted over every episode."""
+    episodes = [e for b in batches for e in b.episodes]
+    drops = [d for b in batches for d in b.drops]
+    truncation = batches[0].report["truncation"]
+    return RolloutBatch(episodes, [q for b in batches for q in b.sequences],
+                        budget_report(episodes, drops, truncation), contrast_stats(episodes), drops)

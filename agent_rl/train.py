@@ -16,6 +16,14 @@ old log-probs. Asynchronous: the next steps' batches are generated on a weight c
 engine) while this step trains, the weights are pushed after every update (``pipeline.py``),
 and sessions more than k updates old are dropped and counted.
 
+Several ranks (``torchrun`` / ``deepspeed`` launching ``backend.name: deepspeed``): every rank
+runs this same loop. Rank r rolls out its contiguous share of the step's tasks (seeded as the
+one-process run seeds them), every rank then holds the whole batch (``gather_batch``) and
+takes every world_size-th micro-batch of it, so the summed gradient is the one-process
+gradient; evaluation is sharded the same way; only rank 0 writes the run directory. Under
+ZeRO-3, which partitions the trained weights, rollouts and evaluation run on a full copy that
+takes the weights after every update (``sync_weights``).
+
 Devices and numerics: everything runs on ``model.device``; ``model.dtype: bfloat16`` keeps
 fp32 master weights and runs forward passes under bf16 autocast. The trainer's log-probs of
 the trained tokens, before its update, are compared with the rollout's on every step
@@ -42,14 +50,14 @@ import torch
 import envs
 from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract
-from agent_rl.distributed import Backend, make_backend, write_bundle
+from agent_rl.distributed import Backend, launched_world_size, make_backend, write_bundle
 from agent_rl.grpo import behaviour_correction, picked_entropy, picked_logprobs, policy_loss
 from agent_rl.guards import Guards, GuardTrip
 from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device
 from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.policy import HFPolicy, scoring_temperature
 from agent_rl.render import Rendered, SharedRow, collate_shared, share_prefixes
-from agent_rl.rollout import TrainSequence, rollout_batch
+from agent_rl.rollout import RolloutBatch, TrainSequence, merge_batches, rollout_batch
 from agent_rl.runlog import (
     TensorBoardLog,
     check_run_dir,
@@ -94,6 +102,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     check_data(contract, env, train_tasks, eval_sets)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
+    check_world(contract, launched_world_size())
     check_engines(contract)
     verifier_id = f"{contract.env.id}@{env.unwrapped.version}"
 
@@ -106,8 +115,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     latest = check_run_dir(run_dir, contract, contract_hash, base_model, resume)
     seed_everything(contract.optim.seed)
 
-    # --- 2. model (fp32 master weights on the device), optional fixed reference, optimizer,
-    # the policy that evaluates (and rolls out, when synchronous) and the rollout policy -----
+    # --- 2. model (fp32 master weights on the device), optional fixed reference, optimizer --
     model, tokenizer = load_model(contract.model.id)
     if contract.model.adapter == "lora":
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
@@ -117,7 +125,6 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     optimizer = torch.optim.AdamW(params, lr=contract.optim.lr,
                                   weight_decay=contract.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype)
     store = RolloutStore(run_dir / "rollouts.jsonl")
     tensorboard = TensorBoardLog(run_dir / "tensorboard")
     template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
@@ -128,64 +135,79 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                              max_prompt_tokens=contract.rollout.max_prompt_tokens)
 
     # --- 3. resume from the newest complete bundle (into the plain model, before a backend
-    # partitions it); the training backend (torch, or a DeepSpeed engine) then takes model and
-    # optimizer, and the bundle's optimizer state. Once accepted, the run directory is pinned
-    # (contract, its hash, base model) and its logs cut back to the bundle --------------------
-    start_step, counters, before = 0, Counter(), None
+    # partitions it). The policy that evaluates (and rolls out, when synchronous) shares the
+    # trained weights, or holds a full copy under ZeRO-3. The training backend (torch, or a
+    # DeepSpeed engine) then takes model and optimizer, and the bundle's optimizer state; the
+    # rollout policy is made. Once accepted, the run directory is pinned (contract, its hash,
+    # base model) and its logs cut back to the bundle, by rank 0 ----------------------------
+    start_step, counters, before, revision = 0, Counter(), None, 0
     if latest is not None:
         meta = checkpoint.load_bundle(latest, model, scheduler=scheduler)
         check_resumable(meta, contract_hash, template_hash, latest)
         start_step, counters = meta["step"], Counter(meta["counters"])
-        policy.revision = meta.get("policy_revision", start_step)
+        revision = meta.get("policy_revision", start_step)
         before = meta.get("before")
         guards.load_state(meta.get("guards", {}))
+    full = copy.deepcopy(model).requires_grad_(False) if contract.backend.zero_stage == 3 else model
+    policy = HFPolicy(full, tokenizer, device=device, compute_dtype=contract.model.dtype)
+    policy.revision = revision
     backend = make_backend(contract.backend.name, contract.backend.zero_stage,
                            contract.backend.offload, model, optimizer, contract.optim.grad_clip)
-    if backend.world_size > 1:
-        raise ValueError(f"train.run is a world of one for now (WORLD_SIZE={backend.world_size}): "
-                         "its rollouts, logs and evaluation are not sharded across ranks yet")
+    rank, world, main = backend.rank, backend.world_size, backend.is_main
     if latest is not None:
         backend.load_state(latest)
-    rollout_policy = make_rollout_policy(contract, model, tokenizer, policy, run_dir)
-    pin_run_dir(run_dir, contract, contract_hash, base_model)
-    if resume:  # steps a killed run logged after its last checkpoint are redone: unlog them
+    rollout_policy = make_rollout_policy(contract, full, tokenizer, policy, run_dir)
+    backend.barrier()  # every rank has read the run directory before rank 0 writes it
+    if main:
+        pin_run_dir(run_dir, contract, contract_hash, base_model)
+    if resume and main:  # steps a killed run logged after its last checkpoint are redone
         rewind_logs(run_dir, start_step if latest else -1, meta["store_cursor"] if latest else 0)
 
+    def log(name: str, record: dict[str, Any]) -> None:  # rank 0 writes the run directory
+        if main:
+            log_json(run_dir / name, record)
+
     def evaluate_policy(tag: str) -> dict[str, Any]:  # hint-free, whatever env.kwargs say
-        records = [record for name, tasks in eval_sets.items()
-                   for record in evaluate(policy, contract.env.id, tasks, eval_sampling,
-                                          seed=contract.eval.seed, env_kwargs=contract.env.kwargs,
-                                          policy_name=tag, split=name)]
-        write_records(records, run_dir / "evals" / f"{tag}.jsonl")  # one record per episode
+        records = []
+        for name, tasks in eval_sets.items():  # rank r evaluates its slice, seeded as a whole
+            lo, hi = shard(len(tasks), rank, world)
+            mine = evaluate(policy, contract.env.id, tasks[lo:hi], eval_sampling,
+                            seed=contract.eval.seed + lo, env_kwargs=contract.env.kwargs,
+                            policy_name=tag, split=name)
+            records += [r for part in backend.all_gather_object(mine) for r in part]
+        if main:
+            write_records(records, run_dir / "evals" / f"{tag}.jsonl")  # one record per episode
         return summarize_eval(records)
 
-    def save(step: int, extra: dict[str, Any] | None = None) -> None:
+    def save(step: int, extra: dict[str, Any] | None = None) -> None:  # every rank
         write_bundle(backend, run_dir / "checkpoints", step, scheduler=scheduler, meta={
             "step": step, "counters": dict(counters),
             "contract_hash": contract_hash, "template_hash": template_hash,
             "base_model": base_model, "reference": contract.reference, "verifier": verifier_id,
             "sampler_position": step * contract.rollout.tasks_per_step,  # TaskSampler.for_step
-            "store_cursor": store.cursor, "before": before, "policy_revision": policy.revision,
-            "guards": guards.state(), **(extra or {})})
-        checkpoint.apply_retention(run_dir / "checkpoints", contract.checkpoint.keep)
+            "store_cursor": store.cursor if main else None, "before": before,
+            "policy_revision": policy.revision, "guards": guards.state(), **(extra or {})})
+        if main:
+            checkpoint.apply_retention(run_dir / "checkpoints", contract.checkpoint.keep)
 
     # --- 4. evaluate the starting policy on the held-out tasks ------------------------------
     if before is None:
         before = evaluate_policy("before")
-        log_json(run_dir / "eval.jsonl", {"step": start_step, "tag": "before", **before})
+        log("eval.jsonl", {"step": start_step, "tag": "before", **before})
 
     def rollout(step: int):  # rollout -> assign -> advantages (rollout.py does the three)
         t0 = time.perf_counter()
+        tasks = sampler.for_step(step, contract.rollout.tasks_per_step)
+        lo, hi = shard(len(tasks), rank, world)  # this rank's tasks; their jobs seeded as a whole
+        seed = contract.optim.seed * 100_003 + step
         batch = rollout_batch(
-            rollout_policy, rollout_policy.tokenizer, contract.env.id,
-            sampler.for_step(step, contract.rollout.tasks_per_step),
+            rollout_policy, rollout_policy.tokenizer, contract.env.id, tasks[lo:hi],
             group_size=contract.rollout.group_size,
             sampling=Sampling(temperature=contract.rollout.temperature,
                               top_p=contract.rollout.top_p,
                               max_new_tokens=contract.rollout.max_response_tokens,
-                              seed=contract.optim.seed * 100_003 + step,
-                              max_prompt_tokens=contract.rollout.max_prompt_tokens),
-            seed=contract.optim.seed * 100_003 + step, env_kwargs=contract.env.kwargs,
+                              seed=seed, max_prompt_tokens=contract.rollout.max_prompt_tokens),
+            seed=seed + lo * contract.rollout.group_size, env_kwargs=contract.env.kwargs,
             truncation=contract.rollout.truncation,
             truncation_penalty=contract.rollout.truncation_penalty,
             dynamic_sampling=contract.rollout.dynamic_sampling,
@@ -201,20 +223,22 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     lag_bound = contract.rollout.max_policy_lag
     rollouts = (RolloutPipeline(rollout, start_step + 1, contract.optim.max_steps, lag_bound)
                 if lag_bound else Synchronous(rollout))
-    with rollouts, progress_bar(progress, contract.optim.max_steps, start_step) as advance:
+    with rollouts, progress_bar(progress and main, contract.optim.max_steps, start_step) as advance:
         for step in range(start_step + 1, contract.optim.max_steps + 1):
-            # rollout -> assign -> advantages, recorded in the store; sessions sampled more
-            # than max_policy_lag updates ago are dropped (counted), never trained on
+            # rollout -> assign -> advantages, recorded in the store; every rank gets the whole
+            # batch; sessions sampled more than max_policy_lag updates ago are dropped
+            # (counted), never trained on
             t0 = time.perf_counter()
-            batch, rollout_s = rollouts.take(step)
+            batch, rollout_s = gather_batch(backend, *rollouts.take(step))
             wait_s = time.perf_counter() - t0
-            store.append(batch.episodes)
+            if main:
+                store.append(batch.episodes)
             fresh, stale = split_stale(batch.sequences, policy.revision, lag_bound)
             lag = policy_lag(fresh, policy.revision)
 
             # loss -> optimizer step (updates_per_batch passes over the batch); every step
-            # taken bumps the policy revision that later samples record, and the rollout
-            # policy (a weight copy or a vLLM engine) gets the new weights
+            # taken bumps the policy revision that later samples record, and the policies
+            # holding their own weights (a copy, a vLLM engine) get the new ones
             t1 = time.perf_counter()
             update, prox = {}, {}
             for _ in range(contract.optim.updates_per_batch):
@@ -223,8 +247,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 policy.revision += not update.get("optim/skipped")
             if not update.get("optim/skipped"):
                 scheduler.step()
-            if rollout_policy is not policy:
-                rollout_policy.push(rollout_policy.weights_to_push(model), policy.revision)
+            sync_weights(backend, policy, rollout_policy)
             train_s = time.perf_counter() - t1
             update["rollout/dropped_stale"] = len(stale)
 
@@ -240,16 +263,19 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             if contract.eval.every and step % contract.eval.every == 0 and step < contract.optim.max_steps:
                 held = evaluate_policy(f"step{step}")
                 metrics["holdout/reward"] = held["reward_mean"]
-                log_json(run_dir / "eval.jsonl", {"step": step, "tag": f"step{step}", **held})
+                log("eval.jsonl", {"step": step, "tag": f"step{step}", **held})
                 trip = trip or guards.after_eval(metrics["reward/mean"], held["reward_mean"])
-            log_json(run_dir / "metrics.jsonl", metrics)
-            tensorboard.log(metrics)
+            trip = backend.all_gather_object(trip)[0]  # rank 0's decision, on every rank
+            log("metrics.jsonl", metrics)
+            if main:
+                tensorboard.log(metrics)
             result.steps = step
             advance(metrics)
             if trip is not None:
                 record = json_safe(trip.__dict__)  # its evidence may be NaN (rule nonfinite)
                 save(step, {"guard": record})
-                (run_dir / "guard.json").write_text(json.dumps(record, indent=2, default=str))
+                if main:
+                    write_file(run_dir / "guard.json", json.dumps(record, indent=2, default=str))
                 result.stopped = trip
                 break
             if contract.checkpoint.every and step % contract.checkpoint.every == 0:
@@ -262,14 +288,15 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     if result.stopped is None:
         if not (run_dir / "checkpoints" / f"step-{result.steps:06d}").exists():
             save(result.steps)
-        result.after = logged_eval(run_dir, "after", result.steps)
+        result.after = backend.all_gather_object(logged_eval(run_dir, "after", result.steps))[0]
         if result.after is None:
             result.after = evaluate_policy("after")
-            log_json(run_dir / "eval.jsonl", {"step": result.steps, "tag": "after", **result.after})
+            log("eval.jsonl", {"step": result.steps, "tag": "after", **result.after})
         result.comparison = compare(before, result.after)
-        write_file(run_dir / "result.json", json.dumps(
-            {"before": before, "after": result.after, "comparison": result.comparison},
-            indent=2, sort_keys=True))
+        if main:
+            write_file(run_dir / "result.json", json.dumps(
+                {"before": before, "after": result.after, "comparison": result.comparison},
+                indent=2, sort_keys=True))
     return result
 
 
@@ -315,6 +342,13 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     group's shared prompt) are computed once (``render.share_prefixes``), and the vocabulary
     projection runs only where a trained token is predicted.
 
+    Every rank holds the whole batch (``gather_batch``) and takes micro-batches rank,
+    rank + world_size, ...; each is scaled by its share of the GLOBAL batch (trained tokens
+    under ``token_mean``, sequences otherwise), so the backend's summed gradient is the
+    one-process gradient. A rank with fewer micro-batches than the first one pads with a real
+    one times 0.0 (every rank runs as many backward passes: ZeRO's collectives). The metrics
+    are summed over the ranks.
+
     ``prox`` holds, per micro-batch, the trainer's log-probs before the first update on this
     batch: filled by the first pass, which also measures them against the rollout's
     (``rollout/logprob_diff_*``), reused by later passes (``grpo.behaviour_correction``)."""
@@ -329,8 +363,18 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     temperature = scoring_temperature(contract.rollout.temperature)
     loss_sum, sums = 0.0, Counter()
     micro = micro_batches(share_prefixes(rendered), micro_tokens)
+    mine = list(range(backend.rank, len(micro), backend.world_size))  # this rank's share
+    passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype
-    for index, rows in enumerate(micro):
+    for k in range(passes):
+        if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
+            batch = device_batch(micro[0], rendered, pad_id, device)
+            with autocast(device, dtype):
+                logits = trained_token_logits(model, batch)  # [N, V]
+            backend.backward(logits.sum() * 0.0)
+            continue
+        index = mine[k]
+        rows = micro[index]
         batch = device_batch(rows, rendered, pad_id, device)
         members = [k for row in rows for k in row.members]
         with autocast(device, dtype):
@@ -375,6 +419,8 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
                 sums[key] += value * share
         sums["ratio/min"] = min(sums.get("ratio/min", math.inf), m["ratio/min"])
         sums["ratio/max"] = max(sums.get("ratio/max", -math.inf), m["ratio/max"])
+    if backend.world_size > 1:
+        loss_sum, sums = sum_over_ranks(backend.all_gather_object((loss_sum, dict(sums))))
     # clipped to optim.grad_clip; a non-finite loss or gradient skips the step (counted: the
     # guards decide when to stop) and leaves weights and optimizer state alone
     stepped = backend.step()
@@ -384,6 +430,22 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
             "optim/skipped": 0.0 if finite else 1.0}
+
+
+def sum_over_ranks(parts: list[tuple[float, dict[str, float]]]) -> tuple[float, dict[str, float]]:
+    """Every rank's (loss, metric sums) of one step as one: sums add (each rank's are already
+    weighted by its global share); maxima and minima combine as such."""
+    total, out = 0.0, {}
+    for loss, sums in parts:
+        total += loss
+        for key, value in sums.items():
+            if key in ("rollout/logprob_diff_max", "ratio/max"):
+                out[key] = max(out.get(key, -math.inf), value)
+            elif key == "ratio/min":
+                out[key] = min(out.get(key, math.inf), value)
+            else:
+                out[key] = out.get(key, 0.0) + value
+    return total, out
 
 
 @torch.no_grad()
@@ -447,6 +509,38 @@ def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
     return dense
 
 
+def shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous slice ``[lo, hi)`` of n items; the first n % world_size ranks
+    take one more. Seeding jobs by their global index (``seed + lo * samples``) makes the
+    shards sample what one process would."""
+    per, extra = divmod(n, world_size)
+    lo = rank * per + min(rank, extra)
+    return lo, lo + per + (rank < extra)
+
+
+def gather_batch(backend: Backend, batch: RolloutBatch, rollout_s: float) -> tuple[RolloutBatch, float]:
+    """The whole step's batch on every rank (``merge_batches`` of the ranks' shards, in rank
+    order) and the slowest rank's rollout time. A world of one returns its own."""
+    if backend.world_size == 1:
+        return batch, rollout_s
+    shards = backend.all_gather_object((batch, rollout_s))
+    return merge_batches([b for b, _ in shards]), max(s for _, s in shards)
+
+
+def sync_weights(backend: Backend, policy: HFPolicy, rollout_policy) -> None:
+    """After an update, the policies holding their own weights take the trained ones (read
+    whole inside ``backend.gathered()``; under ZeRO-3 that all-gathers them): the evaluation
+    policy's full copy under ZeRO-3, and the rollout copy or vLLM engine (pushed, applied at
+    its next generate) when rollouts are asynchronous or on vLLM. Collective."""
+    if policy.model is backend.module and rollout_policy is policy:
+        return
+    with backend.gathered():
+        if policy.model is not backend.module:
+            policy.load_weights(policy.weights_to_push(backend.module), policy.revision)
+        if rollout_policy is not policy:
+            rollout_policy.push(rollout_policy.weights_to_push(backend.module), policy.revision)
+
+
 class TaskSampler:
     """Cycles through the train tasks in a seeded order, one shuffle per epoch: step s takes
     positions (s - 1) * n .. s * n - 1, a pure function of the step (so a batch can be drawn
@@ -475,6 +569,22 @@ def add_lora(model, rank: int, alpha: int):
     return get_peft_model(model, config)
 
 
+def check_world(contract: ExperimentContract, world_size: int) -> None:
+    """What several ranks need (WORLD_SIZE from the launcher), before anything is written."""
+    if world_size == 1:
+        return
+    if contract.backend.name != "deepspeed":
+        raise ValueError(f"WORLD_SIZE={world_size}: several ranks train through backend.name: "
+                         "deepspeed (backend torch is a world of one)")
+    if contract.rollout.tasks_per_step % world_size:
+        raise ValueError(f"rollout.tasks_per_step={contract.rollout.tasks_per_step} does not "
+                         f"split over WORLD_SIZE={world_size} ranks: make it a multiple of "
+                         f"{world_size}")
+    if contract.rollout.backend == "vllm":
+        raise ValueError(f"rollout.backend: vllm with WORLD_SIZE={world_size}: one vLLM engine "
+                         "per rank is not built yet; use rollout.backend: hf, or one process")
+
+
 def check_engines(contract: ExperimentContract) -> None:
     """The engines the contract names are importable here (before anything is written)."""
     if contract.rollout.backend == "vllm":
@@ -488,10 +598,10 @@ def check_engines(contract: ExperimentContract) -> None:
 
 def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: HFPolicy,
                         run_dir: Path):
-    """Who samples the training rollouts: ``policy`` itself (HF, synchronous: it shares the
-    trained weights); else a ``SyncedPolicy`` over a weight copy (HF, max_policy_lag > 0) or a
-    vLLM engine (``rollout.backend: vllm``), given the current weights now and after every
-    update."""
+    """Who samples the training rollouts: ``policy`` itself (HF, synchronous: it holds the
+    trained weights, or their copy under ZeRO-3); else a ``SyncedPolicy`` over a weight copy
+    (HF, max_policy_lag > 0) or a vLLM engine (``rollout.backend: vllm``), given the weights
+    of ``model`` (full, never ZeRO-3 partitions) now and after every update."""
     if contract.rollout.backend == "hf" and not contract.rollout.max_policy_lag:
         return policy
     if contract.rollout.backend == "vllm":

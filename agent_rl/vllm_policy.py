@@ -10,7 +10,8 @@ The contract is ``HFPolicy``'s, token for token:
     stop:      after sampling a token of ``render.stop_token_ids(tokenizer)`` (kept in the token
                ids; ``ignore_eos`` so that vLLM stops on exactly that set and nothing from the
                folder's generation config), else after ``max_new_tokens`` ("length")
-    seeds:     row b is one request with ``SamplingParams.seed = stream_seed(sampling.seed, b)``
+    seeds:     row b is one request with
+               ``SamplingParams.seed = stream_seed(sampling.seed, *sampling.stream(b))``
     too long:  a prompt over ``sampling.max_prompt_tokens`` (or one the engine cannot hold, at
                least ``max_model_len`` tokens) is not generated for: finish reason
                ``prompt_too_long``
@@ -321,7 +322,7 @@ class VLLMPolicy:
             requests.append((b, {"prompt_token_ids": prompts[b]}))
             params.append(SamplingParams(
                 temperature=sampling.temperature, top_p=1.0, max_tokens=budget,
-                seed=stream_seed(base, b), logprobs=0, stop_token_ids=sorted(self.stop_ids),
+                seed=stream_seed(base, *sampling.stream(b)), logprobs=0, stop_token_ids=sorted(self.stop_ids),
                 ignore_eos=True, detokenize=False))
         if requests:
             outputs = self.llm.generate([r for _, r in requests], params, use_tqdm=False)

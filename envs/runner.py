@@ -9,10 +9,12 @@ inside the env); different episodes interleave. A finished environment is reset 
 (task, sample) job. RL rollouts and evaluation both use it.
 
 Determinism: job k (task i, sample j, in order) resets with ``seed + k``, so episode ids and
-any env randomness repeat for the same inputs. Policy round r is sampled with
-``sampling.derive(r)``: a distinct, reproducible seed per round (``stream_seed``), so turn 2 of
-an episode never replays turn 1's random numbers; a policy derives one stream per
-conversation of the batch from it (``HFPolicy``: ``stream_seed(seed, row)``).
+any env randomness repeat for the same inputs. Every policy call of a job has its own random
+stream, keyed by the job and the call: the t-th completion of job k is sampled from
+``stream_seed(sampling.seed, seed + k, t)`` (``Sampling.streams``), so turn 2 never replays
+turn 1's random numbers, and what a job samples does not depend on which other jobs share
+its batch, how many environments run, or how the jobs are cut across processes (a caller
+that shards jobs passes each shard ``seed`` + its first global job index).
 
 Context budgets. When the policy can count a conversation's prompt tokens
 (``policy.count_tokens(messages)``, its chat template), every env with a ``use_token_counter``
@@ -52,9 +54,24 @@ class Sampling:
     max_new_tokens: int = 128
     seed: int | None = None
     max_prompt_tokens: int | None = None
+    # the random stream of each conversation of a batch, as keys under ``seed`` (None: its
+    # index in the batch); the runner sets one per call of a job. Not part of the record.
+    streams: tuple[tuple[int, ...], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["streams"]
+        return out
+
+    def stream(self, row: int) -> tuple[int, ...]:
+        """The keys of row ``row``'s random stream: ``stream_seed(seed, *keys)`` seeds it."""
+        return (row,) if self.streams is None else self.streams[row]
+
+    def check_batch(self, n: int) -> None:
+        """``streams``, when given, names exactly one stream per conversation of the batch."""
+        if self.streams is not None and len(self.streams) != n:
+            raise ValueError(f"sampling.streams names {len(self.streams)} streams for a batch "
+                             f"of {n} conversations")
 
     def derive(self, *keys: int) -> Sampling:
         """The same sampling with the seed of stream ``keys`` (unseeded stays unseeded)."""
@@ -92,6 +109,7 @@ class _Slot:
     env: gymnasium.Env
     obs: list[dict[str, Any]] | None = None
     job: int | None = None
+    calls: int = 0  # policy calls made for this job so far
 
 
 def run_episodes(
@@ -150,16 +168,18 @@ def run_episodes(
         if hints is not None:
             options["hints"] = hints
         slot.obs, _ = slot.env.reset(seed=seed + next_job, options=options)
-        slot.job = next_job
+        slot.job, slot.calls = next_job, 0
         next_job += 1
 
     for slot in slots:
         start(slot)
-    done, rounds = 0, 0
+    done = 0
     while any(slot.job is not None for slot in slots):
         active = [slot for slot in slots if slot.job is not None]
-        completions = policy.generate([slot.obs for slot in active], sampling.derive(rounds))
-        rounds += 1
+        streams = tuple((seed + slot.job, slot.calls) for slot in active)
+        completions = policy.generate([slot.obs for slot in active], replace(sampling, streams=streams))
+        for slot in active:
+            slot.calls += 1
         if len(completions) != len(active):
             raise RuntimeError(f"policy returned {len(completions)} completions for "
                                f"{len(active)} conversations")

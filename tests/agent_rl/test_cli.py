@@ -147,6 +147,28 @@ def test_sigterm_stops_cleanly_and_points_at_resume(tmp_path):
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.slow
+def test_train_under_torchrun_on_two_ranks(tmp_path):
+    """The README's launch: `torchrun --nproc-per-node 2 -m agent_rl.cli train ...` with
+    ZeRO-3 trains on two ranks (gloo), and only rank 0 reports."""
+    from agent_rl.distributed import free_port
+
+    run_dir = tmp_path / "r"
+    env = {k: v for k, v in ENV.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "agent_rl.cli",
+         "train", str(TINY), "--set", "backend.name=deepspeed", "--set", "backend.zero_stage=3",
+         "--set", f"run_dir={run_dir}", "--no-progress"],
+        capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count(f"run dir: {run_dir}") == 1
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    latest = checkpoint.latest_complete(run_dir / "checkpoints")
+    assert json.loads((latest / "backend.json").read_text())["world_size"] == 2
+
+
 # --- report -----------------------------------------------------------------------------------
 
 

@@ -180,10 +180,10 @@ def test_episodes_record_the_stubs_answers(stub, tasks):
         "model": "stub-model", "temperature": 0.0, "top_p": 0.9, "max_tokens": 16,
         "logprobs": True, "return_token_ids": True}
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
-    # one stream per conversation: stream_seed(the round's seed, index in the batch); six
-    # one-turn episodes on three envs are two rounds of three
+    # one stream per job and call: stream_seed(sampling.seed, job seed, call); six one-turn
+    # episodes (jobs 0..5, run_episodes' seed 0), whichever envs they ran on
     assert sorted(b["seed"] for _, b, _ in stub.log) == sorted(
-        stream_seed(sampling.derive(r).seed, i) % 2**31 for r in range(2) for i in range(3))
+        stream_seed(sampling.seed, job, 0) % 2**31 for job in range(6))
 
 
 def test_without_token_ids_logprobs_are_dropped(stub, tasks):

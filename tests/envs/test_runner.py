@@ -1,4 +1,4 @@
-"""envs.runner: a distinct, reproducible sampling stream per policy round, the split and hint
+"""envs.runner: a distinct, reproducible sampling stream per job and call, the split and hint
 options every reset gets, and the policy's tokenizer counting context budgets."""
 
 from __future__ import annotations
@@ -31,19 +31,48 @@ def test_stream_seed_is_reproducible_and_keyed():
     assert Sampling(seed=5).derive(3) == Sampling(seed=stream_seed(5, 3))
 
 
-def test_every_round_gets_its_own_seed():
-    """Turn 2 of an episode must not replay turn 1's random numbers: with one Sampling for
-    every call, a seeded policy reseeds to the same stream each round."""
+def test_every_call_of_a_job_gets_its_own_stream():
+    """Turn 2 of an episode must not replay turn 1's random numbers, and a job's stream is
+    named by the job (its reset seed) and the call, never by its row in the batch."""
     policy = Recorder()
     tasks = envs.make("agent_rl/Records-v0").unwrapped.task_pool(2, seed=0)
     call = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
     policy.generate = lambda batch, sampling: (policy.calls.append((len(batch), sampling)) or
                                                [Completion(call, [1], [-0.1]) for _ in batch])
-    run_episodes("agent_rl/Records-v0", tasks, policy, Sampling(seed=11), num_envs=2,
+    run_episodes("agent_rl/Records-v0", tasks, policy, Sampling(seed=11), num_envs=2, seed=40,
                  env_kwargs={"max_turns": 3})
-    seeds = [s.seed for _, s in policy.calls]
-    assert len(seeds) == 3 and len(set(seeds)) == 3
-    assert seeds == [stream_seed(11, r) for r in range(3)]  # reproducible, for resume
+    assert [s.seed for _, s in policy.calls] == [11, 11, 11]
+    assert [s.streams for _, s in policy.calls] == [((40, 0), (41, 0)), ((40, 1), (41, 1)),
+                                                    ((40, 2), (41, 2))]
+    assert "streams" not in Sampling(seed=11, streams=((1, 2),)).to_dict()  # not recorded
+    with pytest.raises(ValueError, match="names 1 streams for a batch of 2"):
+        Sampling(streams=((0,),)).check_batch(2)
+
+
+class StreamEcho:
+    """Answers with a number drawn from each row's own stream (as HFPolicy seeds its rows)."""
+
+    def generate(self, batch, sampling):
+        sampling.check_batch(len(batch))
+        return [Completion(str(stream_seed(sampling.seed, *sampling.stream(b)) % 97))
+                for b in range(len(batch))]
+
+
+def test_a_jobs_samples_do_not_depend_on_its_batch_or_shard():
+    """What one job samples is the same whether it runs with every other job, with 2 envs, or
+    in a shard of the jobs given seed + its first global job index (as train.run shards)."""
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(4, seed=0)
+    sampling = Sampling(seed=3)
+
+    def answers(tasks, num_envs, seed):
+        return [(e.episode_id, e.sessions[0].turns[-1].content) for e in
+                run_episodes("agent_rl/Arithmetic-v0", tasks, StreamEcho(), sampling,
+                             samples_per_task=2, num_envs=num_envs, seed=seed)]
+
+    whole = answers(tasks, 8, seed=100)
+    assert len({a for _, a in whole}) > 4  # the jobs really sample differently
+    assert answers(tasks, 2, seed=100) == whole
+    assert answers(tasks[:1], 8, seed=100) + answers(tasks[1:], 3, seed=102) == whole
 
 
 def test_split_and_hints_reach_every_episode():
