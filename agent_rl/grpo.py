@@ -309,7 +309,7 @@ def behaviour_correction(
     return prox, torch.where(valid, weights, 0.0), metrics
 
 
-def _scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-softmax of logits / temperature over the last dim, in at least float32."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -321,13 +321,13 @@ def _scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tenso
 def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-prob of ``targets[n]`` under ``softmax(logits[n] / temperature)``: logits ``[N, V]``,
     targets ``[N]`` -> ``[N]``. The one rule every log-prob here is computed with."""
-    logp = _scaled_log_softmax(logits, temperature)  # [N, V]
+    logp = scaled_log_softmax(logits, temperature)  # [N, V]
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N]
 
 
 def picked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of ``softmax(logits[n] / temperature)``: ``[N, V]`` -> ``[N]``."""
-    logp = _scaled_log_softmax(logits, temperature)  # [N, V]
+    logp = scaled_log_softmax(logits, temperature)  # [N, V]
     return -(logp.exp() * logp).sum(-1)  # [N]
 
 

@@ -12,16 +12,19 @@ The loop, per batch of up to ``batch_size`` conversations:
                  copied to each of their rows)
     positions  = cumsum(attention_mask) - 1  (padding does not shift positions)
     step s:    logits_s = model(last token, KV cache)[:, -1]                         [B, V]
-               x_s ~ softmax(logits_s / T), top-p truncated;  argmax when T == 0
-               logp_s = log_softmax(logits_s / T')[x_s]      T' = scoring_temperature(T)
+               logp_s   = log_softmax(logits_s / T')      T' = scoring_temperature(T)  [B, V]
+               x_s      = first token with cumsum(exp(logp_s), top-p truncated) > u_bs * total
+                          (inverse-CDF sampling, u_bs uniform); argmax when T == 0
+               the row's log-prob: logp_s[x_s], the trainer's rule (``grpo.picked_logprobs``)
     stop:      a row stops after sampling EOS / ``<|im_end|>`` (kept in its token ids) or
                after ``max_new_tokens`` tokens (finish_reason "length"); a stopped row leaves
                the batch (and the KV cache), so the last long reply does not drag the rest
 
-Random streams: row b of a ``generate`` call samples from its own generator seeded with
-``envs.runner.stream_seed(sampling.seed, *sampling.stream(b))`` (its index b unless
-``sampling.streams`` names it; the runner names each job's call), so rows never share random
-numbers and a row's draws do not depend on the other rows or how the batch is cut into chunks. A prompt longer than ``sampling.max_prompt_tokens`` is not generated for:
+Random streams: row b of a ``generate`` call draws its uniforms u_b (one per step, on the
+CPU) from a generator seeded with ``envs.runner.stream_seed(sampling.seed,
+*sampling.stream(b))`` (its index b unless ``sampling.streams`` names it; the runner names
+each job's call), so rows never share random numbers, and a row's draws depend neither on
+the other rows, nor on how the batch is cut into chunks, nor on the device. A prompt longer than ``sampling.max_prompt_tokens`` is not generated for:
 its completion is empty with finish reason ``prompt_too_long`` (the env ends the episode
 truncated). Every completion carries ``policy_revision``: the trainer bumps ``revision``
 after each optimizer step.
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from agent_rl.grpo import token_logprobs
+from agent_rl.grpo import scaled_log_softmax, token_logprobs
 from agent_rl.models import autocast
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
 from agent_rl.render import chat_ids, stop_token_ids
@@ -88,26 +91,43 @@ def sequence_logprobs(
     return token_logprobs(logits, input_ids, scoring_temperature(temperature))  # [B, T]
 
 
-def _step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """grpo.token_logprobs for one decoding step: logits ``[B, V]``, tokens ``[B]`` -> ``[B]``."""
-    pair_logits = logits.unsqueeze(1).expand(-1, 2, -1)  # [B, 2, V] a view; row 0 predicts row 1
-    pair_ids = tokens.unsqueeze(1).expand(-1, 2)  # [B, 2]
-    return token_logprobs(pair_logits, pair_ids, temperature)[:, 1]  # [B]
+def _sample_step(logits: torch.Tensor, sampling: Sampling,
+                 uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits ``[B, V]`` and its log-prob: ``([B], [B])``.
 
-
-def _sample(logits: torch.Tensor, sampling: Sampling,
-            generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row from logits ``[B, V]``, row b drawn with ``generators[b]``: ``[B]``."""
+    One log-softmax serves both: log-probs under softmax(logits / T') (``grpo``'s rule, T' =
+    ``scoring_temperature(T)``), and, for T > 0 (where T' = T), the sampling distribution
+    ``exp`` of it, top-p truncated. Row b takes the first token whose cumulative probability
+    exceeds ``uniforms[b]`` times the total (inverse-CDF sampling: one uniform per row and
+    step, no per-row kernel); T == 0 takes the argmax."""
+    logp = scaled_log_softmax(logits, scoring_temperature(sampling.temperature))  # [B, V]
     if sampling.temperature == 0:
-        return logits.argmax(-1)  # [B]
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # [B, V]
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
-        before = sorted_probs.cumsum(-1) - sorted_probs  # [B, V] mass of the better tokens
-        sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)  # [B, V]
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [B, V]
-    return torch.cat([torch.multinomial(row, 1, generator=g)
-                      for row, g in zip(probs, generators, strict=True)])  # [B]
+        token = logits.argmax(-1)  # [B]
+    else:
+        probs = logp.exp()  # [B, V]
+        if sampling.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
+            before = sorted_probs.cumsum(-1) - sorted_probs  # [B, V] mass of the better tokens
+            sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)  # [B, V]
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [B, V]
+        cdf = probs.cumsum(-1)  # [B, V]
+        target = (uniforms * cdf[:, -1]).unsqueeze(-1)  # [B, 1] in [0, total)
+        # right=True: the first entry strictly above the target, so a zero-probability token
+        # (equal to its predecessor's cdf) is never taken
+        token = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)  # [B], [B]
+
+
+def row_uniforms(sampling: Sampling, base: int, rows: Sequence[int]) -> torch.Tensor | None:
+    """The uniforms rows ``rows`` of a batch sample with: ``[R, max_new_tokens]`` on the CPU,
+    row b's drawn from ``stream_seed(base, *sampling.stream(b))`` (so the same on any device
+    and whatever else shares the batch); None for greedy decoding."""
+    if sampling.temperature == 0:
+        return None
+    return torch.stack([
+        torch.rand(max(sampling.max_new_tokens, 1),
+                   generator=torch.Generator().manual_seed(stream_seed(base, *sampling.stream(b))))
+        for b in rows])  # [R, S]
 
 
 def chat_prompts(tokenizer: Any, batch: Sequence[list[dict[str, Any]]], sampling: Sampling,
@@ -169,10 +189,9 @@ class HFPolicy:
         try:
             for start in range(0, len(rows), self.batch_size):
                 chunk = rows[start:start + self.batch_size]
-                generators = [torch.Generator(device=self.device).manual_seed(stream_seed(base, *sampling.stream(b)))
-                              for b in chunk]
+                uniforms = row_uniforms(sampling, base, chunk)  # [B, S] | None
                 with autocast(self.device, self.compute_dtype):
-                    outs = self._generate_chunk([prompts[b] for b in chunk], sampling, generators)
+                    outs = self._generate_chunk([prompts[b] for b in chunk], sampling, uniforms)
                 completions.update(zip(chunk, outs, strict=True))
             return [completions[b] for b in range(len(batch))]
         finally:
@@ -180,7 +199,7 @@ class HFPolicy:
 
     @torch.inference_mode()
     def _generate_chunk(
-        self, prompts: list[list[int]], sampling: Sampling, generators: list[torch.Generator]
+        self, prompts: list[list[int]], sampling: Sampling, uniforms: torch.Tensor | None
     ) -> list[Completion]:
         # identical prompts (the G samples of one task) are prefilled once, then every row
         # continues from its prompt's keys and values
@@ -196,7 +215,6 @@ class HFPolicy:
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
         position_ids = positions_from_mask(attention_mask)  # [U, L]
-        temperature = scoring_temperature(sampling.temperature)
         stops = torch.tensor(sorted(self.stop_ids), device=self.device)  # [S]
 
         tokens: list[list[int]] = [[] for _ in range(B)]
@@ -209,9 +227,12 @@ class HFPolicy:
         attention_mask = attention_mask.index_select(0, which)  # [B, L]
         next_pos = position_ids.index_select(0, which)[:, -1:]  # [B, 1]
         active = list(range(B))  # rows still generating; finished rows leave the batch
+        if uniforms is not None:
+            uniforms = uniforms.to(self.device)  # [B, S]
+        rows = torch.arange(B, device=self.device)  # [A] the batch rows still generating
         for step in range(sampling.max_new_tokens):
-            token = _sample(logits, sampling, [generators[b] for b in active])  # [A]
-            logp = _step_logprobs(logits, token, temperature)  # [A]
+            token, logp = _sample_step(logits, sampling,
+                                       None if uniforms is None else uniforms[rows, step])  # [A], [A]
             for b, t, lp in zip(active, token.tolist(), logp.tolist(), strict=True):  # one sync
                 tokens[b].append(t)
                 logprobs[b].append(lp)
@@ -222,6 +243,7 @@ class HFPolicy:
                 cache.batch_select_indices(going)
                 token, attention_mask, next_pos = token[going], attention_mask[going], next_pos[going]
                 active = [active[i] for i in going.tolist()]
+                rows = rows[going]
             next_pos = next_pos + 1  # [A, 1]
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], -1)
             out = self.model(

@@ -153,6 +153,45 @@ def test_greedy_is_argmax_and_scored_at_temperature_one(tiny):
         scoring_temperature(-1.0)
 
 
+def test_inverse_cdf_sampling_by_hand():
+    """probs softmax(logits / T) = [0.1, 0.2, 0.3, 0.4] (logits log p, T = 1): the cumulative
+    sums are [0.1, 0.3, 0.6, 1.0], so u = 0.05, 0.1, 0.29, 0.31, 0.99 take tokens 0, 1, 1, 2,
+    3 (the first cdf strictly above u). Top-p 0.5 keeps 0.4 and 0.3 (0.4 < 0.5 before 0.3):
+    cdf [0, 0, 0.3, 0.7], u * 0.7 = 0.0 takes token 2, never a zero-probability one. Each
+    log-prob is log p of the token under the full softmax(logits / T)."""
+    from agent_rl.policy import _sample_step
+
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().expand(5, 4)  # [5, 4]
+    token, logp = _sample_step(logits, Sampling(temperature=1.0),
+                               torch.tensor([0.05, 0.1, 0.29, 0.31, 0.99]))
+    assert token.tolist() == [0, 1, 1, 2, 3]
+    torch.testing.assert_close(logp, probs[token].log())
+    token, logp = _sample_step(logits[:3], Sampling(temperature=1.0, top_p=0.5),
+                               torch.tensor([0.0, 0.5, 0.999]))
+    assert token.tolist() == [2, 3, 3]  # 0.5 * 0.7 = 0.35 > 0.3: token 3
+    torch.testing.assert_close(logp, probs[token].log())
+    # T = 0.5: softmax(2 log p) = p^2 / sum p^2 = [1, 4, 9, 16] / 30; greedy is the argmax,
+    # scored at T' = 1
+    token, logp = _sample_step(logits[:1], Sampling(temperature=0.5), torch.tensor([14 / 30 - 1e-6]))
+    assert token.tolist() == [2]  # cdf [1, 5, 14, 30] / 30
+    torch.testing.assert_close(logp, torch.tensor([9 / 30]).log())
+    token, logp = _sample_step(logits[:1], Sampling(temperature=0.0), None)
+    assert token.tolist() == [3] and logp.item() == pytest.approx(torch.tensor(0.4).log().item())
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    """Over many rows the inverse-CDF sampler's token frequencies match softmax(logits / T)."""
+    from agent_rl.policy import _sample_step, row_uniforms
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20_000, 4)  # [N, 4]
+    sampling = Sampling(temperature=0.8, max_new_tokens=1, seed=3)
+    uniforms = row_uniforms(sampling, 3, range(20_000))[:, 0]  # [N]
+    token, _ = _sample_step(logits, sampling, uniforms)
+    freq = torch.bincount(token, minlength=4).float() / 20_000
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.8, -1), atol=0.012, rtol=0)
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
 def test_recomputed_logprobs_match_rollout(temperature, top_p):
     """Render the rollout, recompute in one forward pass: equal to 1e-5 (ratio == 1)."""
