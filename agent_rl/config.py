@@ -98,6 +98,7 @@ class RolloutSection(_Section):
     max_policy_lag: int = Field(0, ge=0, description="0: synchronous; k > 0: the next steps' rollouts run while this step trains, on a weight copy synced after every update; sessions sampled more than k updates ago are dropped and counted")
     correction: Literal["none", "tis", "mask"] = Field("none", description="rollout/trainer mismatch: none (ratio against the rollout's log-probs), tis (truncated importance weight), mask (drop tokens whose ratio leaves [1/cap, cap])")
     correction_cap: float = Field(2.0, gt=1.0, description="the cap C of rollout.correction")
+    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="the weights rollouts sample with: null = the trained model's (HF: shared, or a float32 copy with LoRA merged under adapter lora; vLLM: model.dtype); float32 | bfloat16 = a copy in that dtype (LoRA merged), given the weights after every update; the mismatch is measured (rollout/logprob_diff_*)")
 
 
 class CreditSection(_Section):

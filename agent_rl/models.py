@@ -34,6 +34,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -405,3 +406,48 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _sha256_of(path: Path) -> str:
     stat = path.stat()
     return _file_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def named_weights_for_push(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights a rollout engine needs, with HF names (as in ``named_parameters()`` of the
+    plain model): a peft LoRA model's base weights with every active adapter merged in
+    (W + B A * scale, the model itself left unchanged), else ``model.named_parameters()``."""
+    if not hasattr(model, "get_base_model"):
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    for name, param in base.named_parameters():
+        if ".lora_" in name:
+            continue  # the adapter's own tensors: merged into their base weight below
+        if ".modules_to_save." in name or ".original_module." in name:
+            raise NotImplementedError(
+                f"{name}: peft modules_to_save copies are not merged for a weight push; "
+                "train LoRA adapters only (no modules_to_save)")
+        owner, sep, leaf = name.rpartition(".base_layer.")
+        if not sep:
+            yield name, param.detach()
+            continue
+        layer = base.get_submodule(owner)
+        weight = param.detach()
+        if isinstance(layer, LoraLayer) and leaf == "weight" and not layer.merged \
+                and not layer.disable_adapters:
+            for adapter in layer.active_adapters:
+                if layer.use_dora.get(adapter, False):
+                    raise NotImplementedError(f"{owner}: DoRA adapters are not merged for a push")
+                if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+                    with torch.no_grad():
+                        weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+        yield f"{owner}.{leaf}", weight
+
+
+def rollout_copy(model: Any, dtype: str | torch.dtype = "float32") -> Any:
+    """A frozen copy of the trained weights for a rollout policy: a peft LoRA model's adapters
+    merged into a plain model (no adapter work per token), in ``dtype``; ``model`` untouched.
+    Its names are those of ``named_weights_for_push(model)``."""
+    out = copy.deepcopy(model)
+    if hasattr(out, "merge_and_unload"):
+        out = out.merge_and_unload()
+    return out.to(as_dtype(dtype)).requires_grad_(False).eval()

