@@ -1,25 +1,51 @@
-"""Rollout throughput: HFPolicy.generate vs plain ``model.generate``, same prompts, same model.
+"""Rollout throughput: HFPolicy against a plain ``model.generate`` loop, side by side in one run,
+and steady-state decode against this machine's roofline, measured in the same run.
 
-Both sample with the same temperature / top-p / max_new_tokens from the same left-padded
-chat-template prompts, in the same batches. Tokens/s counts generated tokens up to and
-including the end-of-turn token (what a rollout keeps). HFPolicy also returns each token's
-log-prob; ``model.generate`` here returns only the ids.
+Workloads (both policies, same model, same dtype, same sampling; alternated, best of
+``--repeats`` each after a warm-up):
 
-    python benchmarks/rollout_throughput.py                 # SmolLM2-135M-Instruct (GGUF)
-    python benchmarks/rollout_throughput.py --model tiny --prompts 64
+    grpo      4 prompts x 8 samples (a group shares its prompt), T = 1, completions of
+              varied length ending at the end-of-turn token (at most --max-new-tokens)
+    records   Records-v0 tool episodes (multi-turn: search / fetch calls, then an answer)
+    relay     Relay-v0 episodes (two sessions: a note across a context compression)
+
+The ``model.generate`` side is a Policy too (``GeneratePolicy``: left-padded chat-template
+prompts, ``do_sample`` at the same temperature and top-p, stopping at the same tokens), so
+the episode workloads run through the same ``envs.runner.run_episodes``. Tokens/s counts
+every generated token up to and including the stop token. HFPolicy also returns each
+token's log-prob; ``model.generate`` returns only ids.
+
+Steady-state decode at batch 1, 8 and 32: HFPolicy with its stop tokens disabled (every row
+decodes N tokens), the time per decode step from (t(N2) - t(N1)) / (N2 - N1), against
+
+    roofline step = max(weight bytes / bandwidth, decode FLOPs / matmul peak)
+
+with the bandwidth measured by copying a 512 MiB tensor into an already allocated one
+(read + write bytes / time) and the matmul peak by a 2048^3 matmul in the model's dtype;
+decode FLOPs = 2 * batch * (parameters, the tied output head counted once more).
+
+    python benchmarks/rollout_throughput.py                       # SmolLM2-135M, float32
+    python benchmarks/rollout_throughput.py --dtype bfloat16      # both sides in bf16
+    python benchmarks/rollout_throughput.py --model tiny --quick  # a smoke run
+
+The last line is one JSON object with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from agent_rl.models import load_model
-from agent_rl.policy import HFPolicy
-from agent_rl.render import chat_ids, stop_token_ids
-from envs.runner import Sampling
+import envs
+from agent_rl.models import as_dtype, load_model
+from agent_rl.policy import HFPolicy, chat_prompts
+from agent_rl.render import stop_token_ids
+from envs.runner import Completion, Sampling, run_episodes
 
 QUESTIONS = [
     "What is 12 + 30?",
@@ -41,81 +67,175 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
     ]
 
 
-def run_policy(policy: HFPolicy, convs, sampling: Sampling) -> tuple[int, float]:
-    start = time.perf_counter()
-    out = policy.generate(convs, sampling)
-    return sum(len(c.token_ids) for c in out), time.perf_counter() - start
+class GeneratePolicy:
+    """A plain ``model.generate`` loop as an ``envs.runner.Policy``: the baseline."""
 
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 32):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.stops = sorted(stop_token_ids(tokenizer))
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
 
-def run_hf_generate(model, tokenizer, convs, sampling: Sampling, batch_size: int) -> tuple[int, float]:
-    stops = sorted(stop_token_ids(tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    torch.manual_seed(sampling.seed or 0)
-    tokens, start = 0, time.perf_counter()
-    for i in range(0, len(convs), batch_size):
-        ids = [chat_ids(tokenizer, c, add_generation_prompt=True) for c in convs[i:i + batch_size]]
-        L = max(len(x) for x in ids)
-        input_ids = torch.tensor([[pad] * (L - len(x)) + x for x in ids])  # [B, L]
-        mask = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in ids])  # [B, L]
+    count_tokens = HFPolicy.count_tokens  # context budgets counted as HFPolicy counts them
+
+    @torch.inference_mode()
+    def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
+        ids, rows, completions, base = chat_prompts(self.tokenizer, batch, sampling, 0)
+        torch.manual_seed(base % 2**63)
         greedy = sampling.temperature == 0
-        with torch.inference_mode():
-            out = model.generate(
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start:start + self.batch_size]
+            L = max(len(ids[b]) for b in chunk)
+            input_ids = torch.tensor([[self.pad] * (L - len(ids[b])) + ids[b] for b in chunk])  # [B, L]
+            mask = torch.tensor([[0] * (L - len(ids[b])) + [1] * len(ids[b]) for b in chunk])  # [B, L]
+            out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                 do_sample=not greedy, temperature=None if greedy else sampling.temperature,
                 top_p=None if greedy else sampling.top_p, top_k=None,
-                eos_token_id=stops, pad_token_id=pad,
-            )[:, L:]  # [B, N]
-        for row in out.tolist():
-            n = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
-            tokens += n
-    return tokens, time.perf_counter() - start
+                eos_token_id=self.stops, pad_token_id=self.pad)[:, L:]  # [B, N]
+            for b, row in zip(chunk, out.tolist(), strict=True):
+                n = next((k + 1 for k, t in enumerate(row) if t in self.stops), len(row))
+                completions[b] = Completion(
+                    self.tokenizer.decode(row[:n], skip_special_tokens=True), row[:n],
+                    finish_reason="stop" if row[n - 1] in self.stops else "length",
+                    prompt_tokens=len(ids[b]))
+        return [completions[b] for b in range(len(batch))]
+
+
+class Counting:
+    """Wraps a policy and counts the tokens it generates."""
+
+    def __init__(self, policy: Any):
+        self.policy, self.tokens = policy, 0
+        self.count_tokens = policy.count_tokens
+
+    def generate(self, batch, sampling):
+        out = self.policy.generate(batch, sampling)
+        self.tokens += sum(len(c.token_ids) for c in out)
+        return out
+
+
+def workloads(args) -> dict[str, Callable[[Any], None]]:
+    """name -> run(policy): one pass of the workload through ``policy``."""
+    sampling = Sampling(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    group = [c for c in prompts(4) for _ in range(8)]
+
+    def episodes(env_id: str, n_tasks: int, max_new: int, temperature: float):
+        tasks = envs.make(env_id).unwrapped.task_pool(n_tasks, seed=args.seed)
+        s = Sampling(temperature=temperature, max_new_tokens=max_new, seed=args.seed,
+                     max_prompt_tokens=1536)
+        return lambda policy: run_episodes(env_id, tasks, policy, s, samples_per_task=8,
+                                           num_envs=len(tasks) * 8, seed=args.seed)
+
+    tasks = 1 if args.quick else 4
+    return {"grpo": lambda policy: policy.generate(group, sampling),
+            "records": episodes("agent_rl/Records-v0", tasks, 48, 1.0),
+            "relay": episodes("agent_rl/Relay-v0", tasks, 32, 0.7)}
+
+
+def timed(run: Callable[[Any], None], policy: Any) -> tuple[int, float]:
+    counting = Counting(policy)
+    start = time.perf_counter()
+    run(counting)
+    return counting.tokens, time.perf_counter() - start
+
+
+# --- the machine's limits -----------------------------------------------------------------------
+
+
+def bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
+    """Copy into an already allocated buffer: (read + write) bytes / seconds, best of repeats."""
+    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def matmul_gflop_s(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def decode_step_s(policy: HFPolicy, batch: int, n1: int, n2: int, repeats: int) -> float:
+    """Seconds per steady-state decode step of ``batch`` rows (stops disabled), best of repeats."""
+    convs = prompts(batch)
+    stops, policy.stop_ids = policy.stop_ids, frozenset()  # every row decodes max_new_tokens
+    try:
+        def run(n: int) -> float:
+            return min(_seconds(lambda: policy.generate(convs, Sampling(max_new_tokens=n, seed=1)))
+                       for _ in range(repeats))
+        run(2)
+        return (run(n2) - run(n1)) / (n2 - n1)
+    finally:
+        policy.stop_ids = stops
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | a local HF folder")
-    ap.add_argument("--prompts", type=int, default=16, help="number of conversations")
-    ap.add_argument("--batch-size", type=int, default=8, help="conversations per forward batch")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the weights both sides run in")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="grpo workload completions")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs each (after one warm-up)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=2, help="timed passes each (best is kept)")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     args = ap.parse_args()
 
+    dtype = as_dtype(args.dtype)
     model, tokenizer = load_model(args.model)
-    policy = HFPolicy(model, tokenizer, device=args.device, batch_size=args.batch_size)
-    convs = prompts(args.prompts)
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    model = model.to(dtype).eval().requires_grad_(False)
+    ours, plain = HFPolicy(model, tokenizer), GeneratePolicy(model, tokenizer)
+    result: dict[str, Any] = {"model": args.model, "dtype": args.dtype,
+                              "threads": torch.get_num_threads(), "quick": args.quick}
 
-    def hf(convs_, sampling_):
-        return run_hf_generate(policy.model, tokenizer, convs_, sampling_, args.batch_size)
+    for name, run in workloads(args).items():
+        run(ours), run(plain)  # warm-up
+        best = {"HFPolicy": (0, float("inf")), "model.generate": (0, float("inf"))}
+        for _ in range(args.repeats):  # alternated
+            for label, policy in (("HFPolicy", ours), ("model.generate", plain)):
+                tokens, seconds = timed(run, policy)
+                if seconds < best[label][1]:
+                    best[label] = (tokens, seconds)
+        if not all(tokens for tokens, _ in best.values()):
+            raise SystemExit(f"{name}: a policy generated no tokens ({best}); prompts over "
+                             "max_prompt_tokens are not generated for")
+        tps = {label: tokens / seconds for label, (tokens, seconds) in best.items()}
+        result[name] = {"hfpolicy_tok_s": round(tps["HFPolicy"], 1),
+                        "generate_tok_s": round(tps["model.generate"], 1),
+                        "hfpolicy_tokens": best["HFPolicy"][0],
+                        "generate_tokens": best["model.generate"][0],
+                        "ratio": round(tps["HFPolicy"] / tps["model.generate"], 3)}
+        print(f"{name:<8} HFPolicy {tps['HFPolicy']:7.1f} tok/s   model.generate "
+              f"{tps['model.generate']:7.1f} tok/s   ratio {result[name]['ratio']:.2f}x", flush=True)
 
-    def ours(convs_, sampling_):
-        return run_policy(policy, convs_, sampling_)
-
-    runners = {"HFPolicy.generate": ours, "model.generate": hf}
-    for run in runners.values():  # warm-up
-        run(convs[: args.batch_size], Sampling(max_new_tokens=4, seed=0))
-    results = {}
-    for name, run in runners.items():
-        tokens = seconds = 0.0
-        for _ in range(args.repeats):
-            n, s = run(convs, sampling)
-            tokens, seconds = tokens + n, seconds + s
-        results[name] = (tokens, seconds)
-
-    print(f"model={args.model} device={args.device} prompts={args.prompts} "
-          f"batch_size={args.batch_size} max_new_tokens={args.max_new_tokens} "
-          f"temperature={args.temperature} top_p={args.top_p} threads={torch.get_num_threads()}")
-    print(f"{'backend':<20}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
-    for name, (tokens, seconds) in results.items():
-        print(f"{name:<20}{int(tokens):>10}{seconds:>10.2f}{tokens / seconds:>12.1f}")
-    ours_tps = results["HFPolicy.generate"][0] / results["HFPolicy.generate"][1]
-    hf_tps = results["model.generate"][0] / results["model.generate"][1]
-    print(f"HFPolicy / model.generate: {ours_tps / hf_tps:.2f}x")
+    bandwidth, peak = bandwidth_gb_s(), matmul_gflop_s(dtype)
+    params = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    flops_per_row = 2 * (params + (head.numel() if tied else 0))
+    result["machine"] = {"bandwidth_gb_s": round(bandwidth, 1), "matmul_gflop_s": round(peak, 1),
+                         "weight_mb": round(weight_bytes / 1e6, 1)}
+    n1, n2 = (4, 24) if args.quick else (16, 48)
+    for batch in (1, 8, 32):
+        step = decode_step_s(ours, batch, n1, n2, args.repeats)
+        bound = max(weight_bytes / (bandwidth * 1e9), batch * flops_per_row / (peak * 1e9))
+        result[f"decode_b{batch}"] = {"step_ms": round(step * 1e3, 4), "roofline_ms": round(bound * 1e3, 4),
+                                      "of_roofline": round(bound / step, 4),
+                                      "tok_s": round(batch / step, 1)}
+        print(f"decode batch {batch:>2}: {step * 1e3:7.2f} ms/step, roofline {bound * 1e3:6.2f} ms "
+              f"({bound / step:.0%}), {batch / step:7.1f} tok/s", flush=True)
+    print(f"machine: copy bandwidth {bandwidth:.1f} GB/s, {args.dtype} matmul {peak:.0f} GFLOP/s, "
+          f"weights {weight_bytes / 1e6:.0f} MB")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

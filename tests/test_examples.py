@@ -72,3 +72,27 @@ def test_gpu_check_runs_as_a_cpu_smoke(tmp_path):
     hf = summary["runs"][0]
     assert hf["backend"] == "hf" and hf["rollout_tokens_per_s"] > 0 and 0 < hf["mfu"] < 1
     assert 0 <= hf["logprob_diff_mean"] <= hf["logprob_diff_max"]
+
+
+@pytest.mark.slow
+def test_rollout_throughput_runs_as_a_smoke(tmp_path):
+    """benchmarks/rollout_throughput.py on the tiny model: every workload ran both policies
+    (HFPolicy and the plain model.generate loop) and the decode figures are against a
+    measured roofline; its last line is the JSON summary."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "rollout_throughput.py"
+    result = subprocess.run([sys.executable, str(script), "--model", "tiny", "--quick",
+                             "--repeats", "1"], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for name in ("grpo", "records", "relay"):
+        w = summary[name]
+        assert w["hfpolicy_tokens"] > 0 and w["generate_tokens"] > 0
+        assert w["ratio"] == pytest.approx(w["hfpolicy_tok_s"] / w["generate_tok_s"], rel=0.01)
+    assert summary["machine"]["bandwidth_gb_s"] > 0 and summary["machine"]["matmul_gflop_s"] > 0
+    for batch in (1, 8, 32):
+        d = summary[f"decode_b{batch}"]
+        assert d["step_ms"] > 0 and d["of_roofline"] == pytest.approx(
+            d["roofline_ms"] / d["step_ms"], rel=0.01, abs=1e-3)
