@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import resource
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -35,6 +36,11 @@ from evals.stats import paired_bootstrap
 LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl")
 RUN_FILES = (*LOG_FILES, "checkpoints")
 BASE_MODEL_FILE = "base_model.json"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (getrusage: kilobytes on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollout_s: float,
@@ -104,6 +110,7 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "train/sequences": len(batch.sequences),
         "total/tokens_generated": counters["tokens_generated"],
         "total/episodes": counters["episodes"],
+        "memory/peak_rss_mb": peak_rss_mb(),
         "batch/task_ids": sorted({e.task_id for e in episodes}),
         "rollout/acceptance": report["acceptance"],
     }

@@ -96,3 +96,25 @@ def test_rollout_throughput_runs_as_a_smoke(tmp_path):
         d = summary[f"decode_b{batch}"]
         assert d["step_ms"] > 0 and d["of_roofline"] == pytest.approx(
             d["roofline_ms"] / d["step_ms"], rel=0.01, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_overheads_runs_as_a_smoke(tmp_path):
+    """benchmarks/overheads.py on the tiny model times every built-in env's batch apart:
+    policy + env + runner + post add up to the total, and the fraction is theirs."""
+    import json
+
+    import envs
+
+    script = EXAMPLES.parent / "benchmarks" / "overheads.py"
+    result = subprocess.run([sys.executable, str(script), "--model", "tiny", "--tasks", "1",
+                             "--group", "2", "--max-new-tokens", "8"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for env_id in envs.list_envs():
+        r = summary[env_id]
+        assert r["episodes"] == 2 and r["policy_s"] > 0
+        parts = r["policy_s"] + r["env_s"] + r["runner_s"] + r["post_s"]
+        assert parts == pytest.approx(r["total_s"], abs=1e-4)
+        assert r["overhead_frac"] == pytest.approx(1 - r["policy_s"] / r["total_s"], abs=1e-3)

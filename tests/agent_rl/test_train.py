@@ -118,6 +118,8 @@ def test_run_dir_holds_every_artefact(straight):
                 "groups/dropped", "rollout/tokens_generated", "sessions/per_episode"} <= m.keys()
         assert all("/" in key for key in m if key != "step"), "metrics are namespaced"
     assert [m["loss/policy"] for m in metrics] == result.losses
+    peaks = [m["memory/peak_rss_mb"] for m in metrics]  # the process's peak so far: it holds a model
+    assert peaks == sorted(peaks) and peaks[0] > 50
 
     store = RolloutStore(run_dir / "rollouts.jsonl")
     report = store.verify()

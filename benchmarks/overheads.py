@@ -1,0 +1,120 @@
+"""Everything in a rollout that is not the model: environment, runner, rendering, filtering and
+credit, as a fraction of rollout time, for every built-in environment.
+
+For each env id, one GRPO batch (``--tasks`` tasks x ``--group`` samples) is rolled out as
+``agent_rl.rollout.rollout_batch`` does it, with the pieces timed apart:
+
+    policy     HFPolicy.generate (the model: prefill, decode, sampling, detokenising)
+    env        reset + step of every environment (tool calls, rewards, context budgets
+               counted with the policy's chat template, episode records)
+    runner     run_episodes' own bookkeeping (the rest of its wall time)
+    post       truncation, group filtering, credit (trajectories.assign), advantages and
+               rendering every kept session to token ids and masks (build_sequences)
+
+and overhead = (env + runner + post) / total. The target is under 2%.
+
+    python benchmarks/overheads.py                    # SmolLM2-135M-Instruct (GGUF)
+    python benchmarks/overheads.py --model tiny       # a smoke run
+
+The last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import gymnasium
+
+import envs
+from agent_rl.models import load_model
+from agent_rl.policy import HFPolicy
+from agent_rl.rollout import apply_truncation, build_sequences, filter_groups
+from envs.runner import Sampling, run_episodes
+
+
+class Timed(gymnasium.Wrapper):
+    """Adds the seconds spent in reset and step to a shared clock."""
+
+    def __init__(self, env: gymnasium.Env, clock: dict[str, float]):
+        super().__init__(env)
+        self.clock = clock
+
+    def reset(self, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.env.reset(**kwargs)
+        finally:
+            self.clock["env"] += time.perf_counter() - start
+
+    def step(self, action):
+        start = time.perf_counter()
+        try:
+            return self.env.step(action)
+        finally:
+            self.clock["env"] += time.perf_counter() - start
+
+
+class TimedPolicy:
+    def __init__(self, policy: HFPolicy, clock: dict[str, float]):
+        self.policy, self.clock = policy, clock
+        self.count_tokens = policy.count_tokens
+
+    def generate(self, batch, sampling):
+        start = time.perf_counter()
+        try:
+            return self.policy.generate(batch, sampling)
+        finally:
+            self.clock["policy"] += time.perf_counter() - start
+
+
+def measure(env_id: str, policy: HFPolicy, tasks: int, group: int, max_new: int, seed: int) -> dict[str, Any]:
+    clock = {"env": 0.0, "policy": 0.0}
+    pool = [Timed(envs.make(env_id), clock) for _ in range(tasks * group)]
+    specs = pool[0].unwrapped.task_pool(tasks, seed=seed)
+    sampling = Sampling(temperature=1.0, max_new_tokens=max_new, seed=seed, max_prompt_tokens=1536)
+    start = time.perf_counter()
+    episodes = run_episodes(pool, specs, TimedPolicy(policy, clock), sampling,
+                            samples_per_task=group, seed=seed)
+    episodes_s = time.perf_counter() - start
+    post_start = time.perf_counter()
+    episodes = [apply_truncation(e, "keep", 0.0) for e in episodes]
+    episodes, _ = filter_groups(episodes, dynamic_sampling=False)
+    sequences, _ = build_sequences(policy.tokenizer, episodes, "broadcast", {}, "per_episode",
+                                   "population", "group", 1e-6)
+    post = time.perf_counter() - post_start
+    total = episodes_s + post
+    runner = episodes_s - clock["env"] - clock["policy"]
+    return {"episodes": len(episodes), "sessions": len(sequences),
+            "tokens": sum(s.generated_tokens for e in episodes for s in e.sessions),
+            "total_s": round(total, 5), "policy_s": round(clock["policy"], 5),
+            "env_s": round(clock["env"], 5), "runner_s": round(runner, 5), "post_s": round(post, 5),
+            "overhead_frac": round((clock["env"] + runner + post) / total, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | a local HF folder")
+    ap.add_argument("--tasks", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    model, tokenizer = load_model(args.model)
+    policy = HFPolicy(model.eval().requires_grad_(False), tokenizer)
+    result: dict[str, Any] = {"model": args.model, "tasks": args.tasks, "group": args.group}
+    measure("agent_rl/Arithmetic-v0", policy, 1, 2, 4, args.seed)  # warm-up
+    print(f"{'env':<26}{'total s':>9}{'policy s':>10}{'env s':>8}{'runner s':>10}{'post s':>8}{'overhead':>10}")
+    for env_id in envs.list_envs():
+        r = measure(env_id, policy, args.tasks, args.group, args.max_new_tokens, args.seed)
+        result[env_id] = r
+        print(f"{env_id:<26}{r['total_s']:>9.2f}{r['policy_s']:>10.2f}{r['env_s']:>8.3f}"
+              f"{r['runner_s']:>10.3f}{r['post_s']:>8.3f}{r['overhead_frac']:>10.2%}", flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
