@@ -21,24 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from limits import matmul_peak
 
 from agent_rl import train
 from agent_rl.config import ExperimentContract
-
-
-def matmul_peak(device: str, dtype=torch.bfloat16, n: int = 8192, repeats: int = 10) -> float:
-    """FLOP/s of an n x n x n matmul in ``dtype``, the mean of ``repeats`` after 3 warm-ups."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync()
-    t = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync()
-    return 2 * n**3 * repeats / (time.perf_counter() - t)
 
 
 def smollm2_or_random():
@@ -120,7 +106,7 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: torch sees no GPU")
-    peak = matmul_peak(device, n=256 if args.smoke else 8192)
+    peak = matmul_peak(device, n=256 if args.smoke else 8192, repeats=10)
     root = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     model_id, weights = model_folder(root, args.smoke)
     steps, tasks = (1, 2) if args.smoke else (args.steps, 16)

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from limits import copy_bandwidth, matmul_peak
 
 import envs
 from agent_rl.models import as_dtype, load_model
@@ -139,25 +140,6 @@ def timed(run: Callable[[Any], None], policy: Any) -> tuple[int, float]:
     return counting.tokens, time.perf_counter() - start
 
 
-# --- the machine's limits -----------------------------------------------------------------------
-
-
-def bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
-    """Copy into an already allocated buffer: (read + write) bytes / seconds, best of repeats."""
-    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32).uniform_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * src.numel() * 4 / best / 1e9
-
-
-def matmul_gflop_s(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
-    return 2 * n**3 / best / 1e9
-
-
 def _seconds(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -216,7 +198,7 @@ def main() -> None:
         print(f"{name:<8} HFPolicy {tps['HFPolicy']:7.1f} tok/s   model.generate "
               f"{tps['model.generate']:7.1f} tok/s   ratio {result[name]['ratio']:.2f}x", flush=True)
 
-    bandwidth, peak = bandwidth_gb_s(), matmul_gflop_s(dtype)
+    bandwidth, peak = copy_bandwidth() / 1e9, matmul_peak("cpu", dtype) / 1e9
     params = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings().weight
     tied = head.data_ptr() == model.get_input_embeddings().weight.data_ptr()

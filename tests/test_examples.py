@@ -118,3 +118,23 @@ def test_overheads_runs_as_a_smoke(tmp_path):
         parts = r["policy_s"] + r["env_s"] + r["runner_s"] + r["post_s"]
         assert parts == pytest.approx(r["total_s"], abs=1e-4)
         assert r["overhead_frac"] == pytest.approx(1 - r["policy_s"] / r["total_s"], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_train_throughput_runs_as_a_smoke(tmp_path):
+    """benchmarks/train_throughput.py on the tiny model: both dtypes timed against their
+    measured peaks, and the padding fractions follow from the token counts it printed."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "train_throughput.py"
+    result = subprocess.run([sys.executable, str(script), "--model", "tiny", "--tasks", "1",
+                             "--repeats", "1"], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    s = json.loads(result.stdout.strip().splitlines()[-1])
+    assert s["sequences"] >= 16 and s["session_tokens"] > s["shared_tokens"] > 0  # 8 two-session episodes
+    assert s["trainer_waste"] == pytest.approx(1 - s["shared_tokens"] / s["trainer_padded_tokens"], abs=1e-4)
+    for dtype in ("float32", "bfloat16"):
+        d = s[dtype]
+        assert d["step_s"] > 0 and d["of_peak"] == pytest.approx(
+            d["achieved_gflop_s"] / d["matmul_peak_gflop_s"], rel=0.02)

@@ -1,0 +1,40 @@
+"""This machine's limits, measured: the matmul peak in a dtype and the memory bandwidth. The
+benchmarks compare against these, measured in the same run (imported as ``limits`` by the
+scripts run as ``python benchmarks/<script>.py``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.bfloat16, n: int = 2048,
+                repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n matmul in ``dtype`` on ``device``: the mean of ``repeats`` after
+    3 warm-ups."""
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes/s copying into an already allocated CPU buffer ((read + write) bytes / seconds),
+    the best of ``repeats``."""
+    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best

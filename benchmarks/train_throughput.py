@@ -1,0 +1,109 @@
+"""Training throughput: achieved FLOP/s of the trainer's forward + backward against the matmul
+peak measured in the same run (float32, and bf16 autocast), and the padding the trainer's
+micro-batches carry, with and without packing, on a real multi-session batch.
+
+The batch: one GRPO step of Relay-v0 (``--tasks`` tasks x 8 samples, two sessions per
+episode) rolled out by the model itself, every group kept. One optimizer step of the trainer
+(``agent_rl.train.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
+best of ``--repeats``. FLOPs counted: 6 x (parameters outside the embedding) x (tokens the
+decoder computes: each group's shared prompt once) + 6 x (head parameters) x (trained
+tokens: the vocabulary projection runs only there); attention's own FLOPs are not counted,
+so the fraction is a lower bound.
+
+Padding, as fractions of the tokens computed: the trainer's rows (shared prompts, padded per
+micro-batch of at most 2048 tokens) and first-fit packing of the unshared sessions
+(``render.pack``, rows of 2048: the trainer does not pack yet).
+
+    python benchmarks/train_throughput.py                 # SmolLM2-135M-Instruct (GGUF)
+    python benchmarks/train_throughput.py --model tiny    # a smoke run
+
+The last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+from limits import matmul_peak
+
+import envs
+from agent_rl.config import ExperimentContract
+from agent_rl.distributed import TorchBackend
+from agent_rl.models import load_model
+from agent_rl.policy import HFPolicy
+from agent_rl.render import pack, share_prefixes
+from agent_rl.rollout import rollout_batch
+from agent_rl.train import micro_batches, policy_update
+from envs.runner import Sampling
+
+ENV = "agent_rl/Relay-v0"
+MICRO_TOKENS = 2048
+
+
+def relay_batch(policy: HFPolicy, tasks: int, seed: int):
+    specs = envs.make(ENV).unwrapped.task_pool(tasks, seed=seed)
+    sampling = Sampling(temperature=0.7, max_new_tokens=32, seed=seed, max_prompt_tokens=1536)
+    return rollout_batch(policy, policy.tokenizer, ENV, specs, group_size=8, sampling=sampling,
+                         seed=seed, dynamic_sampling=False, truncation="keep")
+
+
+def padding(rendered) -> dict[str, Any]:
+    rows = share_prefixes(rendered)
+    micro = micro_batches(rows, MICRO_TOKENS)
+    computed = sum(len(r) for r in rows)
+    padded = sum(len(m) * max(len(r) for r in m) for m in micro)
+    packed = pack(rendered, max(MICRO_TOKENS, max(len(r) for r in rendered)))
+    packed_tokens = sum(len(r) for r in rendered)
+    packed_padded = len(packed) * max(len(r.input_ids) for r in packed)
+    return {"session_tokens": packed_tokens, "shared_tokens": computed,
+            "trainer_padded_tokens": padded, "trainer_waste": round(1 - computed / padded, 4),
+            "packed_rows": len(packed), "packed_waste": round(1 - packed_tokens / packed_padded, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny | a local HF folder")
+    ap.add_argument("--tasks", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    model, tokenizer = load_model(args.model)
+    batch = relay_batch(HFPolicy(model, tokenizer), args.tasks, args.seed)
+    rendered = [q.rendered for q in batch.sequences]
+    result: dict[str, Any] = {"model": args.model, "sequences": len(rendered), **padding(rendered)}
+    trained = sum(int(r.loss_mask.sum()) for r in rendered)
+    head = model.get_output_embeddings().weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    flops = 6 * body * result["shared_tokens"] + 6 * head * trained
+    result.update(trained_tokens=trained, flops_per_step=flops)
+
+    for dtype in ("float32", "bfloat16"):
+        contract = ExperimentContract.from_dict({"model": {"id": "tiny", "dtype": dtype}})
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+        backend = TorchBackend(model, optimizer)
+        seconds = float("inf")
+        for _ in range(args.repeats + 1):  # the first pass warms up
+            start = time.perf_counter()
+            policy_update(backend, None, batch.sequences, contract,
+                          pad_id=tokenizer.pad_token_id or 0, prox={})
+            seconds = min(seconds, time.perf_counter() - start)
+        peak = matmul_peak("cpu", getattr(torch, dtype))
+        result[dtype] = {"step_s": round(seconds, 3), "achieved_gflop_s": round(flops / seconds / 1e9, 1),
+                         "matmul_peak_gflop_s": round(peak / 1e9, 1),
+                         "of_peak": round(flops / seconds / peak, 4)}
+        print(f"{dtype:<9} step {seconds:6.2f} s  {flops / seconds / 1e9:6.1f} GFLOP/s of "
+              f"{peak / 1e9:6.1f} peak ({flops / seconds / peak:.0%})", flush=True)
+    print(f"padding: trainer rows {result['trainer_waste']:.1%} "
+          f"({result['session_tokens']} session tokens, {result['shared_tokens']} once prompts are "
+          f"shared, {result['trainer_padded_tokens']} padded); first-fit packing "
+          f"{result['packed_waste']:.1%} in {result['packed_rows']} rows")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
