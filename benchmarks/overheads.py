@@ -108,7 +108,7 @@ def main() -> None:
     result: dict[str, Any] = {"model": args.model, "tasks": args.tasks, "group": args.group}
     measure("agent_rl/Arithmetic-v0", policy, 1, 2, 4, args.seed)  # warm-up
     print(f"{'env':<26}{'total s':>9}{'policy s':>10}{'env s':>8}{'runner s':>10}{'post s':>8}{'overhead':>10}")
-    for env_id in envs.list_envs():
+    for env_id in [e for e in envs.list_envs() if e.startswith("agent_rl/")]:  # built-in
         r = measure(env_id, policy, args.tasks, args.group, args.max_new_tokens, args.seed)
         result[env_id] = r
         print(f"{env_id:<26}{r['total_s']:>9.2f}{r['policy_s']:>10.2f}{r['env_s']:>8.3f}"

@@ -112,7 +112,9 @@ def test_overheads_runs_as_a_smoke(tmp_path):
                             text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    for env_id in envs.list_envs():
+    built_in = [e for e in envs.list_envs() if e.startswith("agent_rl/")]
+    assert len(built_in) >= 5
+    for env_id in built_in:
         r = summary[env_id]
         assert r["episodes"] == 2 and r["policy_s"] > 0
         parts = r["policy_s"] + r["env_s"] + r["runner_s"] + r["post_s"]
