@@ -336,7 +336,7 @@ def policy_lag(sequences: list[TrainSequence], revision: int) -> dict[str, float
 
 def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
                   contract: ExperimentContract, pad_id: int, prox: dict[int, torch.Tensor],
-                  micro_tokens: int = 2048) -> dict[str, float]:
+                  micro_tokens: int | None = None) -> dict[str, float]:
     """One optimizer step over all sequences, in micro-batches whose losses add up exactly to
     the loss of the whole batch under the chosen aggregation. Sequences that begin alike (a
     group's shared prompt) are computed once (``render.share_prefixes``), and the vocabulary
@@ -362,7 +362,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     total_tokens = sum(int(r.loss_mask.sum()) for r in rendered)
     temperature = scoring_temperature(contract.rollout.temperature)
     loss_sum, sums = 0.0, Counter()
-    micro = micro_batches(share_prefixes(rendered), micro_tokens)
+    micro = micro_batches(share_prefixes(rendered), micro_tokens or contract.optim.micro_batch_tokens)
     mine = list(range(backend.rank, len(micro), backend.world_size))  # this rank's share
     passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype

@@ -11,8 +11,8 @@ tokens: the vocabulary projection runs only there); attention's own FLOPs are no
 so the fraction is a lower bound.
 
 Padding, as fractions of the tokens computed: the trainer's rows (shared prompts, padded per
-micro-batch of at most 2048 tokens) and first-fit packing of the unshared sessions
-(``render.pack``, rows of 2048: the trainer does not pack yet).
+micro-batch of at most 512 tokens, ``optim.micro_batch_tokens``' default) and first-fit
+packing of the unshared sessions (``render.pack``, rows of 512: the trainer does not pack yet).
 
     python benchmarks/train_throughput.py                 # SmolLM2-135M-Instruct (GGUF)
     python benchmarks/train_throughput.py --model tiny    # a smoke run
@@ -41,7 +41,7 @@ from agent_rl.train import micro_batches, policy_update
 from envs.runner import Sampling
 
 ENV = "agent_rl/Relay-v0"
-MICRO_TOKENS = 2048
+MICRO_TOKENS = 512  # optim.micro_batch_tokens' default
 
 
 def relay_batch(policy: HFPolicy, tasks: int, seed: int):
