@@ -24,9 +24,9 @@ Random streams: row b of a ``generate`` call draws its uniforms u_b (one per ste
 CPU) from a generator seeded with ``envs.runner.stream_seed(sampling.seed,
 *sampling.stream(b))`` (its index b unless ``sampling.streams`` names it; the runner names
 each job's call), so rows never share random numbers, and a row's draws depend neither on
-the other rows, nor on how the batch is cut into chunks, nor on the device. A prompt longer than ``sampling.max_prompt_tokens`` is not generated for:
-its completion is empty with finish reason ``prompt_too_long`` (the env ends the episode
-truncated). Every completion carries ``policy_revision``: the trainer bumps ``revision``
+the other rows, nor on how the batch is cut into chunks, nor on the device. A prompt longer
+than ``sampling.max_prompt_tokens`` is not generated for: its completion is empty with finish
+reason ``prompt_too_long`` (the env ends the episode truncated). Every completion carries ``policy_revision``: the trainer bumps ``revision``
 after each optimizer step.
 
 What transfers between rollout and trainer is one rule, ``scoring_temperature``: the policy
@@ -226,23 +226,21 @@ class HFPolicy:
         cache.reorder_cache(which)  # [U, ...] -> [B, ...] in place
         attention_mask = attention_mask.index_select(0, which)  # [B, L]
         next_pos = position_ids.index_select(0, which)[:, -1:]  # [B, 1]
-        active = list(range(B))  # rows still generating; finished rows leave the batch
         if uniforms is not None:
             uniforms = uniforms.to(self.device)  # [B, S]
-        rows = torch.arange(B, device=self.device)  # [A] the batch rows still generating
+        rows = torch.arange(B, device=self.device)  # [A] rows still generating; finished ones leave
         for step in range(sampling.max_new_tokens):
             token, logp = _sample_step(logits, sampling,
                                        None if uniforms is None else uniforms[rows, step])  # [A], [A]
-            for b, t, lp in zip(active, token.tolist(), logp.tolist(), strict=True):  # one sync
+            for b, t, lp in zip(rows.tolist(), token.tolist(), logp.tolist(), strict=True):  # one sync
                 tokens[b].append(t)
                 logprobs[b].append(lp)
             going = (~torch.isin(token, stops)).nonzero().flatten()  # [A'] rows that go on
             if len(going) == 0 or step == sampling.max_new_tokens - 1:
                 break
-            if len(going) < len(active):  # drop finished rows from the cache and the inputs
+            if len(going) < len(rows):  # drop finished rows from the cache and the inputs
                 cache.batch_select_indices(going)
                 token, attention_mask, next_pos = token[going], attention_mask[going], next_pos[going]
-                active = [active[i] for i in going.tolist()]
                 rows = rows[going]
             next_pos = next_pos + 1  # [A, 1]
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], -1)

@@ -532,8 +532,6 @@ def sync_weights(backend: Backend, policy: HFPolicy, rollout_policy) -> None:
     whole inside ``backend.gathered()``; under ZeRO-3 that all-gathers them): the evaluation
     policy's full copy under ZeRO-3, and the rollout copy or vLLM engine (pushed, applied at
     its next generate) when rollouts are asynchronous or on vLLM. Collective."""
-    if policy.model is backend.module and rollout_policy is policy:
-        return
     with backend.gathered():
         if policy.model is not backend.module:
             policy.load_weights(policy.weights_to_push(backend.module), policy.revision)

@@ -73,10 +73,6 @@ class Sampling:
             raise ValueError(f"sampling.streams names {len(self.streams)} streams for a batch "
                              f"of {n} conversations")
 
-    def derive(self, *keys: int) -> Sampling:
-        """The same sampling with the seed of stream ``keys`` (unseeded stays unseeded)."""
-        return self if self.seed is None else replace(self, seed=stream_seed(self.seed, *keys))
-
 
 @dataclass(frozen=True)
 class Completion:
