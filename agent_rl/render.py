@@ -28,19 +28,19 @@ of 0.9), or the record is inconsistent and rendering fails.
 Templates without tool support (SmolLM2's ChatML) render a ``tool`` turn like any role:
 ``<|im_start|>tool\\n{result}<|im_end|>\\n``; the tool schemas live in the system message.
 
-``pack(rendered, max_tokens)`` puts several sequences into one row: position ids restart at
-0 for each sequence and ``packed_attention_mask(seq_index)`` blocks attention across them, so
-every token sees exactly what it saw unpacked.
-
 ``share_prefixes(rendered)`` lays sequences that begin with the same tokens out once:
 ``prefix + rest_1 + rest_2 + ...`` in one row, every rest attending to the shared prefix and to
-itself (``packed_attention_mask(seq_index, shared=...)``), its position ids continuing from the
-prefix. The G samples of one task share their whole prompt, so a group's root sessions cost
-one prompt instead of G. The prefix stops before the first trained token of any member, so
-every trained token belongs to exactly one rest; its log-prob is read from the hidden state
-before it (the prefix's last token for a rest's first token). Exact: the same attention,
-positions and parameters as unpacked, and the gradient through the shared prefix is the sum
-over its members. ``collate_shared`` batches rows and lists every trained token as (row,
+itself, its position ids continuing from the prefix. The G samples of one task share their
+whole prompt, so a group's root sessions cost one prompt instead of G. The prefix stops before
+the first trained token of any member, so every trained token belongs to exactly one rest; its
+log-prob is read from the hidden state before it (the prefix's last token for a rest's first
+token). Exact: the same attention, positions and parameters as unpacked, and the gradient
+through the shared prefix is the sum over its members.
+
+``pack(rows)`` then puts shared rows side by side into bins (first-fit decreasing, at most
+``ROW_TOKENS`` each), so a micro-batch carries almost no padding; ``collate_shared`` batches
+bins, one per batch row, with ``packed_attention_mask`` blocking attention between the rows of
+a bin (position ids restart with each row), and lists every trained token as (row,
 predicting position, target, sequence).
 """
 
@@ -49,7 +49,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,7 @@ import torch
 from trajectories import Episode, Session, Turn
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+ROW_TOKENS = 1024  # attention over a row costs its length squared: rows stay within this
 TEXT_MATCH_RATIO = 0.9
 
 # Span kinds: "system" | "user" | "tool" | "assistant" (hand-written, untrained)
@@ -269,102 +270,23 @@ def render_episode(tokenizer: Any, episode: Episode, require_logprobs: bool = Tr
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PackedRow:
-    """Several rendered sequences side by side in one row."""
-
-    input_ids: torch.Tensor  # [T] long
-    position_ids: torch.Tensor  # [T] long, restarting at 0 for each sequence
-    loss_mask: torch.Tensor  # [T] bool
-    old_logprobs: torch.Tensor  # [T] float32
-    seq_index: torch.Tensor  # [T] long, which member each token belongs to (0..len(members)-1)
-    members: list[int] = field(default_factory=list)  # indices into the list given to pack()
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The block-diagonal causal mask of this row: ``[1, 1, T, T]``."""
-        return packed_attention_mask(self.seq_index, dtype)
-
-
-def pack(rendered: Sequence[Rendered], max_tokens: int) -> list[PackedRow]:
-    """First-fit packing, in the given order, into rows of at most ``max_tokens`` tokens."""
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for k, r in enumerate(rendered):
-        n = len(r)
-        if n > max_tokens:
-            raise ValueError(
-                f"session {r.session_id} (episode {r.episode_id}) has {n} tokens, more than "
-                f"max_tokens={max_tokens}: raise max_tokens or truncate it at rollout"
-            )
-        if n and bool(r.loss_mask[0]):
-            # The first token of a packed sequence would be scored from the previous one's logits.
-            raise ValueError(f"session {r.session_id}: its first token is trained; cannot pack it")
-        slot = next((j for j, free in enumerate(room) if free >= n), None)
-        if slot is None:
-            rows.append([])
-            room.append(max_tokens)
-            slot = len(rows) - 1
-        rows[slot].append(k)
-        room[slot] -= n
-    out = []
-    for members in rows:
-        parts = [rendered[k] for k in members]
-        out.append(PackedRow(
-            input_ids=torch.cat([p.input_ids for p in parts]),
-            position_ids=torch.cat([torch.arange(len(p)) for p in parts]),
-            loss_mask=torch.cat([p.loss_mask for p in parts]),
-            old_logprobs=torch.cat([p.old_logprobs for p in parts]),
-            seq_index=torch.cat([torch.full((len(p),), j, dtype=torch.long) for j, p in enumerate(parts)]),
-            members=members,
-        ))
-    return out
-
-
-def collate_rows(rows: Sequence[PackedRow], pad_id: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Right-pad rows into one batch: ``[B, T]`` tensors and a ``[B, 1, T, T]`` attention mask.
-
-    Padding has ``seq_index`` -1, mask 0 and attends only to itself.
-    """
-    T = max(len(r) for r in rows)
-
-    def padded(name: str, value: float | int | bool) -> torch.Tensor:
-        return torch.stack([
-            torch.cat([getattr(r, name), getattr(r, name).new_full((T - len(r),), value)]) for r in rows
-        ])
-
-    seq_index = padded("seq_index", -1)  # [B, T]
-    return {
-        "input_ids": padded("input_ids", pad_id),  # [B, T]
-        "position_ids": padded("position_ids", 0),  # [B, T]
-        "loss_mask": padded("loss_mask", False),  # [B, T]
-        "old_logprobs": padded("old_logprobs", 0.0),  # [B, T]
-        "seq_index": seq_index,  # [B, T]
-        "attention_mask": packed_attention_mask(seq_index, dtype),  # [B, 1, T, T]
-    }
-
-
 def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.float32,
-                          shared: torch.Tensor | None = None) -> torch.Tensor:
+                          prefix: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence only: ``[B, 1, T, T]`` from ``[T]``/``[B, T]``.
 
     Token i attends to token j iff j <= i and both belong to the same sequence (index >= 0),
-    or j is a ``shared`` token (``[T]``/``[B, T]`` bool: a prefix every later token of its row
-    sees). Padding (index -1) attends only to itself, so no softmax row is empty.
-    ``dtype=torch.bool`` gives True where attention is allowed; a float dtype gives an
-    additive mask (0 allowed, the dtype's minimum blocked) as eager and SDPA attention both
-    accept.
+    or j belongs to the sequence ``prefix[i]`` (``[T]``/``[B, T]`` long: the shared prefix
+    token i also sees, -1 for none). Padding (index -1) attends only to itself, so no softmax
+    row is empty. ``dtype=torch.bool`` gives True where attention is allowed; a float dtype
+    gives an additive mask (0 allowed, the dtype's minimum blocked) as eager and SDPA
+    attention both accept.
     """
     if seq_index.dim() == 1:
         seq_index = seq_index.unsqueeze(0)  # [1, T]
     T = seq_index.shape[-1]
     same = seq_index.unsqueeze(-1) == seq_index.unsqueeze(-2)  # [B, T, T]
-    if shared is not None:
-        same = same | shared.reshape(-1, 1, T)  # [B, T, T] a shared key is seen by every query
+    if prefix is not None:
+        same = same | (prefix.reshape(-1, T, 1) == seq_index.unsqueeze(-2))  # [B, T, T]
     causal = torch.ones(T, T, dtype=torch.bool, device=seq_index.device).tril()  # [T, T]
     real = (seq_index >= 0).unsqueeze(-2)  # [B, 1, T] the key is a real token
     eye = torch.eye(T, dtype=torch.bool, device=seq_index.device)  # [T, T]
@@ -399,7 +321,7 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def share_prefixes(rendered: Sequence[Rendered], min_shared: int = 16,
-                   max_tokens: int = 1024) -> list[SharedRow]:
+                   max_tokens: int = ROW_TOKENS) -> list[SharedRow]:
     """Group sequences by common token prefix (at least ``min_shared`` tokens, never reaching
     a trained token) and lay each group out as one ``SharedRow``; every sequence is in exactly
     one row (alone when nothing begins like it). Greedy over the sequences in token order: the
@@ -442,37 +364,62 @@ def share_prefixes(rendered: Sequence[Rendered], min_shared: int = 16,
     return rows
 
 
-def collate_shared(rows: Sequence[SharedRow], rendered: Sequence[Rendered], pad_id: int,
+def pack(rows: Sequence[SharedRow], max_tokens: int = ROW_TOKENS) -> list[list[SharedRow]]:
+    """First-fit decreasing: shared rows into bins of at most ``max_tokens`` tokens, a longer
+    row alone in its own. Each bin is one row of a batch (``collate_shared``). Deterministic:
+    rows of equal length keep their order."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    bins: list[list[SharedRow]] = []
+    room: list[int] = []
+    for row in sorted(rows, key=len, reverse=True):  # sorted() is stable
+        slot = next((j for j, free in enumerate(room) if free >= len(row)), None)
+        if slot is None:
+            bins.append([])
+            room.append(max_tokens)
+            slot = len(bins) - 1
+        bins[slot].append(row)
+        room[slot] -= len(row)
+    return bins
+
+
+def collate_shared(bins: Sequence[Sequence[SharedRow]], rendered: Sequence[Rendered], pad_id: int,
                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Right-pad shared rows into a batch, and list every trained token of ``rendered`` (the
-    list the rows were made from) once, in sequence order.
+    """Right-pad bins of shared rows (``pack``) into a batch, one bin per batch row, and list
+    every trained token of ``rendered`` (the list the rows were made from) once, in sequence
+    order.
 
     Returns ``input_ids``, ``position_ids`` ``[R, T]``, ``attention_mask`` ``[R, 1, T, T]`` and,
     per trained token ``[N]``: ``row``, ``predictor`` (the row position whose logits predict
     it), ``target`` (its id), ``seq`` (its sequence, an index into ``rendered``), ``rank``
     (its place among its sequence's trained tokens) and ``old_logprobs``.
     """
-    T = max(len(r) for r in rows)
-    R = len(rows)
+    T = max(sum(map(len, b)) for b in bins)
+    R = len(bins)
     input_ids = torch.full((R, T), pad_id, dtype=torch.long)  # [R, T]
     position_ids = torch.zeros((R, T), dtype=torch.long)  # [R, T]
-    seq_index = torch.full((R, T), -1, dtype=torch.long)  # [R, T]
+    seq_index = torch.full((R, T), -1, dtype=torch.long)  # [R, T] unique within a batch row
+    prefix = torch.full((R, T), -1, dtype=torch.long)  # [R, T] the prefix each token sees
     tokens = {name: [] for name in ("row", "predictor", "target", "seq", "rank", "old_logprobs")}
-    for i, row in enumerate(rows):
-        n = len(row)
-        input_ids[i, :n], position_ids[i, :n], seq_index[i, :n] = (
-            row.input_ids, row.position_ids, row.seq_index)
-        for k, start in zip(row.members, row.starts, strict=True):
-            r = rendered[k]
-            at = r.loss_mask.nonzero().flatten()  # [n_k] trained positions in the sequence
-            where = start + at - row.prefix  # [n_k] their places in the row
-            tokens["row"].append(torch.full_like(at, i))
-            tokens["predictor"].append(torch.where(at == row.prefix, row.prefix - 1, where - 1))
-            tokens["target"].append(r.input_ids[at])
-            tokens["seq"].append(torch.full_like(at, k))
-            tokens["rank"].append(torch.arange(len(at)))
-            tokens["old_logprobs"].append(r.old_logprobs[at])
-    shared = (seq_index == 0)  # [R, T] the prefixes
+    for i, rows in enumerate(bins):
+        offset, ids = 0, 0  # where the shared row starts in the batch row; its first index
+        for row in rows:
+            n = len(row)
+            input_ids[i, offset:offset + n], position_ids[i, offset:offset + n] = (
+                row.input_ids, row.position_ids)
+            seq_index[i, offset:offset + n] = row.seq_index + ids
+            prefix[i, offset:offset + n] = ids  # the row's prefix is its sequence 0
+            for k, start in zip(row.members, row.starts, strict=True):
+                r = rendered[k]
+                at = r.loss_mask.nonzero().flatten()  # [n_k] trained positions in the sequence
+                where = offset + start + at - row.prefix  # [n_k] their places in the batch row
+                tokens["row"].append(torch.full_like(at, i))
+                tokens["predictor"].append(torch.where(at == row.prefix, offset + row.prefix - 1, where - 1))
+                tokens["target"].append(r.input_ids[at])
+                tokens["seq"].append(torch.full_like(at, k))
+                tokens["rank"].append(torch.arange(len(at)))
+                tokens["old_logprobs"].append(r.old_logprobs[at])
+            offset, ids = offset + n, ids + len(row.members) + 1
     return {"input_ids": input_ids, "position_ids": position_ids,
-            "attention_mask": packed_attention_mask(seq_index, dtype, shared=shared),
+            "attention_mask": packed_attention_mask(seq_index, dtype, prefix=prefix),
             **{name: torch.cat(parts) for name, parts in tokens.items()}}

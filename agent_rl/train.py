@@ -56,7 +56,7 @@ from agent_rl.guards import Guards, GuardTrip
 from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device, rollout_copy
 from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.policy import HFPolicy, scoring_temperature
-from agent_rl.render import Rendered, SharedRow, collate_shared, share_prefixes
+from agent_rl.render import ROW_TOKENS, Rendered, SharedRow, collate_shared, pack, share_prefixes
 from agent_rl.rollout import RolloutBatch, TrainSequence, merge_batches, rollout_batch
 from agent_rl.runlog import (
     TensorBoardLog,
@@ -256,6 +256,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             counters["tokens_trained"] += update.get("tokens", 0)
             counters["episodes"] += len(batch.episodes)
             metrics = step_metrics(step, batch, update, rollout_s, train_s, counters, lag, wait_s)
+            metrics["step/seconds"] = time.perf_counter() - t0  # waiting for the batch to here
             result.losses.append(metrics["loss/policy"])
 
             # guards, evaluation, checkpoint
@@ -339,8 +340,9 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
                   micro_tokens: int | None = None) -> dict[str, float]:
     """One optimizer step over all sequences, in micro-batches whose losses add up exactly to
     the loss of the whole batch under the chosen aggregation. Sequences that begin alike (a
-    group's shared prompt) are computed once (``render.share_prefixes``), and the vocabulary
-    projection runs only where a trained token is predicted.
+    group's shared prompt) are computed once (``render.share_prefixes``), the shared rows are
+    packed side by side (``render.pack``: almost no padding), and the vocabulary projection
+    runs only where a trained token is predicted.
 
     Every rank holds the whole batch (``gather_batch``) and takes micro-batches rank,
     rank + world_size, ...; each is scaled by its share of the GLOBAL batch (trained tokens
@@ -362,7 +364,8 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     total_tokens = sum(int(r.loss_mask.sum()) for r in rendered)
     temperature = scoring_temperature(contract.rollout.temperature)
     loss_sum, sums = 0.0, Counter()
-    micro = micro_batches(share_prefixes(rendered), micro_tokens or contract.optim.micro_batch_tokens)
+    micro_tokens = micro_tokens or contract.optim.micro_batch_tokens
+    micro = micro_batches(pack(share_prefixes(rendered), min(micro_tokens, ROW_TOKENS)), micro_tokens)
     mine = list(range(backend.rank, len(micro), backend.world_size))  # this rank's share
     passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype
@@ -374,9 +377,9 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
             backend.backward(logits.sum() * 0.0)
             continue
         index = mine[k]
-        rows = micro[index]
-        batch = device_batch(rows, rendered, pad_id, device)
-        members = [k for row in rows for k in row.members]
+        bins = micro[index]
+        batch = device_batch(bins, rendered, pad_id, device)
+        members = [k for rows in bins for row in rows for k in row.members]
         with autocast(device, dtype):
             logits = trained_token_logits(model, batch)  # [N, V]
         logprobs = picked_logprobs(logits, batch["target"], temperature)  # [N]
@@ -449,14 +452,14 @@ def sum_over_ranks(parts: list[tuple[float, dict[str, float]]]) -> tuple[float, 
 
 
 @torch.no_grad()
-def update_kl(model, rows: list[SharedRow], rendered: list[Rendered], pad_id: int,
+def update_kl(model, bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,
               temperature: float, dtype: str = "float32") -> float:
     """How far the step moved the policy on (a micro-batch of) its own batch: the k3 estimate
     of KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d, d = old - new.
     One forward pass over the first micro-batch keeps it cheap. (``kl/approx`` is measured
     before the step, so it is ~0 whenever the batch is fresh.)"""
     device = next(model.parameters()).device
-    batch = device_batch(rows, rendered, pad_id, device)
+    batch = device_batch(bins, rendered, pad_id, device)
     with autocast(device, dtype):
         logits = trained_token_logits(model, batch)  # [N, V]
     new = picked_logprobs(logits, batch["target"], temperature)  # [N]
@@ -464,21 +467,26 @@ def update_kl(model, rows: list[SharedRow], rendered: list[Rendered], pad_id: in
     return float((torch.exp(d) - 1 - d).mean())
 
 
-def device_batch(rows: list[SharedRow], rendered: list[Rendered], pad_id: int,
+def device_batch(bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,
                  device: torch.device) -> dict[str, torch.Tensor]:
     """``render.collate_shared`` of a micro-batch, its tensors on the model's device."""
-    return {k: v.to(device) for k, v in collate_shared(rows, rendered, pad_id).items()}
+    return {k: v.to(device) for k, v in collate_shared(bins, rendered, pad_id).items()}
 
 
-def micro_batches(rows: list[SharedRow], max_tokens: int) -> list[list[SharedRow]]:
-    """Consecutive rows, as many per micro-batch as fit ``max_tokens`` once padded (>= 1)."""
-    out: list[list[SharedRow]] = []
-    for row in rows:
-        if out and (len(out[-1]) + 1) * max(len(row), *map(len, out[-1])) <= max_tokens:
-            out[-1].append(row)
+def micro_batches(bins: list[list[SharedRow]], max_tokens: int) -> list[list[list[SharedRow]]]:
+    """Consecutive bins (``render.pack``), as many per micro-batch as fit ``max_tokens`` once
+    padded to the longest (>= 1)."""
+    out: list[list[list[SharedRow]]] = []
+    for b in bins:
+        if out and (len(out[-1]) + 1) * max(bin_tokens(b), *map(bin_tokens, out[-1])) <= max_tokens:
+            out[-1].append(b)
         else:
-            out.append([row])
+            out.append([b])
     return out
+
+
+def bin_tokens(rows: list[SharedRow]) -> int:
+    return sum(map(len, rows))
 
 
 def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

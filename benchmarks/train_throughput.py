@@ -10,9 +10,10 @@ decoder computes: each group's shared prompt once) + 6 x (head parameters) x (tr
 tokens: the vocabulary projection runs only there); attention's own FLOPs are not counted,
 so the fraction is a lower bound.
 
-Padding, as fractions of the tokens computed: the trainer's rows (shared prompts, padded per
-micro-batch of at most 512 tokens, ``optim.micro_batch_tokens``' default) and first-fit
-packing of the unshared sessions (``render.pack``, rows of 512: the trainer does not pack yet).
+Padding, as fractions of the tokens computed, in micro-batches of at most 512 tokens
+(``optim.micro_batch_tokens``' default) and of 2048: the trainer's packed micro-batches (each group's
+shared prompt once, shared rows side by side, ``render.pack``) and, for comparison, the same
+shared rows one per batch row, right-padded (what the trainer did before packing).
 
     python benchmarks/train_throughput.py                 # SmolLM2-135M-Instruct (GGUF)
     python benchmarks/train_throughput.py --model tiny    # a smoke run
@@ -35,13 +36,13 @@ from agent_rl.config import ExperimentContract
 from agent_rl.distributed import TorchBackend
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy
-from agent_rl.render import pack, share_prefixes
+from agent_rl.render import ROW_TOKENS, pack, share_prefixes
 from agent_rl.rollout import rollout_batch
-from agent_rl.train import micro_batches, policy_update
+from agent_rl.train import bin_tokens, micro_batches, policy_update
 from envs.runner import Sampling
 
 ENV = "agent_rl/Relay-v0"
-MICRO_TOKENS = 512  # optim.micro_batch_tokens' default
+MICRO_TOKENS = (512, 2048)  # optim.micro_batch_tokens' default, and a larger one
 
 
 def relay_batch(policy: HFPolicy, tasks: int, seed: int):
@@ -53,15 +54,19 @@ def relay_batch(policy: HFPolicy, tasks: int, seed: int):
 
 def padding(rendered) -> dict[str, Any]:
     rows = share_prefixes(rendered)
-    micro = micro_batches(rows, MICRO_TOKENS)
     computed = sum(len(r) for r in rows)
-    padded = sum(len(m) * max(len(r) for r in m) for m in micro)
-    packed = pack(rendered, max(MICRO_TOKENS, max(len(r) for r in rendered)))
-    packed_tokens = sum(len(r) for r in rendered)
-    packed_padded = len(packed) * max(len(r.input_ids) for r in packed)
-    return {"session_tokens": packed_tokens, "shared_tokens": computed,
-            "trainer_padded_tokens": padded, "trainer_waste": round(1 - computed / padded, 4),
-            "packed_rows": len(packed), "packed_waste": round(1 - packed_tokens / packed_padded, 4)}
+
+    def padded(micro) -> int:
+        return sum(len(m) * max(map(bin_tokens, m)) for m in micro)
+
+    out: dict[str, Any] = {"session_tokens": sum(len(r) for r in rendered), "shared_tokens": computed}
+    for micro_tokens in MICRO_TOKENS:
+        packed = padded(micro_batches(pack(rows, min(micro_tokens, ROW_TOKENS)), micro_tokens))
+        unpacked = padded(micro_batches([[r] for r in rows], micro_tokens))
+        out[f"micro{micro_tokens}"] = {
+            "packed_padded_tokens": packed, "packed_waste": round(1 - computed / packed, 4),
+            "unpacked_padded_tokens": unpacked, "unpacked_waste": round(1 - computed / unpacked, 4)}
+    return out
 
 
 def main() -> None:
@@ -98,10 +103,12 @@ def main() -> None:
                          "of_peak": round(flops / seconds / peak, 4)}
         print(f"{dtype:<9} step {seconds:6.2f} s  {flops / seconds / 1e9:6.1f} GFLOP/s of "
               f"{peak / 1e9:6.1f} peak ({flops / seconds / peak:.0%})", flush=True)
-    print(f"padding: trainer rows {result['trainer_waste']:.1%} "
-          f"({result['session_tokens']} session tokens, {result['shared_tokens']} once prompts are "
-          f"shared, {result['trainer_padded_tokens']} padded); first-fit packing "
-          f"{result['packed_waste']:.1%} in {result['packed_rows']} rows")
+    for micro_tokens in MICRO_TOKENS:
+        p = result[f"micro{micro_tokens}"]
+        print(f"padding, micro-batches of {micro_tokens}: {result['session_tokens']} session tokens, "
+              f"{result['shared_tokens']} once prompts are shared; packed {p['packed_waste']:.1%} "
+              f"({p['packed_padded_tokens']} computed), one shared row per batch row "
+              f"{p['unpacked_waste']:.1%} ({p['unpacked_padded_tokens']})")
     print(json.dumps(result))
 
 

@@ -135,8 +135,35 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout.strip().splitlines()[-1])
     assert s["sequences"] >= 16 and s["session_tokens"] > s["shared_tokens"] > 0  # 8 two-session episodes
-    assert s["trainer_waste"] == pytest.approx(1 - s["shared_tokens"] / s["trainer_padded_tokens"], abs=1e-4)
+    for micro in ("micro512", "micro2048"):
+        p = s[micro]
+        for kind in ("packed", "unpacked"):
+            assert p[f"{kind}_padded_tokens"] >= s["shared_tokens"]
+            assert p[f"{kind}_waste"] == pytest.approx(1 - s["shared_tokens"] / p[f"{kind}_padded_tokens"], abs=1e-4)
+        assert p["packed_padded_tokens"] <= p["unpacked_padded_tokens"]
     for dtype in ("float32", "bfloat16"):
         d = s[dtype]
         assert d["step_s"] > 0 and d["of_peak"] == pytest.approx(
             d["achieved_gflop_s"] / d["matmul_peak_gflop_s"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_vs_trl_runs_as_a_smoke(tmp_path):
+    """benchmarks/vs_trl.py on the tiny model, one timed step of each side (TRL's GRPOTrainer in
+    .venv-trl, built by the script when missing): every ratio is ours over TRL's own figures,
+    and both sides generated completions of the configured workload."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "vs_trl.py"
+    result = subprocess.run([sys.executable, str(script), "--models", "tiny", "--adapters", "none",
+                             "--steps", "1", "--repeats", "1"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=1500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = json.loads(result.stdout.strip().splitlines()[-1])
+    row = s["tiny/none"]
+    for side in ("trl", "ours"):
+        r = row[side]
+        assert r["n_steps"] == 1 and 0 < r["rollout_s"] < r["step_s"]
+        assert 32 <= r["tokens"] <= 4 * 8 * 32  # 32 completions, 1 to 32 tokens each
+    for part in ("rollout", "train", "step"):
+        assert row[f"{part}_ratio"] == pytest.approx(row["ours"][f"{part}_s"] / row["trl"][f"{part}_s"], rel=0.01)

@@ -1,4 +1,4 @@
-"""render_session / render_episode / pack, token by token, with SmolLM2's and the tiny tokenizer."""
+"""render_session / render_episode / share_prefixes / pack, token by token, with SmolLM2's and the tiny tokenizer."""
 
 import copy
 
@@ -8,7 +8,6 @@ import torch
 from agent_rl.models import smollm2_tokenizer, tiny_model, tiny_tokenizer
 from agent_rl.policy import sequence_logprobs
 from agent_rl.render import (
-    collate_rows,
     collate_shared,
     pack,
     packed_attention_mask,
@@ -257,35 +256,39 @@ def test_packed_attention_mask_blocks_other_sequences():
     assert (additive[allowed] == 0).all() and (additive[~allowed] == torch.finfo(torch.float32).min).all()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logprobs_equal_unpacked(attn):
-    model, tok = tiny_model(seed=0)
-    model.set_attn_implementation(attn)
-    a = render_session(tok, tool_session(tok, "a"))
-    b = render_session(tok, Session(session_id="b", episode_id="ep-0", turns=[
-        Turn(role="user", content="hello"), _sampled(tok, ANSWER)]))
-    c = render_session(tok, Session(session_id="c", episode_id="ep-0", turns=[
-        Turn(role="user", content="x"), _sampled(tok, "y")]))
-    rows = pack([a, b, c], max_tokens=len(a) + len(b))
-    assert [r.members for r in rows] == [[0, 1], [2]]
-    row = rows[0]
-    assert row.position_ids.tolist() == list(range(len(a))) + list(range(len(b)))
-    assert row.seq_index.tolist() == [0] * len(a) + [1] * len(b)
-    assert torch.equal(row.loss_mask, torch.cat([a.loss_mask, b.loss_mask]))
-    assert torch.equal(row.old_logprobs, torch.cat([a.old_logprobs, b.old_logprobs]))
+def test_packed_attention_mask_lets_each_rest_see_its_own_prefix_only():
+    # two shared rows side by side: [prefix 0, rest 1, rest 2] then [prefix 3, rest 4], padding
+    seq = torch.tensor([0, 0, 1, 2, 3, 4, -1])
+    prefix = torch.tensor([0, 0, 0, 0, 3, 3, -1])
+    allowed = packed_attention_mask(seq, torch.bool, prefix=prefix)[0, 0]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],  # rest 1 sees prefix 0
+        [1, 1, 0, 1, 0, 0, 0],  # rest 2 sees prefix 0, not rest 1
+        [0, 0, 0, 0, 1, 0, 0],  # the second prefix sees nothing of the first row
+        [0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(allowed, expected)
 
-    batch = collate_rows(rows, tok.pad_token_id)  # two rows, the second right-padded
-    assert batch["input_ids"].shape == (2, len(a) + len(b))
-    assert batch["attention_mask"].shape == (2, 1, len(a) + len(b), len(a) + len(b))
-    with torch.no_grad():
-        packed = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                   batch["position_ids"])  # [2, T]
-        alone = [sequence_logprobs(model, r.input_ids[None])[0] for r in (a, b, c)]
-    got = [packed[0, :len(a)], packed[0, len(a):], packed[1, :len(c)]]
-    for g, ref in zip(got, alone, strict=True):
-        # position 0 of a packed sequence is scored from its neighbour; it is never trained
-        torch.testing.assert_close(g[1:], ref[1:], atol=1e-5, rtol=0)
-    assert not batch["loss_mask"][1, len(c):].any()
+
+def test_pack_is_first_fit_decreasing_and_keeps_a_long_row_alone():
+    tok = tiny_tokenizer()
+    rendered = [render_session(tok, Session(session_id=f"s{k}", episode_id="e", turns=[
+        Turn(role="user", content=text), _sampled(tok, "y")]))
+        for k, text in enumerate(["a", "a b c d e f g h i j", "a b c d e", "x y"])]
+    rows = share_prefixes(rendered, min_shared=10_000)  # nothing shared: one row each
+    lengths = {r.members[0]: len(r) for r in rows}
+    longest = max(lengths.values())
+    bins = pack(rows, max_tokens=longest)
+    assert bins[0][0].members == [max(lengths, key=lengths.get)]  # the longest placed first
+    assert all(sum(map(len, b)) <= longest for b in bins)
+    assert sorted(k for b in bins for r in b for k in r.members) == [0, 1, 2, 3]
+    alone = pack(rows, max_tokens=longest - 1)  # the longest row alone, nothing beside it
+    assert [len(b) for b in alone if sum(map(len, b)) > longest - 1] == [1]
+    with pytest.raises(ValueError, match="max_tokens must be > 0"):
+        pack(rows, max_tokens=0)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -308,7 +311,10 @@ def test_shared_prefix_rows_give_the_unpacked_log_probs_and_gradients(attn):
     first_trained = int(group[0].loss_mask.nonzero()[0])
     assert shared.prefix == first_trained  # the whole prompt, up to the first sampled token
     assert len(shared) == shared.prefix + sum(len(r) - shared.prefix for r in group)
-    batch = collate_shared(rows, rendered, tok.pad_token_id)
+    bins = pack(rows)  # both rows side by side in one batch row
+    assert len(bins) == 1 and len(bins[0]) == 2
+    batch = collate_shared(bins, rendered, tok.pad_token_id)
+    assert batch["input_ids"].shape == (1, sum(map(len, rows)))
     assert len(batch["target"]) == sum(int(r.loss_mask.sum()) for r in rendered)
 
     def per_sequence(logprobs):
@@ -326,9 +332,3 @@ def test_shared_prefix_rows_give_the_unpacked_log_probs_and_gradients(attn):
     torch.stack([g.sum() for g in alone]).sum().backward()
     torch.testing.assert_close(grad_packed, weight.grad, atol=1e-5, rtol=1e-4)
 
-
-def test_pack_refuses_a_sequence_longer_than_a_row():
-    tok = tiny_tokenizer()
-    r = render_session(tok, tool_session(tok))
-    with pytest.raises(ValueError, match="more than max_tokens"):
-        pack([r], max_tokens=len(r) - 1)
