@@ -167,3 +167,24 @@ def test_vs_trl_runs_as_a_smoke(tmp_path):
         assert 32 <= r["tokens"] <= 4 * 8 * 32  # 32 completions, 1 to 32 tokens each
     for part in ("rollout", "train", "step"):
         assert row[f"{part}_ratio"] == pytest.approx(row["ours"][f"{part}_s"] / row["trl"][f"{part}_s"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_sandbox_overhead_runs_as_a_smoke(tmp_path):
+    """benchmarks/sandbox_overhead.py, two runs per backend: every available backend timed
+    against the baseline measured in the same run, its overhead the difference of the medians."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "sandbox_overhead.py"
+    result = subprocess.run([sys.executable, str(script), "--runs", "2"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    s = json.loads(result.stdout.strip().splitlines()[-1])
+    assert s["runs"] == 2 and s["baseline"]["median_ms"] > 0 and s["subprocess"]["available"]
+    for backend in ("docker", "bwrap", "subprocess"):
+        r = s[backend]
+        if r["available"]:
+            assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+            assert r["overhead_ms"] == pytest.approx(r["median_ms"] - s["baseline"]["median_ms"])
+        else:
+            assert r["why"]

@@ -1,0 +1,1017 @@
+"""Run untrusted Python programs: bubblewrap, Docker, or a plain subprocess (not isolation).
+
+    from envs.sandbox import Limits, run
+    result = run("print(open('data.txt').read())", files={"data.txt": "hi"},
+                 limits=Limits(wall_s=5))
+    result.status        # "ok" | "runtime_error" | "timeout" | "resource_limit" | "sandbox_error"
+    result.stdout        # "hi\\n"
+
+The program. ``code`` becomes ``/sandbox/main.py``, read-only and outside the work dir, and runs
+as ``python3 -I -S /sandbox/main.py`` under the Debian interpreter (``/usr/bin/python3``; in
+Docker, the same interpreter copied into the image by ``build_image``): no site-packages, no
+``PYTHON*`` variables, no ``site`` (so no ``exit()``/``quit()`` builtins: use ``sys.exit``), and
+neither the script's directory nor the cwd on ``sys.path`` (a program importing a file it was
+given starts with ``sys.path.insert(0, "")``). The cwd is the writable work dir (``/work`` in
+bwrap and Docker) holding ``files``; ``HOME`` is the work dir, ``LANG=C.UTF-8``, stdin is empty.
+When this process is root, the guest runs as uid/gid 65534 on every backend.
+
+One status per run:
+
+* ``ok``: exit code 0 within every limit;
+* ``runtime_error``: a nonzero exit, or death by a signal that none of our limits sent;
+* ``timeout``: ``wall_s`` (from the host) or ``cpu_s`` (``RLIMIT_CPU``: per process, rounded up
+  to whole seconds) ran out;
+* ``resource_limit``: memory, processes, output bytes (per stream) or disk ran out;
+* ``sandbox_error``: the sandbox itself failed (bwrap could not start or was killed, the Docker
+  engine is unreachable or lost the container, the image is missing): never the guest's fault.
+
+How each limit is enforced (always from outside the guest: nothing the program does lifts it):
+
+=============  ===============================  ==================================
+limit          subprocess / bwrap               docker
+=============  ===============================  ==================================
+wall_s         host timer, then SIGKILL         host timer, then container kill
+cpu_s          RLIMIT_CPU                       RLIMIT_CPU (ulimit)
+memory_mb      RLIMIT_AS per process, plus a    ``mem_limit`` = ``memswap_limit``
+               memory cgroup for the whole run  (OOMKilled => resource_limit)
+processes      pids cgroup (RLIMIT_NPROC when   ``pids_limit``
+               no cgroup can be made)
+output_bytes   host-side capture; the run is killed when a stream passes the cap
+disk_mb        RLIMIT_FSIZE per file, and the work dir's usage polled every 50 ms
+               (each entry counts at least 4 KiB) and checked at the end
+=============  ===============================  ==================================
+
+Cgroups (v1 ``pids`` and ``memory`` hierarchies, made under this process's own cgroups) need
+write access, in practice root; without them the rlimits stand alone. A memory limit hit inside
+one process surfaces as Python's ``MemoryError``; a run whose stderr ends with it counts as
+``resource_limit`` (a guest can only make its own failure look like that, never like ``ok``).
+A limit-bound failure counts as ``resource_limit`` only when the run failed (a program that
+meets ``EAGAIN`` from ``fork`` and still exits 0 is ``ok``).
+
+What each backend isolates:
+
+* ``bwrap``: new user, pid, net (loopback only), ipc, uts and cgroup namespaces, no further user
+  namespaces, a read-only root holding only ``/usr`` (read-only) and the usrmerge links, a new
+  ``/proc``, a minimal ``/dev`` (read-only, with a ``/dev/shm`` tmpfs of ``disk_mb``), the program
+  read-only at ``/sandbox`` and a host temp dir bind-mounted at ``/work``; ``--die-with-parent``,
+  ``--new-session``. Not given: a seccomp filter (the whole kernel syscall surface is reachable)
+  and a CPU share (the guest may use every core until ``cpu_s``).
+* ``docker``: ``network_mode="none"``, read-only image root (only the interpreter, its stdlib
+  and its shared libraries), user 65534, all capabilities dropped, ``no-new-privileges``, an
+  init process (so the container ends with the program), memory/pids/one-CPU limits, a
+  ``/dev/shm`` of ``disk_mb``; the same host temp dir layout bind-mounted (``/sandbox``
+  read-only, ``/work``), so the engine must run on this host (``put_archive`` cannot fill a
+  tmpfs work dir: it refuses a read-only root and writes beneath a tmpfs, unseen); the container
+  is always removed. Not given: anything beyond Docker's default seccomp and AppArmor profiles
+  (one kernel shared with the host), and a CPU-time verdict for a program that ignores SIGXCPU
+  (its SIGKILL at the hard limit reads as ``runtime_error``).
+* ``subprocess``: rlimits, cgroups, a temp work dir and a host timeout only. The guest sees
+  the whole filesystem this user can read and the network; it is no isolation boundary and
+  says so once (``RuntimeWarning``).
+
+``files_written`` lists the work dir's regular files, links and other non-directories that the
+run created or whose content differs from what ``files`` put there (found by comparing hashes
+after the run), so a trusted caller can audit, say, a planted ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import io
+import itertools
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import tarfile
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+SandboxStatus = Literal["ok", "runtime_error", "timeout", "resource_limit", "sandbox_error"]
+BACKENDS = ("docker", "bwrap", "subprocess")
+PYTHON = "/usr/bin/python3"  # the Debian interpreter, never the venv's
+GUEST_UID = 65534  # nobody/nogroup: the guest's uid and gid whenever we can choose
+IMAGE_REPOSITORY = "agent-rl-sandbox"
+_GUEST_ARGS = ("-I", "-S")
+_MIB = 1 << 20
+_DISK_POLL_S = 0.05
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Per-run limits; every field must be positive."""
+
+    wall_s: float = 10.0
+    """Wall-clock seconds from start to exit, timed by the host."""
+    cpu_s: float = 10.0
+    """CPU seconds per process (``RLIMIT_CPU``, rounded up to whole seconds)."""
+    memory_mb: int = 512
+    """MiB of memory for the whole run (per process where only rlimits apply)."""
+    processes: int = 64
+    """Processes (and threads) the program may have at once, itself included."""
+    output_bytes: int = 1_000_000
+    """Bytes kept of stdout and of stderr each; more kills the run (``resource_limit``)."""
+    disk_mb: int = 64
+    """MiB the work dir may hold, the given ``files`` included."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            integral = field.type == "int"
+            number = isinstance(value, int if integral else (int, float))
+            if isinstance(value, bool) or not number or not math.isfinite(value) or value <= 0:
+                kind = "integer" if integral else "number"
+                raise ValueError(f"Limits.{field.name} must be a positive {kind}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one run did; exactly one ``status``."""
+
+    status: SandboxStatus
+    stdout: str
+    """Decoded with ``errors="replace"``, at most ``output_bytes`` bytes before decoding."""
+    stderr: str
+    exit_code: int | None
+    """The program's exit status (128 + N after signal N); None when we stopped it or the
+    sandbox failed."""
+    wall_s: float
+    backend: str
+    """The backend that actually ran."""
+    files_written: tuple[str, ...] = ()
+    """Work-dir paths the run created or changed, relative, sorted."""
+    detail: str = ""
+    """Why, for every status but ``ok``."""
+
+
+def run(code: str, files: Mapping[str, str | bytes] | None = None, limits: Limits | None = None,
+        backend: str = "auto") -> SandboxResult:
+    """Run ``code`` as the main program with ``files`` in its work dir; see the module doc.
+
+    Bad arguments (an unknown backend, absolute or escaping file names, limits that are not a
+    ``Limits``) raise ``ValueError``/``TypeError`` before anything runs; everything else comes
+    back as a ``SandboxResult``.
+    """
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"unknown sandbox backend {backend!r}: use one of {', '.join(BACKENDS)} or 'auto'")
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    limits = Limits() if limits is None else limits
+    if not isinstance(limits, Limits):
+        raise TypeError(f"limits must be an envs.sandbox.Limits, got {type(limits).__name__}")
+    checked = _check_files(files)
+    if backend == "auto":
+        backend = next(b for b in BACKENDS if b == "subprocess" or available(b))
+    return _RUNNERS[backend](code, checked, limits)
+
+
+def available(backend: str) -> bool:
+    """Can ``backend`` run here? Docker: the SDK imports, the engine answers and the image
+    exists or was just built. bwrap: a trivial program really ran in it. Cached per process."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sandbox backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    with _AVAILABLE_LOCK:
+        if backend not in _AVAILABLE:
+            _AVAILABLE[backend] = _PROBES[backend]()
+        return _AVAILABLE[backend]
+
+
+def unavailable_reason(backend: str) -> str:
+    """Why ``available(backend)`` is False (empty when it is True)."""
+    return "" if available(backend) else _UNAVAILABLE_WHY.get(backend, "")
+
+
+# --- inputs: file names and contents ---------------------------------------------------------
+
+def _check_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for name, content in (files or {}).items():
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise ValueError(f"file name {name!r}: must be a non-empty str without NUL bytes")
+        path = PurePosixPath(name)
+        if path.is_absolute() or not path.parts or ".." in path.parts:
+            raise ValueError(f"file name {name!r}: must be relative to the work dir, without '..'")
+        key = str(path)
+        if key in out:
+            raise ValueError(f"file name {name!r}: given twice (as {key!r})")
+        if isinstance(content, str):
+            out[key] = content.encode("utf-8", "surrogatepass")
+        elif isinstance(content, (bytes, bytearray, memoryview)):
+            out[key] = bytes(content)
+        else:
+            raise TypeError(f"file {name!r}: content must be str or bytes, got {type(content).__name__}")
+    for key in out:
+        for parent in PurePosixPath(key).parents:
+            if str(parent) in out:
+                raise ValueError(f"file name {key!r}: {str(parent)!r} is also given as a file")
+    return out
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class _WorkDir:
+    """A host temp dir: ``prog/main.py`` (the program, read-only) and ``work/`` (the guest's cwd,
+    holding the given files), handed to ``guest_uid`` when that is not us."""
+
+    def __init__(self, code: str, files: dict[str, bytes], guest_uid: int | None):
+        self.root = Path(tempfile.mkdtemp(prefix="agent-rl-sandbox-"))
+        try:
+            os.chmod(self.root, 0o711)
+            self.prog, self.work = self.root / "prog", self.root / "work"
+            self.prog.mkdir(mode=0o755)
+            self.work.mkdir(mode=0o755)
+            self.main = self.prog / "main.py"
+            self.main.write_bytes(code.encode("utf-8", "surrogatepass"))
+            os.chmod(self.main, 0o444)
+            self.given = {rel: _digest(data) for rel, data in files.items()}
+            for rel, data in files.items():
+                target = self.work / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+            if guest_uid is not None and guest_uid != os.geteuid():
+                self._hand_over(guest_uid)
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _hand_over(self, uid: int) -> None:
+        paths = [self.work, *self.work.rglob("*")]
+        for path in paths:
+            if os.geteuid() == 0:
+                os.chown(path, uid, uid, follow_symlinks=False)
+            else:  # Docker as a non-root user: the guest's uid differs and cannot be chown'ed to
+                os.chmod(path, 0o777 if path.is_dir() else 0o666)
+
+    def _entries(self) -> Iterator[tuple[str, os.stat_result]]:
+        stack = [self.work]
+        while stack:
+            top = stack.pop()
+            try:
+                with os.scandir(top) as it:
+                    for entry in it:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        if stat.S_ISDIR(st.st_mode):
+                            stack.append(Path(entry.path))
+                        yield os.path.relpath(entry.path, self.work), st
+            except OSError:
+                continue
+
+    def usage(self) -> int:
+        """Bytes the work dir holds: allocated blocks, at least 4 KiB per entry."""
+        return sum(max(st.st_blocks * 512, 4096) for _, st in self._entries())
+
+    def written(self) -> tuple[str, ...]:
+        out = []
+        for rel, st in self._entries():
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if stat.S_ISREG(st.st_mode) and rel in self.given and self._hash(rel) == self.given[rel]:
+                continue
+            out.append(rel)
+        return tuple(sorted(out))
+
+    def _hash(self, rel: str) -> str | None:
+        try:
+            fd = os.open(self.work / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            h = hashlib.sha256()
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            return h.hexdigest()
+
+    def cleanup(self) -> None:
+        def retry(func: Callable, path: str, _exc: object) -> None:
+            try:  # a guest may leave directories without permissions
+                os.chmod(os.path.dirname(path), 0o700)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.chmod(path, 0o700)
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    func(path)
+            except OSError:
+                pass
+
+        shutil.rmtree(self.root, onerror=retry)
+
+
+# --- the run's bookkeeping, shared by every backend -----------------------------------------
+
+class _Stop(enum.Enum):
+    """Why the host stopped a run."""
+
+    WALL = "wall time"
+    OUTPUT = "output"
+    DISK = "disk"
+
+
+class _Watch:
+    """Stops a run once (the first reason wins) and captures its two output streams."""
+
+    def __init__(self, limits: Limits, kill: Callable[[], None]):
+        self.limits, self._kill = limits, kill
+        self.stopped: _Stop | None = None
+        self._killer: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.stdout = bytearray()
+        self.stderr = bytearray()
+        self.done = threading.Event()
+
+    def stop(self, why: _Stop) -> None:
+        with self._lock:
+            if self.stopped is not None or self.done.is_set():
+                return
+            self.stopped = why
+            # not on the caller's thread: an output pump must keep draining (Docker does not let
+            # a container die while its attach stream is full)
+            self._killer = threading.Thread(target=self._kill, daemon=True, name="sandbox-kill")
+            self._killer.start()
+
+    def finish(self) -> None:
+        """No more stops; returns once a kill in flight is done (before the pid is reaped)."""
+        with self._lock:
+            self.done.set()
+        if self._killer is not None:
+            self._killer.join()
+
+    def feed(self, buf: bytearray, data: bytes) -> None:
+        room = self.limits.output_bytes - len(buf)
+        if len(data) <= room:
+            buf += data
+            return
+        buf += data[:max(room, 0)]
+        self.stop(_Stop.OUTPUT)
+
+    def pump(self, fd: int, buf: bytearray) -> threading.Thread:
+        def loop() -> None:
+            try:
+                while data := os.read(fd, 1 << 16):
+                    self.feed(buf, data)
+            except OSError:  # closed under us after an escaped process kept it open
+                pass
+
+        thread = threading.Thread(target=loop, daemon=True, name="sandbox-output")
+        thread.start()
+        return thread
+
+    def monitor(self, deadline: float, workdir: _WorkDir) -> threading.Thread:
+        """Stop the run at ``deadline`` or when the work dir outgrows ``disk_mb``."""
+        limit = self.limits.disk_mb * _MIB
+
+        def loop() -> None:
+            while not self.done.wait(max(0.0, min(_DISK_POLL_S, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    self.stop(_Stop.WALL)
+                    return
+                if workdir.usage() > limit:
+                    self.stop(_Stop.DISK)
+                    return
+
+        thread = threading.Thread(target=loop, daemon=True, name="sandbox-monitor")
+        thread.start()
+        return thread
+
+
+@dataclass
+class _Outcome:
+    """The facts a backend gathered; ``_classify`` turns them into one status."""
+
+    exit_code: int | None
+    stopped: _Stop | None
+    stderr: str
+    failure: str = ""  # the sandbox itself failed
+    cpu_s: float | None = None  # the run's CPU seconds, where the backend can tell
+    oom: bool = False  # a memory cgroup OOM kill / Docker's OOMKilled
+    pids_hit: bool = False  # the pids cgroup refused a fork
+    disk_used: int = 0  # bytes in the work dir at the end
+
+
+_MEMORY_ERROR = re.compile(r"^MemoryError\b")
+
+
+def _cpu_rlimit(limits: Limits) -> int:
+    return max(1, math.ceil(limits.cpu_s))
+
+
+def _classify(o: _Outcome, limits: Limits) -> tuple[SandboxStatus, str]:
+    if o.failure:
+        return "sandbox_error", o.failure
+    if o.stopped is _Stop.WALL:
+        return "timeout", f"wall time over {limits.wall_s:g} s"
+    if o.stopped is _Stop.OUTPUT:
+        return "resource_limit", f"output over {limits.output_bytes} bytes on stdout or stderr"
+    if o.stopped is _Stop.DISK or o.disk_used > limits.disk_mb * _MIB:  # more than the poll saw
+        return "resource_limit", f"work dir over {limits.disk_mb} MiB"
+    if o.exit_code == 0:
+        return "ok", ""
+    lines = o.stderr.rstrip().splitlines()
+    if o.oom or (o.exit_code == 1 and lines and _MEMORY_ERROR.match(lines[-1])):
+        return "resource_limit", f"memory over {limits.memory_mb} MiB"
+    killed_by_cpu = o.exit_code == 128 + signal.SIGKILL and o.cpu_s is not None \
+        and o.cpu_s >= _cpu_rlimit(limits) - 0.05
+    if o.exit_code == 128 + signal.SIGXCPU or killed_by_cpu:
+        return "timeout", f"CPU time over {_cpu_rlimit(limits)} s"
+    if o.pids_hit:
+        return "resource_limit", f"more than {limits.processes} processes"
+    if o.disk_used >= limits.disk_mb * _MIB:  # a write met RLIMIT_FSIZE
+        return "resource_limit", f"work dir reached {limits.disk_mb} MiB"
+    if o.exit_code is not None and o.exit_code > 128:
+        try:
+            return "runtime_error", f"killed by {signal.Signals(o.exit_code - 128).name}"
+        except ValueError:
+            pass
+    return "runtime_error", f"exit code {o.exit_code}"
+
+
+def _result(o: _Outcome, watch: _Watch, wall_s: float, backend: str, workdir: _WorkDir | None
+            ) -> SandboxResult:
+    status, detail = _classify(o, watch.limits)
+    return SandboxResult(
+        status=status,
+        stdout=watch.stdout.decode("utf-8", "replace"),
+        stderr=watch.stderr.decode("utf-8", "replace"),
+        exit_code=None if (o.stopped is not None or o.failure) else o.exit_code,
+        wall_s=wall_s,
+        backend=backend,
+        files_written=workdir.written() if workdir is not None and not o.failure else (),
+        detail=detail,
+    )
+
+
+def _failed(backend: str, detail: str, wall_s: float = 0.0) -> SandboxResult:
+    return SandboxResult(status="sandbox_error", stdout="", stderr="", exit_code=None,
+                         wall_s=wall_s, backend=backend, detail=detail)
+
+
+# --- cgroups (v1) for the process backends ---------------------------------------------------
+
+_CGROUP_IDS = itertools.count()
+_LIVE_CGROUPS: set[str] = set()  # this process's runs in progress
+
+
+class _Cgroup:
+    """One run's ``pids`` and ``memory`` cgroups (v1), each made under this process's own
+    cgroup of that hierarchy when writable; either may be missing."""
+
+    def __init__(self, processes: int, memory_bytes: int):
+        self.dirs: dict[str, Path] = {}
+        self.name = name = f"{os.getpid()}-{next(_CGROUP_IDS)}"
+        _LIVE_CGROUPS.add(name)
+        settings = {"pids": [("pids.max", processes)],
+                    "memory": [("memory.limit_in_bytes", memory_bytes),
+                               ("memory.memsw.limit_in_bytes", memory_bytes)]}
+        for controller, path in _own_cgroups().items():
+            if controller not in settings:
+                continue
+            parent = _CGROUP_ROOT / controller / path.lstrip("/") / "agent-rl-sandbox"
+            _sweep(parent)
+            d = parent / name
+            try:
+                d.mkdir(parents=True)
+            except OSError:
+                continue
+            try:
+                for file, value in settings[controller]:
+                    if (d / file).exists():
+                        (d / file).write_text(str(value))
+            except OSError:
+                d.rmdir()
+                continue
+            self.dirs[controller] = d
+
+    def join(self) -> None:
+        """Move the calling process in (a ``preexec_fn``: runs in the child before exec)."""
+        for d in self.dirs.values():
+            with open(d / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+
+    def events(self) -> tuple[bool, bool]:
+        """(an OOM kill happened, a fork was refused)."""
+        oom = pids = False
+        if "memory" in self.dirs:
+            fields = dict(line.split() for line in _read(self.dirs["memory"] / "memory.oom_control"))
+            oom = int(fields.get("oom_kill", "0")) > 0
+        if "pids" in self.dirs:
+            fields = dict(line.split() for line in _read(self.dirs["pids"] / "pids.events"))
+            pids = int(fields.get("max", "0")) > 0
+        return oom, pids
+
+    def kill(self) -> None:
+        for d in self.dirs.values():
+            for _ in range(1000):
+                pids = [int(p) for p in _read(d / "cgroup.procs")]
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.001)
+
+    def close(self) -> None:
+        self.kill()
+        for d in self.dirs.values():
+            for _ in range(200):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # the last exits are still being accounted
+                    time.sleep(0.005)
+        _LIVE_CGROUPS.discard(self.name)
+
+
+def _sweep(parent: Path) -> None:
+    """Remove cgroups left by runs of processes that are gone (a zombie the host's init has not
+    reaped yet can keep one busy past its run's ``close``)."""
+    try:
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return
+    for name in names:
+        pid = name.split("-")[0]
+        ours = pid == str(os.getpid())
+        if (ours and name not in _LIVE_CGROUPS) or (not ours and not os.path.exists(f"/proc/{pid}")):
+            try:
+                (parent / name).rmdir()
+            except OSError:
+                pass
+
+
+def _read(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _own_cgroups() -> dict[str, str]:
+    out = {}
+    for line in _read(Path("/proc/self/cgroup")):
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(","):
+            if controller and (_CGROUP_ROOT / controller).is_dir():
+                out[controller] = path
+    return out
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Pids whose real uid is ``uid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            for line in _read(Path("/proc", entry, "status")):
+                if line.startswith("Uid:"):
+                    if int(line.split()[1]) == uid:
+                        out.append(int(entry))
+                    break
+    return out
+
+
+# --- process backends: subprocess and bwrap --------------------------------------------------
+
+def _guest_uid() -> int | None:
+    return GUEST_UID if os.geteuid() == 0 else None
+
+
+def _preexec(limits: Limits, cgroup: _Cgroup, uid: int | None, extra_processes: int
+             ) -> Callable[[], None]:
+    """Runs in the child between fork and exec: cgroups, rlimits, then the guest's uid."""
+    cpu = _cpu_rlimit(limits)
+    rlimits = [(resource.RLIMIT_CPU, cpu, cpu + 1),
+               (resource.RLIMIT_AS, limits.memory_mb * _MIB, limits.memory_mb * _MIB),
+               (resource.RLIMIT_FSIZE, limits.disk_mb * _MIB, limits.disk_mb * _MIB),
+               (resource.RLIMIT_CORE, 0, 0)]
+    if "pids" not in cgroup.dirs:  # per user: counts the uid's other processes too
+        nproc = limits.processes + extra_processes + len(_processes_of(os.geteuid() if uid is None else uid))
+        rlimits.append((resource.RLIMIT_NPROC, nproc, nproc))
+
+    def preexec() -> None:
+        cgroup.join()
+        for which, soft, hard in rlimits:
+            resource.setrlimit(which, (soft, hard))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+    return preexec
+
+
+def _run_process(backend: str, argv: list[str], env: dict[str, str], cwd: Path, workdir: _WorkDir,
+                 limits: Limits, extra_processes: int = 0, status_fd: int | None = None
+                 ) -> tuple[_Outcome, _Watch, float]:
+    """Start ``argv`` in a new session, watch it, wait for it and kill whatever is left."""
+    uid = _guest_uid()
+    cgroup = _Cgroup(limits.processes + extra_processes, limits.memory_mb * _MIB)
+    proc: subprocess.Popen | None = None
+
+    def kill() -> None:
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        cgroup.kill()
+
+    watch = _Watch(limits, kill)
+    t0 = time.monotonic()
+    try:
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
+                                    pass_fds=() if status_fd is None else (status_fd,),
+                                    start_new_session=True,
+                                    preexec_fn=_preexec(limits, cgroup, uid, extra_processes))
+        except (OSError, subprocess.SubprocessError) as exc:
+            return _Outcome(None, None, "", failure=f"{backend} could not start: {exc}"), watch, 0.0
+        pumps = [watch.pump(proc.stdout.fileno(), watch.stdout),
+                 watch.pump(proc.stderr.fileno(), watch.stderr)]
+        monitor = watch.monitor(t0 + limits.wall_s, workdir)
+        try:
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+        finally:  # on an interrupt too: nothing outlives the run
+            wall_s = time.monotonic() - t0
+            watch.finish()
+            kill()  # the session's and the cgroup's leftovers, while the pgid is still ours
+            _, status, rusage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        for thread in pumps:
+            thread.join(timeout=5)
+        monitor.join()
+        proc.stdout.close()
+        proc.stderr.close()
+        oom, pids_hit = cgroup.events()
+    finally:
+        cgroup.close()
+    code = proc.returncode
+    outcome = _Outcome(
+        exit_code=code if code >= 0 else 128 - code,
+        stopped=watch.stopped,
+        stderr=watch.stderr.decode("utf-8", "replace"),
+        cpu_s=rusage.ru_utime + rusage.ru_stime,
+        oom=oom, pids_hit=pids_hit,
+        disk_used=workdir.usage(),
+    )
+    return outcome, watch, wall_s
+
+
+def _guest_env(home: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8"}
+
+
+_WARNED_SUBPROCESS = False
+
+
+def _run_subprocess(code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
+    global _WARNED_SUBPROCESS
+    if not _WARNED_SUBPROCESS:
+        _WARNED_SUBPROCESS = True
+        warnings.warn("envs.sandbox: the 'subprocess' backend is not an isolation boundary (the "
+                      "program sees this user's files and the network; only rlimits, cgroups and "
+                      "a timeout apply); install bubblewrap or Docker for a sandbox",
+                      RuntimeWarning, stacklevel=3)
+    if not os.path.exists(PYTHON):
+        return _failed("subprocess", f"{PYTHON} not found (the sandbox runs the system Python)")
+    workdir = _WorkDir(code, files, _guest_uid())
+    try:
+        outcome, watch, wall_s = _run_process(
+            "subprocess", [PYTHON, *_GUEST_ARGS, str(workdir.main)], _guest_env(str(workdir.work)),
+            workdir.work, workdir, limits)
+        return _result(outcome, watch, wall_s, "subprocess", workdir)
+    finally:
+        workdir.cleanup()
+
+
+def _bwrap_argv(bwrap: str, workdir: _WorkDir, limits: Limits, status_fd: int) -> list[str]:
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--new-session", "--clearenv"]
+    for key, value in _guest_env("/work").items():
+        argv += ["--setenv", key, value]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # usrmerge links or dirs
+        host = f"/{name}"
+        if os.path.islink(host):
+            argv += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            argv += ["--ro-bind", host, host]
+    argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+             "--proc", "/proc", "--dev", "/dev",
+             "--size", str(limits.disk_mb * _MIB), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+             "--ro-bind", str(workdir.prog), "/sandbox", "--bind", str(workdir.work), "/work",
+             "--chdir", "/work", "--remount-ro", "/", "--json-status-fd", str(status_fd),
+             PYTHON, *_GUEST_ARGS, "/sandbox/main.py"]
+    return argv
+
+
+def _run_bwrap(code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return _failed("bwrap", "bwrap not found (apt-get install bubblewrap)")
+    workdir = _WorkDir(code, files, _guest_uid())
+    status_r, status_w = os.pipe()
+    try:
+        # bwrap's outer process and the namespace's pid 1 count against the pids limit too
+        outcome, watch, wall_s = _run_process(
+            "bwrap", _bwrap_argv(bwrap, workdir, limits, status_w), {}, workdir.root, workdir,
+            limits, extra_processes=2, status_fd=status_w)
+        os.close(status_w)
+        status_w = -1
+        with os.fdopen(status_r, "rb") as f:
+            status_r = -1
+            reports = f.read().decode("utf-8", "replace")
+        if not outcome.failure and outcome.stopped is None and '"exit-code"' not in reports:
+            # no exit report: bwrap died (killed from outside) or never started the program
+            if outcome.exit_code is not None and outcome.exit_code > 128:
+                why = f"bwrap was killed by {signal.Signals(outcome.exit_code - 128).name}"
+            else:
+                why = f"bwrap failed to start the program: {outcome.stderr.strip()[-2000:]}"
+            outcome = dataclasses.replace(outcome, failure=why)
+        return _result(outcome, watch, wall_s, "bwrap", workdir)
+    finally:
+        for fd in (status_r, status_w):
+            if fd >= 0:
+                os.close(fd)
+        workdir.cleanup()
+
+
+def _probe_bwrap() -> bool:
+    if shutil.which("bwrap") is None:
+        _UNAVAILABLE_WHY["bwrap"] = "bwrap not found (apt-get install bubblewrap)"
+        return False
+    result = _run_bwrap("print('ok')", {}, Limits(wall_s=30))
+    if result.status != "ok" or result.stdout != "ok\n":
+        _UNAVAILABLE_WHY["bwrap"] = f"a trivial program failed in bwrap: {result.status}: " \
+                                    f"{result.detail or result.stderr[-500:]}"
+        return False
+    return True
+
+
+# --- docker ----------------------------------------------------------------------------------
+
+_DOCKER_CLIENT = None
+_DOCKER_LOCK = threading.Lock()
+
+
+class _DockerUnavailable(Exception):
+    pass
+
+
+def _docker():
+    """The Docker SDK client, made and pinged once per process."""
+    global _DOCKER_CLIENT
+    with _DOCKER_LOCK:
+        if _DOCKER_CLIENT is None:
+            try:
+                import docker
+            except ImportError as exc:
+                raise _DockerUnavailable(f"the docker SDK is not installed (pip install "
+                                         f"'agent-rl[docker]'): {exc}") from exc
+            try:
+                client = docker.from_env(version="auto", timeout=60)
+                client.ping()
+            except Exception as exc:  # any failure means no usable engine
+                raise _DockerUnavailable(f"the Docker engine does not answer: {exc}") from exc
+            _DOCKER_CLIENT = client
+        return _DOCKER_CLIENT
+
+
+def image_tag() -> str:
+    """The sandbox image's tag, named after the host interpreter it copies (``py311``)."""
+    version = re.fullmatch(r"python(\d)\.(\d+)", os.path.basename(os.path.realpath(PYTHON)))
+    return f"{IMAGE_REPOSITORY}:py{version[1]}{version[2]}" if version else f"{IMAGE_REPOSITORY}:py3"
+
+
+def build_image(client=None, force: bool = False) -> str:
+    """Build the sandbox image from this host's ``/usr/bin/python3`` (no registry needed) and
+    return its tag; a no-op when it exists (unless ``force``).
+
+    The image holds the interpreter, its standard library, the shared libraries that ``ldd``
+    lists for it and its extension modules, the usrmerge links, ``/etc/passwd``/``group`` with
+    ``nobody`` (65534) and empty mount points ``/work``, ``/sandbox``, ``/tmp``.
+    """
+    client = _docker() if client is None else client
+    tag = image_tag()
+    if not force:
+        try:
+            client.images.get(tag)
+            return tag
+        except Exception:  # docker.errors.ImageNotFound: build it below
+            pass
+    with tempfile.TemporaryDirectory(prefix="agent-rl-sandbox-image-") as tmp:
+        tar_path = Path(tmp) / "rootfs.tar"
+        _write_rootfs(tar_path)
+        repository, name = tag.split(":")
+        client.api.import_image_from_file(
+            str(tar_path), repository=repository, tag=name,
+            changes=["USER 65534:65534", "WORKDIR /work", f'CMD ["{PYTHON}"]',
+                     f"LABEL agent-rl-sandbox.python={_python_version()}"])
+    client.images.get(tag)
+    return tag
+
+
+def _python_version() -> str:
+    out = subprocess.run([PYTHON, "-I", "-S", "-c", "import sys; print(sys.version.split()[0])"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def _write_rootfs(tar_path: Path) -> None:
+    real_python = os.path.realpath(PYTHON)
+    version = os.path.basename(real_python)  # python3.11
+    stdlib = Path("/usr/lib") / version
+    files = {real_python}
+    for path in stdlib.rglob("*"):
+        if path.is_file() and not path.is_symlink() and "site-packages" not in path.parts \
+                and "dist-packages" not in path.parts:
+            files.add(str(path))
+    extensions = [real_python, *(str(p) for p in (stdlib / "lib-dynload").glob("*.so"))]
+    ldd = subprocess.run(["ldd", *extensions], capture_output=True, text=True)
+    libraries = set(re.findall(r"(/\S+\.so[.\d]*)\s", ldd.stdout))
+    links: dict[str, str] = {PYTHON: os.path.basename(real_python)}
+    for lib in libraries:  # keep each library's symlink chain, resolved through the usrmerge links
+        path = os.path.join(os.path.realpath(os.path.dirname(lib)), os.path.basename(lib))
+        while os.path.islink(path):
+            target = os.readlink(path)
+            links[path] = target
+            path = os.path.join(os.path.dirname(path), target)
+            path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        files.add(path)
+    top_links = {f"/{n}": os.readlink(f"/{n}") for n in ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+                 if os.path.islink(f"/{n}")}
+    passwd = b"root:x:0:0:root:/root:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/work:/usr/sbin/nologin\n"
+    group = b"root:x:0:\nnogroup:x:65534:\n"
+
+    def add_dir(tar: tarfile.TarFile, name: str, mode: int = 0o755) -> None:
+        info = tarfile.TarInfo(name.lstrip("/"))
+        info.type, info.mode = tarfile.DIRTYPE, mode
+        tar.addfile(info)
+
+    with tarfile.open(tar_path, "w") as tar:
+        dirs = {"/etc", "/work", "/sandbox", "/proc", "/sys", "/dev"}
+        for path in files | set(links):
+            parent = os.path.dirname(path)
+            while parent != "/" and parent not in top_links:
+                dirs.add(parent)
+                parent = os.path.dirname(parent)
+        for d in sorted(dirs):
+            add_dir(tar, d)
+        add_dir(tar, "/tmp", 0o1777)
+        for name, target in {**top_links, **links}.items():
+            info = tarfile.TarInfo(name.lstrip("/"))
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+        for path in sorted(files):
+            tar.add(path, arcname=path.lstrip("/"), recursive=False)
+        for name, data in (("etc/passwd", passwd), ("etc/group", group)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _probe_docker() -> bool:
+    try:
+        build_image(_docker())
+    except Exception as exc:  # engine down, SDK missing, build failed
+        _UNAVAILABLE_WHY["docker"] = str(exc)
+        return False
+    result = _run_docker("print('ok')", {}, Limits(wall_s=60))  # bind mounts need a local engine
+    if result.status != "ok" or result.stdout != "ok\n":
+        _UNAVAILABLE_WHY["docker"] = f"a trivial program failed in Docker: {result.status}: " \
+                                     f"{result.detail or result.stderr[-500:]}"
+        return False
+    return True
+
+
+def _docker_api_errors() -> tuple[type[BaseException], ...]:
+    import docker.errors
+    import requests.exceptions
+    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
+def _run_docker(code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
+    try:
+        client = _docker()
+    except _DockerUnavailable as exc:
+        return _failed("docker", str(exc))
+    import docker.errors
+    from docker.types import LogConfig, Ulimit
+    from docker.utils.socket import frames_iter
+
+    errors = _docker_api_errors()
+    workdir = _WorkDir(code, files, GUEST_UID)
+    container = None
+    cpu, disk = _cpu_rlimit(limits), limits.disk_mb * _MIB
+    try:
+        try:
+            container = client.containers.create(
+                image_tag(), [PYTHON, *_GUEST_ARGS, "/sandbox/main.py"],
+                user=f"{GUEST_UID}:{GUEST_UID}", working_dir="/work", environment=_guest_env("/work"),
+                network_mode="none", read_only=True, init=True, cap_drop=["ALL"],
+                security_opt=["no-new-privileges"], ipc_mode="private", shm_size=disk,
+                mem_limit=limits.memory_mb * _MIB, memswap_limit=limits.memory_mb * _MIB,
+                pids_limit=limits.processes + 1,  # the init process counts too
+                nano_cpus=1_000_000_000,
+                ulimits=[Ulimit(name="cpu", soft=cpu, hard=cpu + 1),
+                         Ulimit(name="fsize", soft=disk, hard=disk), Ulimit(name="core", soft=0, hard=0)],
+                volumes={str(workdir.prog): {"bind": "/sandbox", "mode": "ro"},
+                         str(workdir.work): {"bind": "/work", "mode": "rw"}},
+                log_config=LogConfig(type="none"), labels={IMAGE_REPOSITORY: "run"},
+                stdin_open=False, tty=False)
+            sock = container.attach_socket(params={"stdout": 1, "stderr": 1, "stream": 1})
+        except docker.errors.ImageNotFound:
+            return _failed("docker", f"image {image_tag()} missing: run envs.sandbox.build_image() "
+                                     "or .ci/sandbox_image.sh")
+        except errors as exc:
+            return _failed("docker", f"could not create the container: {exc}")
+
+        def kill() -> None:
+            try:
+                container.kill()
+            except errors:
+                pass
+
+        watch = _Watch(limits, kill)
+
+        def pump() -> None:
+            try:
+                for stream, data in frames_iter(sock, tty=False):
+                    watch.feed(watch.stdout if stream == 1 else watch.stderr, data)
+            except (OSError, ValueError):
+                pass
+
+        reader = threading.Thread(target=pump, daemon=True, name="sandbox-output")
+        reader.start()
+        since = time.time()
+        t0 = time.monotonic()
+        try:
+            container.start()
+            monitor = watch.monitor(t0 + limits.wall_s, workdir)
+            exit_code = container.wait(timeout=limits.wall_s + 60)["StatusCode"]
+            wall_s = time.monotonic() - t0
+            watch.finish()
+            reader.join(timeout=10)
+            monitor.join()
+            container.reload()
+        except docker.errors.NotFound:
+            return _failed("docker", "the container vanished mid-run", time.monotonic() - t0)
+        except errors as exc:
+            return _failed("docker", f"the engine failed mid-run: {exc}", time.monotonic() - t0)
+        finally:
+            watch.finish()
+            try:
+                sock.close()
+            except OSError:
+                pass
+        state = container.attrs["State"]
+        failure = ""
+        if watch.stopped is None and exit_code > 128 and not state.get("OOMKilled"):
+            try:  # a signal death: the guest's own, or a kill through the engine's API?
+                kills = list(client.api.events(since=f"{since:.6f}", until=f"{time.time():.6f}",
+                                               decode=True, filters={"container": container.id,
+                                                                     "event": "kill"}))
+            except errors as exc:
+                kills, failure = [], f"the engine failed after the run: {exc}"
+            if kills:
+                failure = f"the container was killed from outside (exit code {exit_code})"
+        outcome = _Outcome(exit_code=exit_code, stopped=watch.stopped,
+                           stderr=watch.stderr.decode("utf-8", "replace"), failure=failure,
+                           oom=bool(state.get("OOMKilled")), disk_used=workdir.usage())
+        return _result(outcome, watch, wall_s, "docker", workdir)
+    finally:
+        if container is not None:
+            try:
+                container.remove(force=True)
+            except errors:
+                pass
+        workdir.cleanup()
+
+
+_RUNNERS: dict[str, Callable[[str, dict[str, bytes], Limits], SandboxResult]] = {
+    "subprocess": _run_subprocess, "bwrap": _run_bwrap, "docker": _run_docker}
+_PROBES: dict[str, Callable[[], bool]] = {
+    "subprocess": lambda: os.path.exists(PYTHON), "bwrap": _probe_bwrap, "docker": _probe_docker}
+_AVAILABLE: dict[str, bool] = {}
+_UNAVAILABLE_WHY: dict[str, str] = {"subprocess": f"{PYTHON} not found"}
+_AVAILABLE_LOCK = threading.RLock()

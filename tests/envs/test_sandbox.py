@@ -1,0 +1,491 @@
+"""envs.sandbox: an escape corpus over the isolating backends (bwrap, docker), the resource cases
+over every backend, the sandbox's own failures, and input checks that run nothing.
+
+A backend that is not available here skips with the reason (CI starts dockerd and installs
+bubblewrap first, so both run there)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+import envs.sandbox as sandbox
+from envs.sandbox import Limits, SandboxResult, available, run
+
+REPO = Path(__file__).resolve().parents[2]
+ISOLATING = ("bwrap", "docker")
+
+
+def _need(backend: str) -> str:
+    if not available(backend):
+        pytest.skip(f"{backend} sandbox unavailable: {sandbox.unavailable_reason(backend)}")
+    return backend
+
+
+@pytest.fixture(params=sandbox.BACKENDS)
+def backend(request) -> str:
+    return _need(request.param)
+
+
+@pytest.fixture(params=ISOLATING)
+def isolating(request) -> str:
+    return _need(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_subprocess_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "envs.sandbox: the 'subprocess' backend", RuntimeWarning)
+        yield
+
+
+def _marked(marker: str) -> str:
+    """Code naming the guest's processes ``marker`` (children inherit it), to find survivors."""
+    return f"import ctypes\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
+
+
+def _live(marker: str) -> list[int]:
+    """Live (not zombie) processes named ``marker``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if comm == marker and state not in "ZX":
+            out.append(int(pid))
+    return out
+
+
+def _assert_no_survivors(marker: str) -> None:
+    deadline = time.monotonic() + 1.0  # SIGKILLed processes may take a moment to exit
+    while (left := _live(marker)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert left == [], f"processes outlived the run: {left}"
+
+
+def _marker() -> str:
+    return "sbx" + uuid.uuid4().hex[:10]
+
+
+def _cgroups_here() -> set[str]:
+    cgroup = sandbox._Cgroup(1, 1 << 30)
+    cgroup.close()
+    return set(cgroup.dirs)
+
+
+# --- normal programs -------------------------------------------------------------------------
+
+def test_normal_program(backend):
+    code = ("import os, sys\n"
+            "print(open('data.txt').read().upper(), sorted(os.listdir('.')))\n"
+            "open('out.txt', 'w').write('made')\n"
+            "open('sub/changed.txt', 'a').write('+')\n"
+            "open('conftest.py', 'w').write('import pytest')\n"
+            "os.remove('gone.txt')\n"
+            "sys.stderr.write('to stderr')\n")
+    files = {"data.txt": "hello", "sub/changed.txt": b"v1", "sub/same.txt": "kept", "gone.txt": ""}
+    r = run(code, files=files, backend=backend)
+    assert r == SandboxResult(status="ok", stdout="HELLO ['data.txt', 'gone.txt', 'sub']\n",
+                              stderr="to stderr", exit_code=0, wall_s=r.wall_s, backend=backend,
+                              files_written=("conftest.py", "out.txt", "sub/changed.txt"),
+                              detail="")
+    assert 0 < r.wall_s < 10
+
+
+def test_runtime_error_and_exit_code(backend):
+    r = run("import sys\nprint('before')\nsys.exit(7)", backend=backend)
+    assert (r.status, r.exit_code, r.stdout, r.detail) == ("runtime_error", 7, "before\n", "exit code 7")
+    r = run("raise ValueError('boom')", backend=backend)
+    assert r.status == "runtime_error" and r.exit_code == 1 and "ValueError: boom" in r.stderr
+    r = run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", backend=backend)
+    assert (r.status, r.exit_code, r.detail) == ("runtime_error", 128 + 11, "killed by SIGSEGV")
+
+
+def test_guest_interpreter_is_isolated_python(backend):
+    code = ("import os, sys\n"
+            "print(sys.flags.isolated, sys.flags.no_site, sys.executable, os.getcwd() in sys.path, "
+            "'' in sys.path, any('site-packages' in p or 'venv' in p for p in sys.path), "
+            "sorted(k for k in os.environ if k.startswith(('PYTHON', 'VIRTUAL'))))\n"
+            "print(os.getuid() if os.getuid() != 65534 else 'nobody')\n")
+    r = run(code, backend=backend)
+    assert r.status == "ok", r.stderr
+    first, second = r.stdout.splitlines()
+    assert first == "1 1 /usr/bin/python3 False False False []"
+    assert second == ("nobody" if os.geteuid() == 0 or backend == "docker" else str(os.getuid()))
+
+
+def test_runs_at_once_stay_apart(backend):
+    results: dict[int, SandboxResult] = {}
+
+    def one(i: int) -> None:
+        results[i] = run(f"print(open('n.txt').read() * 2)\nopen('w{i}', 'w')", files={"n.txt": str(i)},
+                         backend=backend)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, r in results.items():
+        assert (r.status, r.stdout, r.files_written) == ("ok", f"{i}{i}\n", (f"w{i}",))
+
+
+# --- the escape corpus: bwrap and docker -----------------------------------------------------
+
+_CONNECT = """
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=3)
+    print("connected")
+except OSError as exc:
+    print("failed", type(exc).__name__)
+"""
+
+
+def _listener() -> socket.socket:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.setblocking(False)
+    return srv
+
+
+def test_no_tcp_to_the_host(isolating):
+    with _listener() as srv:
+        r = run(_CONNECT.format(port=srv.getsockname()[1]), backend=isolating)
+        assert r.status == "ok", r.stderr
+        assert r.stdout.startswith("failed"), r.stdout
+        with pytest.raises(BlockingIOError):
+            srv.accept()  # nothing reached the listener
+
+
+def test_subprocess_backend_is_not_isolation():
+    """The same probes succeed under ``subprocess``: proof that the corpus can fail."""
+    with _listener() as srv:
+        r = run(_CONNECT.format(port=srv.getsockname()[1]), backend="subprocess")
+        assert r.stdout == "connected\n"
+        srv.settimeout(5)
+        srv.accept()[0].close()
+    r = run(f"print(open({str(REPO / 'pyproject.toml')!r}).read())", backend="subprocess")
+    assert 'name = "agent-rl"' in r.stdout
+
+
+def test_no_name_resolution(isolating):
+    code = ("import socket\n"
+            "for host in ('pypi.org', 'example.com'):\n"
+            "    try:\n"
+            "        print(host, socket.getaddrinfo(host, 443))\n"
+            "    except OSError as exc:\n"
+            "        print(host, 'failed', type(exc).__name__)\n")
+    r = run(code, backend=isolating)
+    assert r.status == "ok", r.stderr
+    assert r.stdout.splitlines() == ["pypi.org failed gaierror", "example.com failed gaierror"]
+
+
+def test_files_outside_the_work_dir_are_invisible(isolating, tmp_path):
+    secret = uuid.uuid4().hex
+    planted = [tmp_path / "sentinel.txt", Path("/root") / f"agent-rl-sandbox-sentinel-{secret[:8]}"]
+    targets = [*map(str, planted), str(REPO / "pyproject.toml"), "/etc/shadow",
+               f"/proc/{os.getpid()}/environ"]
+    try:
+        for path in planted:
+            path.write_text(secret)
+        code = ("import os\n"
+                f"for path in {targets!r}:\n"
+                "    try:\n"
+                "        print(path, 'READ', open(path).read())\n"
+                "    except OSError as exc:\n"
+                "        print(path, type(exc).__name__)\n"
+                f"for d in {[str(tmp_path), '/root', str(REPO), '/tmp']!r}:\n"
+                "    try:\n"
+                "        print(d, os.listdir(d))\n"
+                "    except OSError as exc:\n"
+                "        print(d, type(exc).__name__)\n")
+        r = run(code, backend=isolating)
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)
+    assert r.status == "ok", r.stderr
+    out = r.stdout + r.stderr
+    assert secret not in out and "READ" not in out and 'name = "agent-rl"' not in out, out
+    lines = r.stdout.splitlines()
+    assert all(line.endswith(("FileNotFoundError", "PermissionError")) for line in lines[:len(targets)])
+
+
+def test_writes_outside_the_work_dir_fail(isolating, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    stray = Path("/tmp") / f"agent-rl-sandbox-stray-{uuid.uuid4().hex[:8]}"
+    targets = [str(victim), str(stray), "/usr/lib/agent-rl-evil", "/sandbox/main.py", "/evil",
+               "/etc/passwd", "/dev/evil"]
+    code = (f"for path in {targets!r}:\n"
+            "    try:\n"
+            "        open(path, 'a').write('pwned')\n"
+            "        print(path, 'WROTE')\n"
+            "    except OSError as exc:\n"
+            "        print(path, type(exc).__name__)\n")
+    r = run(code, backend=isolating)
+    assert r.status == "ok", r.stderr
+    assert "WROTE" not in r.stdout, r.stdout
+    assert victim.read_text() == "original"
+    assert not stray.exists() and not Path("/usr/lib/agent-rl-evil").exists() and not Path("/evil").exists()
+
+
+# --- resource cases: every backend -----------------------------------------------------------
+
+@pytest.mark.slow
+def test_fork_bomb(backend):
+    marker = _marker()
+    code = _marked(marker) + ("import os\n"
+                              "while True:\n"
+                              "    try:\n"
+                              "        os.fork()\n"
+                              "    except OSError:\n"
+                              "        os._exit(3)\n")
+    r = run(code, limits=Limits(wall_s=20, processes=32), backend=backend)
+    assert r.status in ("resource_limit", "runtime_error"), r
+    assert r.wall_s < 20
+    _assert_no_survivors(marker)
+
+
+@pytest.mark.slow
+def test_fork_bomb_that_swallows_errors_ends_at_the_wall_clock(backend):
+    if backend == "subprocess" and "pids" not in _cgroups_here():
+        pytest.skip("no pids cgroup here: the subprocess backend cannot find processes that "
+                    "left its session")
+    marker = _marker()
+    code = _marked(marker) + ("import os, time\n"
+                              "while True:\n"
+                              "    try:\n"
+                              "        if os.fork() == 0:\n"
+                              "            os.setsid()\n"
+                              "    except OSError:\n"
+                              "        time.sleep(0.01)\n")
+    r = run(code, limits=Limits(wall_s=2, processes=32), backend=backend)
+    assert r.status == "timeout" and r.exit_code is None, r
+    _assert_no_survivors(marker)
+
+
+def test_allocate_10_gb(backend):
+    r = run("x = b'x' * (10 * 1024 ** 3)\nprint('allocated')", backend=backend)
+    assert r.status == "resource_limit" and r.detail == "memory over 512 MiB", r
+    assert "allocated" not in r.stdout
+
+
+@pytest.mark.slow
+def test_memory_limit_covers_every_process(backend):
+    """Four processes of 200 MB each under a 300 MB limit: one cgroup/container, not per process."""
+    if backend != "docker" and "memory" not in _cgroups_here():
+        pytest.skip("no writable memory cgroup here: only the per-process RLIMIT_AS applies")
+    code = ("import os, time\n"
+            "for _ in range(4):\n"
+            "    if os.fork() == 0:\n"
+            "        x = b'x' * (200 * 1024 ** 2)\n"
+            "        time.sleep(3)\n"
+            "        os._exit(0)\n"
+            "codes = [os.waitstatus_to_exitcode(os.wait()[1]) for _ in range(4)]\n"
+            "raise SystemExit(1 if any(codes) else 0)\n")
+    r = run(code, limits=Limits(memory_mb=300), backend=backend)
+    assert r.status == "resource_limit" and r.detail == "memory over 300 MiB", r
+
+
+@pytest.mark.slow
+def test_busy_loop_and_sleep_hit_the_wall_clock(backend):
+    for code in ("while True: pass", "import time\ntime.sleep(3600)"):
+        marker = _marker()
+        child = "import os, time\nif os.fork() == 0:\n    time.sleep(3600)\n"  # a background child
+        r = run(_marked(marker) + child + code, limits=Limits(wall_s=1.5, cpu_s=60), backend=backend)
+        assert r.status == "timeout" and r.detail == "wall time over 1.5 s", r
+        assert 1.5 <= r.wall_s < 1.5 + 1.5
+        _assert_no_survivors(marker)
+
+
+@pytest.mark.slow
+def test_cpu_limit(backend):
+    r = run("while True: pass", limits=Limits(wall_s=20, cpu_s=1), backend=backend)
+    assert r.status == "timeout" and r.detail == "CPU time over 1 s", r
+    assert r.wall_s < 10
+
+
+def test_print_100_mb(backend):
+    code = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1024 ** 2)\nprint('done')"
+    r = run(code, backend=backend)
+    assert r.status == "resource_limit", r.status
+    assert r.detail == "output over 1000000 bytes on stdout or stderr"
+    assert r.stdout == "x" * 1_000_000 and r.exit_code is None
+
+
+def test_output_is_decoded_with_replacement(backend):
+    r = run("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe end')", backend=backend)
+    assert (r.status, r.stdout) == ("ok", "ok \ufffd\ufffd end")
+
+
+@pytest.mark.slow
+def test_disk_limit(backend):
+    one_file = "open('big', 'wb').write(b'x' * 200 * 1024 ** 2)\nprint('wrote')"
+    many = ("for i in range(200):\n"
+            "    with open(f'part{i}', 'wb') as f:\n"
+            "        f.write(b'x' * 1024 ** 2)\n"
+            "print('wrote')")
+    r = run(one_file, limits=Limits(disk_mb=64, wall_s=30), backend=backend)
+    assert r.status == "resource_limit" and "64 MiB" in r.detail, r
+    assert "wrote" not in r.stdout and "File too large" in r.stderr
+    r = run(many, limits=Limits(disk_mb=64, wall_s=30), backend=backend)
+    assert r.status == "resource_limit" and r.detail == "work dir over 64 MiB", r
+
+
+# --- the sandbox's own failures --------------------------------------------------------------
+
+def _children_named(name: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if comm == name and ppid == os.getpid():
+            out.append(int(pid))
+    return out
+
+
+def _kill_engine_soon(backend: str, marker: str) -> threading.Thread:
+    """Kill our bwrap, or remove the container running ``marker``, once the program runs."""
+    def kill() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            if backend == "bwrap":
+                found = _children_named("bwrap")
+                for pid in found:
+                    os.kill(pid, 9)
+            else:
+                import docker
+                client = docker.from_env(version="auto")
+                found = [c for c in client.containers.list(filters={"label": sandbox.IMAGE_REPOSITORY})
+                         if marker in str(c.top(ps_args="-o pid,comm"))]
+                for container in found:
+                    container.remove(force=True)
+            if found:
+                return
+
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_run_is_a_sandbox_error(isolating):
+    marker = _marker()
+    killer = _kill_engine_soon(isolating, marker)
+    r = run(_marked(marker) + "import time\nprint('started', flush=True)\ntime.sleep(60)",
+            limits=Limits(wall_s=30), backend=isolating)
+    killer.join()
+    assert r.status == "sandbox_error" and r.exit_code is None and r.wall_s < 15, r
+    assert r.detail in ("bwrap was killed by SIGKILL", "the container vanished mid-run",
+                        "the container was killed from outside (exit code 137)")
+    _assert_no_survivors(marker)
+
+
+def test_docker_engine_unreachable_or_image_missing(monkeypatch):
+    _need("docker")
+    import docker
+    monkeypatch.setattr(sandbox, "image_tag", lambda: "agent-rl-sandbox:no-such-tag")
+    r = run("print(1)", backend="docker")
+    assert r.status == "sandbox_error" and "agent-rl-sandbox:no-such-tag missing" in r.detail
+    monkeypatch.setattr(sandbox, "_DOCKER_CLIENT", docker.DockerClient(
+        base_url="unix:///nonexistent/docker.sock", version="1.41"))
+    r = run("print(1)", backend="docker")
+    assert r.status == "sandbox_error" and r.detail.startswith("could not create the container")
+
+
+def test_bwrap_that_cannot_start_is_a_sandbox_error(monkeypatch):
+    _need("bwrap")
+    monkeypatch.setattr(sandbox, "PYTHON", "/usr/bin/no-such-python")
+    r = run("print(1)", backend="bwrap")
+    assert r.status == "sandbox_error" and r.detail.startswith("bwrap failed to start the program")
+    assert "no-such-python" in r.detail
+
+
+# --- inputs, checked before anything runs ----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../up.txt", "a/../../b", "a/../b/../../c", "",
+                                  ".", "./", "x\x00y"])
+def test_bad_file_names_raise_before_running(name, monkeypatch):
+    monkeypatch.setattr(sandbox, "_WorkDir", None)  # anything that ran would fail on this
+    with pytest.raises(ValueError, match="file name"):
+        run("print(1)", files={"ok.txt": "", name: "x"}, backend="subprocess")
+
+
+def test_conflicting_file_names_raise(monkeypatch):
+    monkeypatch.setattr(sandbox, "_WorkDir", None)
+    with pytest.raises(ValueError, match="also given as a file"):
+        run("", files={"a": "", "a/b": ""}, backend="subprocess")
+    with pytest.raises(ValueError, match="given twice"):
+        run("", files={"a/b": "", "a/./b": ""}, backend="subprocess")
+    with pytest.raises(TypeError, match="content must be str or bytes"):
+        run("", files={"a": 3}, backend="subprocess")
+    with pytest.raises(ValueError, match="unknown sandbox backend 'gvisor'"):
+        run("", backend="gvisor")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("wall_s", 0), ("wall_s", -1.0), ("cpu_s", float("nan")), ("cpu_s", float("inf")),
+    ("memory_mb", 1.5), ("memory_mb", "512"), ("processes", True), ("processes", 0),
+    ("output_bytes", -5), ("disk_mb", None),
+])
+def test_bad_limits_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^Limits\.{field} must be a positive"):
+        Limits(**{field: value})
+
+
+def test_limits_are_frozen_keywords():
+    assert Limits(wall_s=2).wall_s == 2 and Limits().memory_mb == 512
+    with pytest.raises(TypeError):
+        Limits(5)  # keywords only
+    with pytest.raises(AttributeError):
+        Limits().wall_s = 1  # frozen
+    with pytest.raises(TypeError, match="Limits"):
+        run("", limits={"wall_s": 1}, backend="subprocess")
+
+
+def test_subprocess_backend_warns_once(monkeypatch):
+    monkeypatch.setattr(sandbox, "_WARNED_SUBPROCESS", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run("pass", backend="subprocess").status == "ok"
+        assert run("pass", backend="subprocess").status == "ok"
+    assert [str(w.message)[:60] for w in caught] == [
+        "envs.sandbox: the 'subprocess' backend is not an isolation b"]
+
+
+def test_auto_prefers_docker_then_bwrap(monkeypatch):
+    really = {b: available(b) for b in ISOLATING}
+    monkeypatch.setattr(sandbox, "_AVAILABLE", {"docker": False, "bwrap": False, "subprocess": True})
+    assert run("pass").backend == "subprocess"
+    for b in ("bwrap", "docker"):
+        if really[b]:
+            monkeypatch.setitem(sandbox._AVAILABLE, b, True)
+            assert run("pass").backend == b
+
+
+def test_prctl_marker_works_on_this_host():
+    """The survivor checks above name processes with prctl(PR_SET_NAME); make sure they can."""
+    libc = ctypes.CDLL(None)
+    comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+    old = comm.read_text().strip()
+    assert libc.prctl(15, b"sbxselfcheck", 0, 0, 0) == 0
+    try:
+        assert comm.read_text().strip() == "sbxselfcheck"
+    finally:
+        libc.prctl(15, old.encode(), 0, 0, 0)
