@@ -199,8 +199,11 @@ def save_model(name: str, folder: Path) -> str:
 def run_side(python: str, side: str, model_dir: str, adapter: str, steps: int, seed: int) -> list[dict]:
     spec = json.dumps({"side": side, "model_dir": model_dir, "adapter": adapter, "steps": steps,
                        "seed": seed})
+    # a run is one process of its own: never a rank of a world the caller's environment names
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run([python, __file__, "--worker", spec], capture_output=True, text=True,
-                          cwd=ROOT)
+                          cwd=ROOT, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{side} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["steps"]
