@@ -120,8 +120,10 @@ class KLSection(_Section):
 
 class LossSection(_Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_high: float = Field(0.28, ge=0.0)
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="lower clip bound 1 - clip_low (1.0: none, as MiniMax-M1's CISPO)")
+    clip_high: float = Field(0.28, ge=0.0, description="upper clip bound 1 + clip_high")
+    ratio: Literal["token", "sequence"] = Field("token", description="token: r_t = pi/pi_old per token (PPO/GRPO); sequence: GSPO's length-normalised sequence ratio s_b, one clip decision per sequence (GSPO clips at about 3e-4 / 4e-4, not 0.2 / 0.28)")
+    objective: Literal["ppo_clip", "cispo"] = Field("ppo_clip", description="with q the loss.ratio: ppo_clip: -min(q A, clip(q) A); cispo (MiniMax-M1): -sg[clip(q)] A logp, a clipped IS weight that never drops a token's gradient (agent_rl.grpo)")
     kl: KLSection = Field(default_factory=KLSection)
 
 

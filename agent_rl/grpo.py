@@ -24,23 +24,68 @@ A group with equal rewards carries no learning signal; its advantages are set to
 DAPO's dynamic sampling drops such groups in the rollout; here they are only counted
 (`all_correct`: saturated, `all_wrong`: under-explored, `zero_contrast_other`).
 
-Policy loss (`policy_loss`), per valid token t of sequence b (mask m_bt = 1):
+Policy loss (`policy_loss`), per valid token t of sequence b (mask m_bt = 1, |y_b| = sum_t
+m_bt valid tokens, sg[.] = stop-gradient, clip(x) = clip(x, 1 - clip_low, 1 + clip_high)):
 
-    r_bt = exp(logp_bt - old_logp_bt)
-    l_bt = -min(r_bt * A_b, clip(r_bt, 1 - clip_low, 1 + clip_high) * A_b) + beta * kl_bt
+    r_bt = exp(logp_bt - old_logp_bt)                                  the token ratio
 
-with the PPO clip made asymmetric by DAPO's clip-higher (clip_high > clip_low keeps
-low-probability tokens able to rise). The KL term is against a *fixed reference* policy,
-with Schulman's estimators of KL(pi || ref) on d = ref_logp - logp:
+The ratio each token uses, q_bt (``ratio``):
+
+    token     q_bt = r_bt                                            (PPO, GRPO, DAPO)
+    sequence  s_b    = exp( sum_t m_bt (logp_bt - old_logp_bt) / |y_b| )
+              q_bt = sg[s_b] * exp(logp_bt - sg[logp_bt])            (GSPO-token)
+
+s_b is GSPO's length-normalised sequence likelihood ratio (Zheng et al. 2025, "Group Sequence
+Policy Optimization"), the geometric mean of the sequence's token ratios. q_bt is GSPO-token's
+s_{i,t}: its value is s_b on every token of b, and d q_bt / d logp_bu = s_b [u = t], so the
+gradient flows through every token with the sequence's weight. With one advantage per
+sequence and ``seq_mean_token_mean`` this is GSPO itself: loss = -mean_b min(s_b A_b,
+clip(s_b) A_b) with gradient -mean_b s_b A_b (1/|y_b|) sum_t grad logp_bt over the unclipped
+sequences, as in the paper; clipping is a whole-sequence decision.
+
+The per-token loss (``objective``), before the KL term and the aggregation:
+
+    ppo_clip  l_bt = -min(q_bt * A_bt, clip(q_bt) * A_bt)
+    cispo     l_bt = -sg[clip(q_bt)] * A_bt * logp_bt
+
+ppo_clip is the PPO clip made asymmetric by DAPO's clip-higher (clip_high > clip_low keeps
+low-probability tokens able to rise); a clipped token has zero gradient. cispo is MiniMax-M1's
+CISPO (2025): the clipped importance weight is a constant times the log-prob (REINFORCE with a
+truncated IS weight), so its gradient is -A_bt clip(q_bt) grad logp_bt and no token ever
+loses its gradient, only its weight is bounded. Its loss *value* is that score-function
+surrogate, -w A logp: only its gradient means something, and ``loss/policy`` is not comparable
+with ppo_clip's (which is -A at ratio 1). Both bounds apply; MiniMax-M1 uses only the upper one
+in practice (no lower clip): ``clip_low=1.0`` reproduces that (the bound 0 never binds);
+its normalisation is ``token_mean`` (a sum over all tokens of the batch / their count).
+
+Every loss adds the KL to a *fixed reference* policy, beta * kl_bt, with Schulman's estimators
+of KL(pi || ref) on d = ref_logp - logp:
 
     k1 = -d,    k2 = d**2 / 2,    k3 = exp(d) - 1 - d      (k3: GRPO's choice)
 
-Aggregation over tokens, with per-sequence weights w_b (default 1):
+Aggregation over tokens, with per-sequence weights w_b (default 1), for every ratio and
+objective:
 
     token_mean              sum_bt w_b l_bt m_bt / sum_bt m_bt               (DAPO)
-    seq_mean_token_mean     mean_b w_b sum_t l_bt m_bt / sum_t m_bt          (GRPO)
+    seq_mean_token_mean     mean_b w_b sum_t l_bt m_bt / sum_t m_bt          (GRPO, GSPO)
                             (sequences without valid tokens leave the mean)
     seq_mean_token_sum_norm mean_b w_b sum_t l_bt m_bt / max_len             (Dr. GRPO)
+
+Where ``ratio="sequence"`` departs from GSPO: the aggregation still follows the argument
+(GSPO's own is ``seq_mean_token_mean``; ``token_mean`` weights each sequence's term by its
+length); per-token advantages A_bt, if given, are used per token (GSPO-token's form; GSPO
+proper has one A_b per sequence); the clip bounds are the same two arguments, and GSPO's are
+hundreds of times narrower than token-level ones (its paper: 3e-4 / 4e-4; the token defaults
+0.2 / 0.28 rarely bind on a geometric mean). ``ratio="sequence"`` with ``cispo`` is
+defined by the same table: every token of b has the weight sg[clip(s_b)], a sequence-level
+truncated IS weight (neither paper runs this pair).
+
+Metrics, over valid tokens: ``ratio/min|mean|max`` of q_bt (sequence: s_b, counted once per
+token); ``clip/low_frac`` and ``clip/high_frac`` the share of tokens whose ratio (token: r_bt;
+sequence: their sequence's s_b) was clipped at the lower / upper bound: for ppo_clip only where
+the clip binds (A < 0 below 1 - clip_low, A > 0 above 1 + clip_high: the tokens without a
+gradient), for cispo wherever the weight was bounded, whatever the sign of A; ``kl/approx``
+is k3 on the token log-ratios (KL(old || new)) in every mode.
 
 Rollout/trainer mismatch (``behaviour_correction``). The rollout engine (vLLM, a bf16 or a
 lagging weight copy) samples token t with log-prob mu_t; the trainer, before its update, gives
@@ -52,8 +97,11 @@ the same token prox_t (its own numerics, its current weights). With rho_t = exp(
     mask   the ratio is taken against prox, and tokens with rho_t outside [1/C, C] get
            weight 0 (they stay in token_mean's count, so micro-batches still add up)
 
-The weights multiply the clipped surrogate only (not the KL-to-reference term) and are
-constants. |prox - mu| over trained tokens is reported as ``rollout/logprob_diff_mean|max``.
+The weights are constants and multiply each token's policy term l_bt only (ppo_clip or cispo,
+either ratio), never the KL-to-reference term. Under ``ratio="sequence"`` s_b is still taken
+over every valid token (against old_logp = prox under tis and mask): a token masked to weight
+0 still counts in its sequence's ratio, but adds no term of its own to the loss.
+|prox - mu| over trained tokens is reported as ``rollout/logprob_diff_mean|max``.
 
 Departures: advantages may also be given per token ([B, T]); the per-sequence weights
 (session weighting) are ours; a batch with no valid token gives loss 0.0 that is still
@@ -71,6 +119,8 @@ import torch.nn.functional as F
 STD_MODES = ("population", "sample", "none")
 SCALE_MODES = ("group", "batch")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+RATIOS = ("token", "sequence")
+OBJECTIVES = ("ppo_clip", "cispo")
 KL_ESTIMATORS = {
     "k1": lambda d: -d,
     "k2": lambda d: d.pow(2) / 2,
@@ -196,15 +246,20 @@ def policy_loss(
     weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    ratio: str = "token",
+    objective: str = "ppo_clip",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate loss (scalar, differentiable in `logprobs`) and float metrics.
+    """Policy loss (scalar, differentiable in `logprobs`) and float metrics (module docstring).
 
     Shapes: logprobs, old_logprobs, mask, ref_logprobs, entropy, token_weights `[B, T]`;
-    advantages `[B]` or `[B, T]`; weights `[B]`. ``token_weights`` (from
-    ``behaviour_correction``) multiply each token's surrogate. With no valid token the loss is 0.0 (graph intact) and the
-    metrics are neutral: fractions and KLs 0.0, ratio stats 1.0, tokens 0.0.
+    advantages `[B]` or `[B, T]`; weights `[B]`. ``ratio``: token | sequence (GSPO);
+    ``objective``: ppo_clip | cispo. ``token_weights`` (from ``behaviour_correction``)
+    multiply each token's policy term. With no valid token the loss is 0.0 (graph intact) and
+    the metrics are neutral: fractions and KLs 0.0, ratio stats 1.0, tokens 0.0.
     """
     _choice("aggregation", aggregation, AGGREGATIONS)
+    _choice("ratio", ratio, RATIOS)
+    _choice("objective", objective, OBJECTIVES)
     _choice("kl", kl, tuple(KL_ESTIMATORS))
     if beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (the fixed reference policy)")
@@ -225,11 +280,19 @@ def policy_loss(
     adv = adv.expand_as(logprobs)  # [B, T]
     w = logprobs.new_ones(B) if weights is None else weights.to(logprobs.dtype)  # [B]
 
-    # Padding may hold any value; zero its log-ratios so exp() cannot overflow into NaN.
+    # Padding may hold any value; zero it (and its log-ratios) so exp() cannot overflow into NaN.
+    logp = torch.where(valid, logprobs, 0.0)  # [B, T]
     log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)  # [B, T]
-    ratio = torch.exp(log_ratio)  # [B, T]
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
-    loss_t = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if ratio == "token":
+        q = torch.exp(log_ratio)  # [B, T] r_bt
+    else:  # GSPO-token: the value s_b on every token, the gradient s_b * grad logp_bt
+        log_s = log_ratio.sum(-1) / m.sum(-1).clamp(min=1)  # [B] log s_b (0 for an empty row)
+        q = torch.exp(log_s.detach().unsqueeze(-1) + logp - logp.detach())  # [B, T]
+    lo, hi = 1 - clip_low, 1 + clip_high
+    if objective == "ppo_clip":
+        loss_t = -torch.minimum(q * adv, q.clamp(lo, hi) * adv)  # [B, T]
+    else:  # cispo: a constant clipped IS weight times the log-prob
+        loss_t = -q.detach().clamp(lo, hi) * adv * logp  # [B, T]
     if token_weights is not None:
         loss_t = loss_t * token_weights.detach().to(loss_t.dtype)  # [B, T]
     if ref_logprobs is not None:
@@ -251,12 +314,15 @@ def policy_loss(
 
     with torch.no_grad():
         n = int(valid.sum())
-        r = ratio[valid]  # [n]
+        r = q[valid]  # [n] r_bt, or s_b once per token
         a = adv[valid]  # [n]
         denom = max(n, 1)
+        low, high = r < lo, r > hi  # [n] clipped weights (cispo)
+        if objective == "ppo_clip":  # only where the clip binds (no gradient)
+            low, high = low & (a < 0), high & (a > 0)
         metrics = {
-            "clip/low_frac": float(((a < 0) & (r < 1 - clip_low)).sum()) / denom,
-            "clip/high_frac": float(((a > 0) & (r > 1 + clip_high)).sum()) / denom,
+            "clip/low_frac": float(low.sum()) / denom,
+            "clip/high_frac": float(high.sum()) / denom,
             "ratio/min": float(r.min()) if n else 1.0,
             "ratio/mean": float(r.mean()) if n else 1.0,
             "ratio/max": float(r.max()) if n else 1.0,

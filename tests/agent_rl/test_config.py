@@ -18,7 +18,8 @@ rollout: {backend: hf, group_size: 8, tasks_per_step: 4, temperature: 1.0, top_p
           dynamic_sampling: true, max_policy_lag: 0}
 credit: {assigner: broadcast, params: {}, session_weighting: per_episode}
 advantage: {std: population, scale: group, eps: 1.0e-6}
-loss: {aggregation: token_mean, clip_low: 0.2, clip_high: 0.28, kl: {beta: 0.0, estimator: k3}}
+loss: {aggregation: token_mean, clip_low: 0.2, clip_high: 0.28, ratio: token, objective: ppo_clip,
+       kl: {beta: 0.0, estimator: k3}}
 optim: {lr: 1.0e-5, weight_decay: 0.0, grad_clip: 1.0, updates_per_batch: 1, max_steps: 20, seed: 0}
 backend: {name: torch}          # or {name: deepspeed, zero_stage: 2}
 checkpoint: {every: 5, keep: 3}
@@ -138,6 +139,22 @@ def test_unknown_key_error_names_the_key(design_file):
         ExperimentContract.from_yaml(design_file, ["optim.lrr=1e-4"])
     assert "loss.kl.betta: unknown key" in contract_error({"loss": {"kl": {"betta": 0.1}}})
     assert "learning_rate: unknown key" in contract_error({"learning_rate": 0.1})
+
+
+def test_loss_recipes_are_contract_keys():
+    """loss.ratio (GSPO's sequence ratio) and loss.objective (CISPO): defaults, values, errors."""
+    default = ExperimentContract()
+    assert default.loss.ratio == "token" and default.loss.objective == "ppo_clip"
+    gspo = ExperimentContract.from_dict({}, ["loss.ratio=sequence", "loss.objective=cispo"])
+    assert gspo.loss.ratio == "sequence" and gspo.loss.objective == "cispo"
+    assert "loss.ratio: Input should be 'token' or 'sequence'" in contract_error(
+        overrides=["loss.ratio=gspo"])
+    assert "loss.objective: Input should be 'ppo_clip' or 'cispo'" in contract_error(
+        overrides=["loss.objective=cisp"])
+    # clip_low 1.0 puts the lower bound at 0 (MiniMax-M1's CISPO clips only above); above 1 is refused
+    assert ExperimentContract.from_dict({}, ["loss.clip_low=1.0"]).loss.clip_low == 1.0
+    assert "loss.clip_low: Input should be less than or equal to 1" in contract_error(
+        overrides=["loss.clip_low=1.5"])
 
 
 def test_wrong_types_and_ranges_name_the_key():
@@ -316,7 +333,7 @@ def test_contract_hash_is_stable_and_canonical(design_file):
 @pytest.mark.parametrize("override", [
     "optim.lr=2e-5", "optim.seed=1", "rollout.group_size=4", "loss.clip_high=0.2",
     "env.kwargs={hints: true}", "model.id=tiny", "eval.n=8", "guards.min_entropy=0.1",
-    "name=other", "checkpoint.every=1",
+    "name=other", "checkpoint.every=1", "loss.ratio=sequence", "loss.objective=cispo",
 ])
 def test_contract_hash_changes_with_any_hashed_field(design_file, override):
     base = ExperimentContract.from_yaml(design_file)

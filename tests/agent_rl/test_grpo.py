@@ -1,5 +1,6 @@
 """GRPO math against hand-computed numbers (arithmetic in the comments)."""
 
+import json
 import math
 
 import pytest
@@ -371,3 +372,228 @@ def test_token_weights_scale_each_tokens_surrogate_by_hand():
     assert float(loss.detach()) == pytest.approx(-(2.0 + 0.5) / 2)
     loss.backward()  # d l_t / d logp_t = -A * w_t / 2 at ratio 1
     assert torch.allclose(logp.grad, torch.tensor([[-1.0, -0.25]]))
+
+
+# --- recipes: ratio="sequence" (GSPO) and objective="cispo" (MiniMax-M1) -------------------
+
+E01 = math.exp(0.1)  # 1.105171
+
+
+def _recipe_batch():
+    """Two sequences: row 0 has 2 valid tokens (and padding that would overflow exp()), A = +1,
+    log-ratios [ln 2, 0] (token ratios [2, 1]); row 1 has 3, A = -2, log-ratios [0.3, -0.1, 0.1]
+    (token ratios [1.349859, 0.904837, 1.105171]). Sequence ratios: s_0 = exp((ln 2 + 0) / 2)
+    = sqrt 2 = 1.414214, s_1 = exp((0.3 - 0.1 + 0.1) / 3) = exp(0.1) = 1.105171."""
+    old = torch.tensor([[-1.0, -2.0, -100.0], [-0.5, -1.5, -1.0]])
+    new = torch.tensor([[-1.0 + LN2, -2.0, 100.0], [-0.2, -1.6, -0.9]]).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    return new, old, torch.tensor([1.0, -2.0]), mask
+
+
+def test_sequence_ratio_by_hand():
+    new, old, adv, mask = _recipe_batch()
+    loss, m = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, ratio="sequence")
+    # row 0: s_0 = 1.414214 > 1.28 with A > 0: clipped, l = -min(1.414214, 1.28) = -1.28 per token
+    # row 1: s_1 = 1.105171 in [0.8, 1.28]: l = -(1.105171 * -2) = 2.210342 per token
+    # token_mean: (2 * -1.28 + 3 * 2.210342) / 5 = (-2.56 + 6.631026) / 5 = 0.814205
+    assert loss.item() == pytest.approx((2 * -1.28 + 3 * 2 * E01) / 5, rel=1e-6)
+    assert loss.item() == pytest.approx(0.814205, abs=1e-6)
+    loss.backward()
+    # row 0 clipped: no gradient. row 1: d/dlogp_t of -s_tok A / 5 = -A s_1 / 5 = 2 * 1.105171 / 5
+    # = 0.442068 on *every* token, whatever its own ratio (token-level would give -A r_t / 5)
+    assert close(new.grad, [[0.0, 0.0, 0.0], [0.442068, 0.442068, 0.442068]])
+    # the clip is decided per sequence: row 0's 2 tokens of 5 clipped high; ratio stats of s_b
+    assert m["clip/high_frac"] == pytest.approx(2 / 5) and m["clip/low_frac"] == 0.0
+    assert m["ratio/min"] == pytest.approx(E01) and m["ratio/max"] == pytest.approx(math.sqrt(2))
+    assert m["ratio/mean"] == pytest.approx((2 * math.sqrt(2) + 3 * E01) / 5)  # 1.228788
+    # token ratios for contrast: row 0 tok 0 (2 > 1.28, A > 0) is the only binding clip: 1 of 5
+    _, m_tok = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert m_tok["clip/high_frac"] == pytest.approx(1 / 5)
+
+
+def test_sequence_ratio_with_seq_mean_token_mean_is_gspo():
+    new, old, adv, mask = _recipe_batch()
+    loss, _ = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, ratio="sequence",
+                          aggregation="seq_mean_token_mean")
+    # GSPO: -mean_b min(s_b A_b, clip(s_b) A_b) = mean(-1.28, 2.210342) = 0.465171
+    assert loss.item() == pytest.approx(0.465171, abs=1e-6)
+    loss.backward()
+    # GSPO's gradient: -(1/G) s_1 A_1 (1/|y_1|) per token = 2 * 1.105171 / (2 * 3) = 0.368390
+    assert close(new.grad, [[0.0, 0.0, 0.0], [0.368390, 0.368390, 0.368390]])
+
+
+@pytest.mark.parametrize("objective", ["ppo_clip", "cispo"])
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
+def test_sequence_ratio_equals_token_ratio_when_the_log_ratios_are_equal(aggregation, objective):
+    """Every token of sequence b has log-ratio c_b: s_b = exp(c_b) = r_bt, so loss and gradient
+    are the token-level ones (some c_b clip, some do not)."""
+    torch.manual_seed(0)
+    old = -torch.rand(4, 5)  # [B, T]
+    c = torch.tensor([0.5, -0.4, 0.1, -0.05])  # [B] ratios 1.65, 0.67, 1.11, 0.95
+    mask = torch.ones(4, 5)
+    mask[1, 3:] = 0
+    mask[3, 1:] = 0
+    adv = torch.tensor([1.0, -1.0, 2.0, -0.5])
+    results = []
+    for ratio in ("token", "sequence"):
+        new = (old + c.unsqueeze(-1)).requires_grad_()
+        loss, m = policy_loss(new, old, adv, mask, clip_high=0.28, aggregation=aggregation,
+                              max_len=5, ratio=ratio, objective=objective)
+        loss.backward()
+        results.append((loss.detach(), new.grad, m))
+    (loss_t, grad_t, m_t), (loss_s, grad_s, m_s) = results
+    assert torch.allclose(loss_t, loss_s, atol=1e-6) and torch.allclose(grad_t, grad_s, atol=1e-6)
+    assert m_t == pytest.approx(m_s)
+
+
+def test_cispo_by_hand():
+    new, old, adv, mask = _recipe_batch()
+    loss, m = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, objective="cispo")
+    # weights w = sg[clip(r, 0.8, 1.28)]: row 0 [2 -> 1.28, 1], row 1 [1.349859 -> 1.28,
+    # 0.904837, 1.105171]; logp: row 0 [-1 + ln 2 = -0.306853, -2], row 1 [-0.2, -1.6, -0.9]
+    # l = -w A logp: row 0 [-1.28 * 1 * -0.306853 = 0.392772, -1 * 1 * -2 = 2.0]
+    #                row 1 [-1.28 * -2 * -0.2 = -0.512, -0.904837 * -2 * -1.6 = -2.895480,
+    #                       -1.105171 * -2 * -0.9 = -1.989308]
+    # token_mean: (0.392772 + 2.0 - 0.512 - 2.895480 - 1.989308) / 5 = -3.004016 / 5
+    assert loss.item() == pytest.approx(-0.600803, abs=1e-6)
+    loss.backward()
+    # gradient -A clip(r) / N per token, clipped tokens included:
+    # row 0 [-1.28 / 5, -1 / 5] = [-0.256, -0.2]
+    # row 1 [2 * 1.28 / 5, 2 * 0.904837 / 5, 2 * 1.105171 / 5] = [0.512, 0.361935, 0.442068]
+    assert close(new.grad, [[-0.256, -0.2, 0.0], [0.512, 0.361935, 0.442068]])
+    # the weight was bounded above for r = 2 and r = 1.349859 (whatever the sign of A): 2 of 5
+    assert m["clip/high_frac"] == pytest.approx(2 / 5) and m["clip/low_frac"] == 0.0
+
+
+def test_cispo_gradient_is_minus_advantage_times_clipped_ratio_over_n():
+    torch.manual_seed(1)
+    old = -torch.rand(3, 6)  # [B, T]
+    new = (old + 0.6 * torch.randn(3, 6)).requires_grad_()  # ratios well outside [0.8, 1.28]
+    mask = (torch.rand(3, 6) > 0.3).float()
+    adv = torch.tensor([1.5, -0.7, 0.4])
+    loss, _ = policy_loss(new, old, adv, mask, clip_high=0.28, objective="cispo")
+    loss.backward()
+    r = torch.exp(new.detach() - old)  # [B, T]
+    expected = -adv.unsqueeze(-1) * r.clamp(0.8, 1.28) * mask / mask.sum()  # [B, T]
+    assert torch.allclose(new.grad, expected, atol=1e-6)
+
+
+def test_cispo_clip_low_one_is_an_upper_bound_only():
+    # one token, r = 0.5, A = -1: clip_low 1.0 puts the lower bound at 0, so w = 0.5 (unclipped);
+    # l = -0.5 * -1 * logp, d l / d logp = 0.5
+    new = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    loss, m = policy_loss(new, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1),
+                          clip_low=1.0, objective="cispo")
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * math.log(0.5)) and new.grad.item() == pytest.approx(0.5)
+    assert m["clip/low_frac"] == 0.0
+    _, m = policy_loss(new, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1),
+                       clip_low=0.2, objective="cispo")
+    assert m["clip/low_frac"] == 1.0  # 0.5 < 0.8: bounded below
+
+
+def test_sequence_ratio_with_cispo_by_hand():
+    new, old, adv, mask = _recipe_batch()
+    loss, m = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, ratio="sequence",
+                          objective="cispo")
+    # w = sg[clip(s_b)]: row 0 sqrt 2 -> 1.28 on both tokens, row 1 1.105171 on all three
+    # l = -w A logp: row 0 [1.28 * 0.306853 = 0.392772, 1.28 * 2 = 2.56]
+    #                row 1 2.210342 * [-0.2, -1.6, -0.9] = [-0.442068, -3.536547, -1.989308]
+    # token_mean: (0.392772 + 2.56 - 0.442068 - 3.536547 - 1.989308) / 5 = -3.015151 / 5
+    assert loss.item() == pytest.approx(-0.603030, abs=1e-6)
+    loss.backward()
+    # -A w / 5: row 0 -1.28 / 5 = -0.256; row 1 2 * 1.105171 / 5 = 0.442068
+    assert close(new.grad, [[-0.256, -0.256, 0.0], [0.442068, 0.442068, 0.442068]])
+    assert m["clip/high_frac"] == pytest.approx(2 / 5) and m["clip/low_frac"] == 0.0
+
+
+def test_token_weights_under_the_sequence_ratio_leave_the_ratio_alone():
+    """A token weighted 0 (behaviour_correction's mask) still counts in its sequence's ratio but
+    adds no term: row 0 keeps s_0 = sqrt 2 (not 2, its first token's ratio alone)."""
+    new, old, adv, mask = _recipe_batch()
+    tw = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, _ = policy_loss(new, old, adv, mask, clip_high=0.5, ratio="sequence", token_weights=tw)
+    # clip_high 0.5: s_0 = 1.414214 unclipped; row 0: -1.414214 on token 0 only
+    # (-1.414214 + 3 * 2.210342) / 5 = 5.216813 / 5 (the weighted-out token stays in the count)
+    assert loss.item() == pytest.approx(1.043362, abs=1e-6)
+    loss.backward()
+    # row 0: [-A s_0 / 5 = -0.282843, 0]; row 1 unchanged: 0.442068
+    assert close(new.grad, [[-0.282843, 0.0, 0.0], [0.442068, 0.442068, 0.442068]])
+
+
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+@pytest.mark.parametrize("objective", ["ppo_clip", "cispo"])
+def test_kl_term_is_added_unweighted_in_every_mode(ratio, objective):
+    new, old, adv, mask = _recipe_batch()
+    ref = new.detach() + 0.3  # d = ref - logp = 0.3: k3 = e^0.3 - 1 - 0.3 = 0.049859 per token
+    tw = torch.tensor([[0.5, 2.0, 0.0], [1.0, 0.0, 1.0]])
+    kwargs = dict(ratio=ratio, objective=objective, ref_logprobs=ref, token_weights=tw)
+    without, _ = policy_loss(new, old, adv, mask, **kwargs)
+    with_kl, m = policy_loss(new, old, adv, mask, beta=0.5, **kwargs)
+    assert m["kl/ref"] == pytest.approx(math.exp(0.3) - 1.3, rel=1e-5)
+    # token_mean: + beta * (5 * 0.049859) / 5, the token weights not applied to it
+    assert (with_kl - without).item() == pytest.approx(0.5 * (math.exp(0.3) - 1.3), rel=1e-5)
+
+
+def test_recipe_arguments_are_checked():
+    args = (NEW, OLD, ADV, MASK)
+    with pytest.raises(ValueError, match="unknown ratio 'seq'; valid: token, sequence"):
+        policy_loss(*args, ratio="seq")
+    with pytest.raises(ValueError, match="unknown objective 'gspo'; valid: ppo_clip, cispo"):
+        policy_loss(*args, objective="gspo")
+
+
+def test_padding_cannot_leak_into_the_sequence_ratio_or_cispo():
+    # NEW/OLD hold +-100 in padding: a sequence ratio or a logp term that read it would be inf/NaN
+    for ratio, objective in [("sequence", "ppo_clip"), ("token", "cispo"), ("sequence", "cispo")]:
+        new = NEW.clone().requires_grad_()
+        loss, m = policy_loss(new, OLD, ADV, MASK, ratio=ratio, objective=objective)
+        loss.backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(new.grad).all()
+        assert new.grad[MASK == 0].abs().sum() == 0.0 and m["ratio/max"] == 1.0
+
+
+# --- the recipes through the trainer --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ratio", "objective"),
+                         [("sequence", "ppo_clip"), ("token", "cispo"), ("sequence", "cispo")])
+def test_train_run_takes_the_recipe_keys_for_one_step(tmp_path, monkeypatch, ratio, objective):
+    """One step of the tiny model on tests/Digits-v0 (reward contrast, so a real gradient): the
+    contract keys reach policy_update, the first update sees ratio 1 and the step is taken."""
+    from agent_rl import train
+    from agent_rl.config import ExperimentContract
+    from tests.agent_rl import toy_env
+
+    seen = []
+
+    def recording_loss(*args, **kwargs):
+        seen.append((kwargs["ratio"], kwargs["objective"]))
+        return policy_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_loss", recording_loss)
+    toy_env.register()
+    try:
+        contract = ExperimentContract.from_dict({
+            "env": {"id": toy_env.ENV_ID, "pool_size": 64},
+            "eval": {"n": 1, "every": 0},
+            "model": {"id": "tiny", "adapter": "none"},
+            "rollout": {"group_size": 4, "tasks_per_step": 2, "max_response_tokens": 8,
+                        "truncation": "keep"},
+            "loss": {"ratio": ratio, "objective": objective, "clip_low": 3e-4, "clip_high": 4e-4},
+            "optim": {"lr": 1e-3, "max_steps": 1},
+            "checkpoint": {"every": 0},
+            "guards": {"max_truncated_frac": 1.01},
+            "run_dir": str(tmp_path / "run"),
+        })
+        result = train.run(contract, progress=False)
+    finally:
+        toy_env.unregister()
+    (m,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert seen and set(seen) == {(ratio, objective)}
+    assert m["optim/skipped"] == 0.0 and m["optim/grad_norm"] > 0.0, m
+    assert abs(m["ratio/min"] - 1.0) < 1e-4 and abs(m["ratio/max"] - 1.0) < 1e-4, m
+    assert m["clip/low_frac"] == 0.0 and m["clip/high_frac"] == 0.0
+    assert math.isfinite(m["loss/policy"])
