@@ -351,7 +351,8 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=64, help="tasks evaluated (default: 64)")
     parser.add_argument("--seed", type=int, default=1234, help="sampling and episode seed")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="where records.jsonl and report.html go (default: runs/eval-ENV-SPLIT)")
+                        help="where records.jsonl, episodes.jsonl and report.html go, replacing "
+                             "those of an earlier eval there (default: runs/eval-ENV-SPLIT)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--max-new-tokens", type=int, default=None, metavar="M",
                         help="per reply (default: the run's max_response_tokens, else 128)")
@@ -416,8 +417,8 @@ def slice_table(rows: list[dict[str, Any]], title: str):
 @command("eval", "evaluate a policy on a task split, per slice, with intervals", _eval_arguments)
 def eval_(args: argparse.Namespace) -> int:
     from envs.runner import Sampling
-    from evals.report import write_report
-    from evals.run import evaluate, write_records
+    from evals.report import inspect_command, write_report
+    from evals.run import run_eval, write_episodes, write_records
 
     if args.n < 1:
         raise CLIError(f"--n must be >= 1, got {args.n}")
@@ -437,16 +438,21 @@ def eval_(args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens or (contract.rollout.max_response_tokens if contract else 128)
     sampling = Sampling(temperature=args.temperature, top_p=1.0, max_new_tokens=max_new,
                         seed=args.seed)
-    records = evaluate(loaded.policy, env_id, tasks, sampling, seed=args.seed,
-                       env_kwargs=env_kwargs, policy_name=loaded.name,
-                       bundle_hash=loaded.bundle_hash, split=args.split, hinted=args.hinted)
+    run = run_eval(loaded.policy, env_id, tasks, sampling, seed=args.seed,
+                   env_kwargs=env_kwargs, policy_name=loaded.name,
+                   bundle_hash=loaded.bundle_hash, split=args.split, hinted=args.hinted)
     out = Path(args.out or f"runs/eval-{env_id.rsplit('/', 1)[-1]}-{args.split}")
-    write_records(records, out / "records.jsonl")
-    rows = slice_rows(records)
-    title = f"{loaded.name} on {env_id} {args.split} (n={len(records)})"
-    report = write_report(out / "report.html", title=title, slices=rows)
+    records = write_records(run.records, out / "records.jsonl")
+    episodes = write_episodes(run.episodes, out / "episodes.jsonl")  # one per record, in order
+    rows = slice_rows(run.records)
+    title = f"{loaded.name} on {env_id} {args.split} (n={len(run.records)})"
+    report = write_report(out / "report.html", title=title, slices=rows, evaluation=run,
+                          episodes_path=episodes)
     console().print(slice_table(rows, title))
-    print(f"records: {out / 'records.jsonl'}\nreport: {report}")
+    faults = sum(r.infra_fault for r in run.records)
+    print(f"records: {records}\nepisodes: {episodes} ({len(run.episodes)} episodes, {faults} "
+          f"infrastructure faults)\nreport: {report} (the worst slices' transcripts)\n"
+          f"one episode: {inspect_command(episodes)} --episode ID")
     return 0
 
 
@@ -646,9 +652,47 @@ def _inspect_arguments(parser: argparse.ArgumentParser) -> None:
                         help="inspect only the first N episodes")
     parser.add_argument("--verify", action="store_true",
                         help="recompute every content hash first; exit 1 if any record is bad")
+    parser.add_argument("--episode", action="append", default=[], metavar="ID",
+                        help="only the episode with this id (repeatable), with its transcript")
+    parser.add_argument("--transcript", action="store_true",
+                        help="print every turn of every episode shown, not only its tree")
 
 
-@command("inspect", "draw the session trees and credit of stored episodes", _inspect_arguments)
+ROLE_STYLE = {"system": "dim", "user": "bold blue", "assistant": "bold green", "tool": "yellow"}
+
+
+def print_transcript(console, episode) -> None:
+    """Every turn of every session, in the order they were made. Episode text is printed as
+    it is: never read as markup, never re-wrapped."""
+    from rich.text import Text
+
+    def show(text: str, style: str = "") -> None:
+        console.print(Text(text, style=style), soft_wrap=True)
+
+    for session in episode.sessions:
+        show(f"── session {session.session_id} ({session.origin})", "bold")
+        boundary = session.boundary
+        if boundary is not None and boundary.summary is not None:
+            show("summary carried over:", "magenta")
+            show(boundary.summary)
+        if boundary is not None and boundary.kind == "branch":
+            show("returned to the parent:", "yellow")
+            show("(not returned)" if boundary.returned is None else boundary.returned)
+        for turn in session.turns:
+            about = [turn.name or "", f"finish {turn.finish_reason}" if turn.finish_reason else "",
+                     f"{len(turn.token_ids)} tokens" if turn.token_ids is not None else ""]
+            show(" · ".join([f"[{turn.role}]", *filter(None, about)]), ROLE_STYLE[turn.role])
+            if turn.content.strip():
+                show(turn.content)
+            else:  # an empty or whitespace-only reply would print as nothing
+                more = " …" if len(turn.content) > 200 else ""
+                show(f"(empty: {turn.content[:200]!r}{more})", "dim")
+            if turn.tool_calls:
+                show(json.dumps(turn.tool_calls, ensure_ascii=False))
+
+
+@command("inspect", "draw the session trees and credit of stored episodes, or their transcripts",
+         _inspect_arguments)
 def inspect(args: argparse.Namespace) -> int:
     from itertools import islice
 
@@ -672,9 +716,22 @@ def inspect(args: argparse.Namespace) -> int:
         if not report.ok:
             return 1
 
+    wanted, found, tasks = set(args.episode), set(), {}
+
+    def selected():  # every episode, or the --episode ones (reading stops once all are found)
+        for episode in store.read():
+            tasks.setdefault(episode.task_id, []).append(episode.episode_id)
+            if not wanted or episode.episode_id in wanted:
+                found.add(episode.episode_id)
+                yield episode
+                if wanted and found == wanted:
+                    return
+
     def drawn():  # streams: each tree is printed as its episode is read
-        for episode in islice(store.read(), args.limit):
+        for episode in islice(selected(), args.limit):
             console.print(episode_tree(episode, assign(episode, args.assigner)))
+            if wanted or args.transcript:
+                print_transcript(console, episode)
             yield episode
 
     with warnings.catch_warnings(record=True) as caught:
@@ -687,6 +744,13 @@ def inspect(args: argparse.Namespace) -> int:
             for warning in caught:
                 Console(stderr=True).print(f"warning: {warning.message}", style="yellow",
                                            markup=False, highlight=False)
+    missing = sorted(wanted - found) if args.limit is None else []
+    if missing:
+        as_tasks = [f"{m!r} is a task id; its episodes: {', '.join(tasks[m])}"
+                    for m in missing if m in tasks]
+        raise CLIError(f"no episode {', '.join(map(repr, missing))} in {path} "
+                       f"({sum(map(len, tasks.values()))} episodes)"
+                       + ("; " + "; ".join(as_tasks) if as_tasks else ""))
     console.print(table)
     return 0
 

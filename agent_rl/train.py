@@ -74,7 +74,7 @@ from agent_rl.runlog import (
 )
 from envs.core import TaskSpec
 from envs.runner import Sampling
-from evals.run import evaluate, write_records
+from evals.run import run_eval, write_episodes, write_records
 from evals.splits import LeakageError, check_leakage, default_splits
 from trajectories import RolloutStore
 
@@ -168,15 +168,18 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             log_json(run_dir / name, record)
 
     def evaluate_policy(tag: str) -> dict[str, Any]:  # hint-free, whatever env.kwargs say
-        records = []
+        records, episodes = [], []
         for name, tasks in eval_sets.items():  # rank r evaluates its slice, seeded as a whole
             lo, hi = shard(len(tasks), rank, world)
-            mine = evaluate(policy, contract.env.id, tasks[lo:hi], eval_sampling,
+            mine = run_eval(policy, contract.env.id, tasks[lo:hi], eval_sampling,
                             seed=contract.eval.seed + lo, env_kwargs=contract.env.kwargs,
                             policy_name=tag, split=name)
-            records += [r for part in backend.all_gather_object(mine) for r in part]
-        if main:
-            write_records(records, run_dir / "evals" / f"{tag}.jsonl")  # one record per episode
+            for part in backend.all_gather_object(mine):
+                records += part.records
+                episodes += part.episodes
+        if main:  # one record per episode, and the episodes (`agent-rl inspect` shows them)
+            write_records(records, run_dir / "evals" / f"{tag}.jsonl")
+            write_episodes(episodes, run_dir / "evals" / "episodes" / f"{tag}.jsonl")
         return summarize_eval(records)
 
     def save(step: int, extra: dict[str, Any] | None = None) -> None:  # every rank

@@ -1,4 +1,5 @@
-"""A self-contained HTML report of a run: curves, per-slice bars with intervals, tables, decision.
+"""A self-contained HTML report of a run: curves, per-slice bars with intervals, tables, decision,
+and the transcripts of the worst slices' episodes.
 
 One file, no scripts, no network: the plots are inline SVG drawn by two small helpers here,
 ``line_chart`` (curves over steps, optional error bars) and ``bar_chart`` (horizontal bars with
@@ -9,19 +10,30 @@ value says so.
 Inputs are what the trainer and evaluation write: ``metrics`` (``metrics.jsonl``, one dict per
 step with namespaced keys), ``evals`` (``eval.jsonl``: ``step``, ``tag``, ``reward_mean``,
 ``reward_lo``, ``reward_hi``, ...), ``slices`` (rows of ``evals.run.slice_summary``, possibly
-for several policies) and ``decision`` (an ``evals.gates.Decision`` or its dict).
+for several policies), ``decision`` (an ``evals.gates.Decision`` or its dict) and
+``evaluation`` (an ``evals.run.EvalRun``: the records and the episodes behind the slices).
+
+With ``evaluation``, the ``WORST_SLICES`` slices of lowest ``reward/mean`` (the overall row is
+not a slice) list their lowest-reward episodes (infrastructure faults marked), each linked to
+its transcript further down the page (anchor ``episode_anchor(episode_id)``: every turn of
+every session, escaped, long texts cut at ``TURN_CHARS``) and given as the
+``agent-rl inspect EPISODES --episode ID`` command that shows it whole (``episodes_path``:
+where the episodes were written).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from evals.gates import Decision
+from evals.run import EvalRecord, EvalRun, slice_members
+from trajectories import Episode
 
 # (title, metrics key) of the training curves, in page order.
 CURVES = [("reward/mean", "reward/mean"), ("holdout/reward", "holdout/reward"),
@@ -31,6 +43,9 @@ CURVES = [("reward/mean", "reward/mean"), ("holdout/reward", "holdout/reward"),
 # slice_summary columns that are numbers, not slice keys.
 SLICE_NUMBERS = ("n", "n_tasks", "n_infra_faults", "reward/mean", "reward/lo", "reward/hi",
                  "success/k", "success/rate", "success/lo", "success/hi")
+WORST_SLICES = 3  # slices linked to their transcripts, lowest reward/mean first
+WORST_EPISODES = 4  # episodes listed (and transcribed) per linked slice, lowest reward first
+TURN_CHARS = 4000  # a turn's text is cut after this many characters (the store keeps it whole)
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 STATUS_COLORS = {"pass": "#2ca02c", "fail": "#d62728", "inconclusive": "#ff7f0e"}
 
@@ -230,6 +245,121 @@ def _slices_section(slices: Sequence[Mapping[str, Any]]) -> str:
             + _table([*keys, *SLICE_NUMBERS], slices))
 
 
+def episode_anchor(episode_id: str) -> str:
+    """The HTML id of an episode's transcript: ``ep-`` then the id, every character but an ASCII
+    letter, digit, ``_`` or ``-`` written ``.<hex code>.`` (so two ids never share an anchor)."""
+    return "ep-" + "".join(c if c.isascii() and (c.isalnum() or c in "_-") else f".{ord(c):x}."
+                           for c in episode_id)
+
+
+def inspect_command(episodes_path: str | Path, episode_id: str | None = None) -> str:
+    """The shell command that shows a stored episode (all of them without ``episode_id``)."""
+    command = f"agent-rl inspect {shlex.quote(str(episodes_path))}"
+    return command if episode_id is None else f"{command} --episode {shlex.quote(episode_id)}"
+
+
+def worst_slices(slices: Sequence[Mapping[str, Any]], records: Sequence[EvalRecord],
+                 n: int = WORST_SLICES) -> list[tuple[Mapping[str, Any], list[EvalRecord]]]:
+    """The ``n`` slice rows of lowest ``reward/mean`` (ties by label) with members among
+    ``records``, each with its members, scored ones by rising reward, then infrastructure
+    faults. The overall row (no slice keys) and rows with no scored episode are left out."""
+    ranked = []
+    for row in slices:
+        keys = {k: row[k] for k in row if k not in SLICE_NUMBERS}
+        mean = _num(row.get("reward/mean"))
+        members = slice_members(records, keys) if keys and mean is not None else []
+        if members:
+            members.sort(key=lambda r: (r.infra_fault, r.reward))
+            ranked.append((mean, _slice_label(row), row, members))
+    ranked.sort(key=lambda t: t[:2])
+    return [(row, members) for _, _, row, members in ranked[:n]]
+
+
+def _clip(text: str, limit: int = TURN_CHARS) -> str:
+    if not text.strip():  # an empty or whitespace-only text would show as nothing
+        return f"(empty: {text[:200]!r}{' …' if len(text) > 200 else ''})"
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n… ({len(text) - limit} more characters: agent-rl inspect shows them)"
+
+
+def transcript_html(episode: Episode, episodes_path: str | Path | None = None) -> str:
+    """One episode as an HTML section (id ``episode_anchor``): its task, outcome and reward,
+    then every turn of every session in the order they were made, all text escaped."""
+    reward = episode.reward
+    fault = (' <span class="fault">infrastructure fault: not scored</span>'
+             if reward.is_infrastructure_fault else "")
+    components = ", ".join(f"{escape(k)} {_fmt(v)}" for k, v in reward.components.items())
+    parts = [f'<section class="transcript" id="{episode_anchor(episode.episode_id)}">'
+             f"<h3>task {escape(episode.task_id)} · episode {escape(episode.episode_id)}</h3>"
+             f"<p>{escape(episode.env_id)} v{escape(str(episode.env_version))} · split "
+             f"{escape(episode.split)} · outcome <b>{escape(reward.outcome.value)}</b>{fault} · "
+             f"reward {_fmt(reward.total)} ({components}) · {escape(reward.verifier)}</p>"]
+    if episodes_path is not None:
+        parts.append(f"<p><code>{escape(inspect_command(episodes_path, episode.episode_id))}"
+                     "</code></p>")
+    final = episode.final_session.session_id
+    for session in episode.sessions:
+        tag = " · final" if session.session_id == final else ""
+        parts.append(f'<div class="session"><h4>session {escape(session.session_id)} · '
+                     f"{escape(session.origin)}{tag}</h4>")
+        boundary = session.boundary
+        if boundary is not None and boundary.summary is not None:
+            parts.append(f"<p>summary carried over:</p><pre>{escape(_clip(boundary.summary))}</pre>")
+        if boundary is not None and boundary.kind == "branch":
+            returned = "(not returned)" if boundary.returned is None else boundary.returned
+            parts.append(f"<p>returned to the parent:</p><pre>{escape(_clip(returned))}</pre>")
+        for turn in session.turns:
+            about = [turn.name or "", f"finish {turn.finish_reason}" if turn.finish_reason else "",
+                     f"{len(turn.token_ids)} tokens" if turn.token_ids is not None else ""]
+            label = " · ".join(a for a in about if a)
+            calls = (f"<pre>{escape(_clip(json.dumps(turn.tool_calls, ensure_ascii=False)))}</pre>"
+                     if turn.tool_calls else "")
+            parts.append(f'<div class="turn {escape(turn.role)}"><b>{escape(turn.role)}</b> '
+                         f"{escape(label)}<pre>{escape(_clip(turn.content))}</pre>{calls}</div>")
+        parts.append("</div>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def _worst_sections(slices: Sequence[Mapping[str, Any]], evaluation: EvalRun,
+                    episodes_path: str | Path | None) -> list[tuple[str, str]]:
+    """("Worst slices", their episodes linked to transcripts), ("Transcripts", ...)."""
+    episodes = {e.episode_id: e for e in evaluation.episodes}
+    worst = worst_slices(slices, evaluation.records)
+    if not worst:
+        return [("Worst slices", "<p>No scored slices.</p>")]
+    intro = (f"<p>The {len(worst)} slices of lowest reward/mean and their lowest-reward "
+             "episodes, linked to their transcripts below.")
+    if episodes_path is not None:
+        intro += f" Every episode: <code>{escape(inspect_command(episodes_path))}</code>"
+    parts, shown = [intro + "</p>"], {}
+    columns = "".join(f"<th>{c}</th>" for c in ("task", "episode", "outcome", "reward", "inspect"))
+    for row, members in worst:
+        parts.append(f"<h3>{escape(_slice_label(row))}: reward/mean {_fmt(row.get('reward/mean'))}"
+                     f" (n={_fmt(row.get('n'))}, infrastructure faults "
+                     f"{_fmt(row.get('n_infra_faults'))})</h3><table><tr>{columns}</tr>")
+        for record in members[:WORST_EPISODES]:
+            episode = episodes.get(record.episode_id)
+            eid = escape(record.episode_id)
+            link = f'<a href="#{episode_anchor(record.episode_id)}">{eid}</a>' if episode else eid
+            outcome = record.outcome.value + (" (infrastructure fault: not scored)"
+                                              if record.infra_fault else "")
+            command = ("" if episodes_path is None or episode is None
+                       else inspect_command(episodes_path, record.episode_id))
+            parts.append(f"<tr><td>{escape(record.task_id)}</td><td>{link}</td>"
+                         f"<td>{escape(outcome)}</td><td>{_fmt(record.reward)}</td>"
+                         f"<td><code>{escape(command)}</code></td></tr>")
+            if episode is not None:
+                shown[record.episode_id] = episode
+        parts.append("</table>")
+        if len(members) > WORST_EPISODES:
+            parts.append(f"<p>… and {len(members) - WORST_EPISODES} more episodes in this slice.</p>")
+    transcripts = "".join(transcript_html(e, episodes_path) for e in shown.values())
+    return [("Worst slices", "".join(parts)),
+            ("Transcripts", transcripts or "<p>No transcripts stored for these episodes.</p>")]
+
+
 def _decision_section(decision: Decision | Mapping[str, Any]) -> str:
     d = decision.model_dump() if isinstance(decision, Decision) else dict(decision)
     status = str(d.get("status", "?"))
@@ -253,6 +383,11 @@ svg .t{font-size:13px;font-weight:600}
 table{border-collapse:collapse;margin:12px 0;font-size:12px}
 td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#f4f4f4}
 .status{display:inline-block;color:#fff;padding:4px 12px;font-weight:700;border-radius:4px}
+td code{font-size:11px;white-space:nowrap}
+.transcript{border:1px solid #ddd;margin:12px 0;padding:4px 12px}.fault{color:#d62728}
+.session{margin:8px 0 8px 12px}.turn{margin:6px 0}
+.turn pre,.session pre{white-space:pre-wrap;background:#f7f7f7;padding:6px;margin:2px 0}
+.turn.assistant pre{background:#eef4fb}.turn.tool pre{background:#f3f0e8}
 """
 
 
@@ -264,11 +399,17 @@ def write_report(
     evals: Sequence[Mapping[str, Any]] | None = None,
     slices: Sequence[Mapping[str, Any]] | None = None,
     decision: Decision | Mapping[str, Any] | None = None,
+    evaluation: EvalRun | None = None,
+    episodes_path: str | Path | None = None,
 ) -> Path:
-    """Write the HTML report to ``path`` (parents created); returns the path."""
+    """Write the HTML report to ``path`` (parents created); returns the path. ``evaluation``
+    (the records and episodes behind ``slices``) adds the worst slices' transcripts;
+    ``episodes_path`` (where its episodes are stored) the commands that show them."""
     sections = [("Training curves", _metrics_section(metrics or [])),
                 ("Held-out evaluation", _evals_section(evals or [])),
                 ("Slices", _slices_section(slices or []))]
+    if evaluation is not None and slices:
+        sections += _worst_sections(slices, evaluation, episodes_path)
     if decision is not None:
         sections.insert(0, ("Decision", _decision_section(decision)))
     html = ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
@@ -294,14 +435,34 @@ def write_run_report(run_dir: str | Path, path: str | Path | None = None, *,
     """The report of a run directory (``metrics.jsonl``, ``eval.jsonl``; either may be missing),
     written to ``run_dir/report.html`` unless ``path`` says otherwise. Without ``slices``, the
     held-out records of the policy before and after training (``evals/before.jsonl``,
-    ``evals/after.jsonl``), when present, give per-structure bars for both."""
+    ``evals/after.jsonl``), when present, give per-structure bars for both. The trained
+    policy's episodes (``evals/episodes/after.jsonl``), when stored, give the worst slices'
+    transcripts."""
     run_dir = Path(run_dir)
     if slices is None:
         slices = _before_after_slices(run_dir / "evals")
+    episodes_path = run_dir / "evals" / "episodes" / "after.jsonl"
     return write_report(path or run_dir / "report.html", title=f"agent-rl run {run_dir.name}",
                         metrics=_read_jsonl(run_dir / "metrics.jsonl"),
                         evals=_read_jsonl(run_dir / "eval.jsonl"), slices=slices,
-                        decision=decision)
+                        decision=decision,
+                        evaluation=_stored_evaluation(run_dir / "evals" / "after.jsonl",
+                                                      episodes_path),
+                        episodes_path=episodes_path)
+
+
+def _stored_evaluation(records_path: Path, episodes_path: Path) -> EvalRun | None:
+    """Records and episodes written by one evaluation; None when either file is missing or
+    unreadable (the report is written without transcripts)."""
+    from evals.run import read_records
+    from trajectories import RolloutStore
+
+    if not (records_path.is_file() and episodes_path.is_file()):
+        return None
+    try:
+        return EvalRun(read_records(records_path), list(RolloutStore(episodes_path).read()))
+    except ValueError:  # a bad record line, or a StoreError
+        return None
 
 
 def _before_after_slices(folder: Path) -> list[dict[str, Any]] | None:

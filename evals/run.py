@@ -1,12 +1,16 @@
 """Evaluation runs: one record per episode; aggregation (per slice, with intervals) by the caller.
 
-``evaluate`` drives ``envs.runner.run_episodes`` (the same runner RL rollouts use) over a list
-of tasks and turns every episode into an ``EvalRecord``: reward and its components, outcome,
+``run_eval`` drives ``envs.runner.run_episodes`` (the same runner RL rollouts use) over a list
+of tasks and returns an ``EvalRun``: the episodes themselves and, for every one of them, an
+``EvalRecord`` (``evaluate`` returns the records only): reward and its components, outcome,
 the split it was drawn from, the task's slice fields (skills, structure, entity group, length,
 difficulty, atomic or composed), whether a hint was shown, cost (generated tokens, sessions,
 compressions, branches, latency from reset to the terminal step, policy time included) and
 what crossed compression boundaries (summary tokens, summaries whose session reached the
-answer).
+answer). ``write_records`` / ``read_records`` store the records as JSONL; ``write_episodes``
+stores the episodes as a ``RolloutStore`` (``agent-rl inspect PATH --episode ID`` shows one),
+so what the agent did on each evaluated task can be read back, infrastructure faults
+included. Both replace the file they are given, whole: a file never mixes two evaluations.
 
 Evaluation is hint-free: hints stay hidden whatever the env kwargs say (``hints=True`` is a
 training option). ``hinted=True`` is the explicit, separately named exception, and every
@@ -32,8 +36,10 @@ record says whether a hint was shown.
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,7 @@ from envs.core import TaskSpec
 from envs.registry import make
 from envs.runner import Policy, Sampling, run_episodes
 from evals.stats import cluster_bootstrap, wilson
-from trajectories import Episode, Outcome
+from trajectories import Episode, Outcome, RolloutStore
 
 
 class EvalRecord(BaseModel):
@@ -132,7 +138,16 @@ class _Timed(gymnasium.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-def evaluate(
+@dataclass(frozen=True)
+class EvalRun:
+    """What one evaluation produced: ``episodes[i]`` is the episode ``records[i]`` describes
+    (one record per episode, infrastructure faults included, in task order)."""
+
+    records: list[EvalRecord]
+    episodes: list[Episode]
+
+
+def run_eval(
     policy: Policy,
     env_id: str,
     tasks: Sequence[TaskSpec],
@@ -145,8 +160,9 @@ def evaluate(
     num_envs: int = 16,
     split: str | None = None,
     hinted: bool = False,
-) -> list[EvalRecord]:
-    """Run every task ``samples_per_task`` times; one ``EvalRecord`` per episode, in task order.
+) -> EvalRun:
+    """Run every task ``samples_per_task`` times; the episodes and one ``EvalRecord`` per
+    episode, in task order.
 
     ``env_kwargs`` build the environments; hints are hidden whatever they say unless
     ``hinted=True``. ``split`` names where the tasks come from (recorded on every episode and
@@ -154,7 +170,7 @@ def evaluate(
     """
     jobs = len(tasks) * samples_per_task
     if jobs == 0:
-        return []
+        return EvalRun([], [])
     latencies: dict[str, float] = {}
     pool = [_Timed(make(env_id, **(env_kwargs or {})), latencies)
             for _ in range(min(num_envs, jobs))]
@@ -165,8 +181,14 @@ def evaluate(
     finally:
         for env in pool:
             env.close()
-    return [EvalRecord.from_episode(ep, policy_name, bundle_hash, latencies.get(ep.episode_id, 0.0))
-            for ep in episodes]
+    records = [EvalRecord.from_episode(ep, policy_name, bundle_hash,
+                                       latencies.get(ep.episode_id, 0.0)) for ep in episodes]
+    return EvalRun(records, episodes)
+
+
+def evaluate(*args: Any, **kwargs: Any) -> list[EvalRecord]:
+    """``run_eval(...).records`` (same arguments): one record per episode, in task order."""
+    return run_eval(*args, **kwargs).records
 
 
 def write_records(records: Iterable[EvalRecord], path: str | Path) -> Path:
@@ -177,6 +199,20 @@ def write_records(records: Iterable[EvalRecord], path: str | Path) -> Path:
         for record in records:
             f.write(json.dumps(record.model_dump(mode="json"), sort_keys=True,
                                ensure_ascii=False, allow_nan=False) + "\n")
+    return path
+
+
+def write_episodes(episodes: Iterable[Episode], path: str | Path) -> Path:
+    """Write episodes as a fresh ``RolloutStore`` at ``path`` (``.jsonl``, or ``.jsonl.zst``
+    compressed), replacing any file there whole and atomically (written beside it, then
+    renamed), as ``write_records`` replaces its file; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a write that was killed
+    RolloutStore(tmp, compress=path.suffix == ".zst").append(episodes)
+    tmp.touch()  # an evaluation of no tasks: an empty store
+    os.replace(tmp, path)
     return path
 
 
@@ -199,6 +235,14 @@ def _key_value(record: EvalRecord, name: str) -> Any:
         raise ValueError(f"cannot slice by {name!r}: EvalRecord has no such field or property")
     value = getattr(record, name)
     return tuple(value) if isinstance(value, list) else value
+
+
+def slice_members(records: Iterable[EvalRecord], keys: Mapping[str, Any]) -> list[EvalRecord]:
+    """The records of one ``slice_summary`` row: those whose ``keys`` (the row's slice fields,
+    e.g. ``{"structure": "add>mul"}``; ``{}``: every record) have the row's values."""
+    return [r for r in records
+            if all(_key_value(r, k) == (tuple(v) if isinstance(v, list) else v)
+                   for k, v in keys.items())]
 
 
 def slice_summary(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -331,3 +332,87 @@ def test_envs_new_scaffolds_a_package(tmp_path):
     assert again.returncode == 2 and "already exists" in again.stderr
     bad = agent_rl("envs", "new", "Bad-Name", "--dest", tmp_path)
     assert bad.returncode == 2 and "lowercase identifier" in bad.stderr
+
+
+# --- eval: the episodes behind the records, and inspect ----------------------------------------
+
+
+@pytest.mark.slow
+def test_eval_writes_every_episode_and_inspect_shows_its_transcript(tmp_path):
+    from evals.report import episode_anchor
+    from trajectories import RolloutStore
+
+    out = tmp_path / "ev"
+    args = ("eval", "--env", "agent_rl/Arithmetic-v0", "--policy", "base", "--model", "tiny",
+            "--max-new-tokens", "8", "--out", out)
+    result = agent_rl(*args, "--n", "4")
+    assert result.returncode == 0, result.stderr
+    records = read_jsonl(out / "records.jsonl")
+    episodes = list(RolloutStore(out / "episodes.jsonl").read())
+    assert len(episodes) == len(records) == 4
+    assert [(e.episode_id, e.task_id, e.reward.outcome.value, e.reward.total) for e in episodes] == [
+        (r["episode_id"], r["task_id"], r["outcome"], r["reward"]) for r in records]
+    assert {e.split for e in episodes} == {"holdout"}
+    assert f"episodes: {out / 'episodes.jsonl'} (4 episodes, 0 infrastructure faults)" in result.stdout
+
+    # the report links the worst slice's episodes to their transcripts on the page
+    html = (out / "report.html").read_text()
+    worst = html[html.index("<h2>Worst slices</h2>"):html.index("<h2>Transcripts</h2>")]
+    first = worst[worst.index("<h3>"):worst.index("</table>")]
+    linked = re.findall(r'href="#(ep-[^"]+)"', first)
+    assert linked and set(linked) <= {episode_anchor(e.episode_id) for e in episodes}
+    assert all(f'id="{anchor}"' in html for anchor in linked)
+
+    # inspect --episode: that held-out task's transcript (the tree alone has no turn text)
+    ep = episodes[0]
+    prompt = next(t.content for t in ep.sessions[0].turns if t.role == "user")
+    shown = agent_rl("inspect", out / "episodes.jsonl", "--episode", ep.episode_id)
+    assert shown.returncode == 0, shown.stderr
+    assert f"episode {ep.episode_id}" in shown.stdout and prompt in shown.stdout
+    assert "[assistant] · finish length · 8 tokens" in shown.stdout
+    assert "1 episodes" in shown.stdout and episodes[1].episode_id not in shown.stdout
+    trees = agent_rl("inspect", out / "episodes.jsonl")
+    assert trees.returncode == 0 and "4 episodes" in trees.stdout and prompt not in trees.stdout
+
+    # an eval into the same folder replaces all three files, as it always replaced records.jsonl
+    again = agent_rl(*args, "--n", "2")
+    assert again.returncode == 0, again.stderr
+    assert len(read_jsonl(out / "records.jsonl")) == 2
+    assert RolloutStore(out / "episodes.jsonl").cursor == 2
+    assert sorted(p.name for p in out.iterdir()) == ["episodes.jsonl", "records.jsonl",
+                                                     "report.html"]
+
+
+def test_inspect_episode_prints_its_transcript_verbatim(tmp_path):
+    from trajectories import RolloutStore
+    from trajectories.testing import episode, session
+
+    evil = "[red]<script>alert(1)</script>[/red] is 7"
+    store = tmp_path / "episodes.jsonl"
+    RolloutStore(store).append([
+        episode([session("s0", episode_id="t-0#0@1")], episode_id="t-0#0@1", task_id="t-0"),
+        episode([session("s0", episode_id="t-1#0@2", text=evil)], reward=0.0,
+                episode_id="t-1#0@2", task_id="t-1")])
+    shown = agent_rl("inspect", store, "--episode", "t-1#0@2")
+    assert shown.returncode == 0, shown.stderr
+    assert evil in shown.stdout and "[user]" in shown.stdout and "t-0#0@1" not in shown.stdout
+    every = agent_rl("inspect", store, "--transcript")
+    assert every.returncode == 0 and every.stdout.count("[assistant]") == 2
+    assert evil not in agent_rl("inspect", store).stdout  # trees only, without --episode
+    missing = agent_rl("inspect", store, "--episode", "t-1")
+    assert missing.returncode == 2
+    assert "no episode 't-1'" in missing.stderr and "its episodes: t-1#0@2" in missing.stderr
+
+
+@pytest.mark.slow
+def test_train_stores_its_held_out_episodes_beside_their_records(tiny_run):
+    from trajectories import RolloutStore
+
+    run_dir, result = tiny_run
+    assert result.returncode == 0, result.stderr
+    for tag in ("before", "after"):
+        records = read_jsonl(run_dir / "evals" / f"{tag}.jsonl")
+        episodes = list(RolloutStore(run_dir / "evals" / "episodes" / f"{tag}.jsonl").read())
+        assert [e.episode_id for e in episodes] == [r["episode_id"] for r in records] != []
+    html = (run_dir / "report.html").read_text()
+    assert "<h2>Worst slices</h2>" in html and 'class="transcript"' in html

@@ -5,14 +5,23 @@ from __future__ import annotations
 import json
 import math
 import re
+from html import escape
 from html.parser import HTMLParser
 
 import pytest
 
 from evals.gates import Criterion, decide
-from evals.report import bar_chart, line_chart, write_report, write_run_report
-from evals.run import EvalRecord, slice_summary
-from trajectories import Outcome
+from evals.report import (
+    bar_chart,
+    episode_anchor,
+    inspect_command,
+    line_chart,
+    write_report,
+    write_run_report,
+)
+from evals.run import EvalRecord, EvalRun, slice_summary, write_episodes, write_records
+from trajectories import Episode, Outcome, RewardBreakdown
+from trajectories.testing import episode, session
 
 CURVE_KEYS = ["reward/mean", "holdout/reward", "loss/policy", "kl/approx",
               "response/length_mean", "policy/entropy"]
@@ -140,3 +149,74 @@ def test_run_report_reads_run_dir(tmp_path, with_eval):
     path = write_run_report(tmp_path)
     assert path == tmp_path / "report.html"
     assert count_svgs(path.read_text()) == len(CURVE_KEYS) + int(with_eval)
+
+
+def hand_episode(structure: str, i: int, reward: float, text: str = "42",
+                 outcome: Outcome | None = None) -> Episode:
+    eid = f"{structure}-{i}#0@{i}"
+    ep = episode([session("s0", episode_id=eid, text=text)], reward=reward, episode_id=eid,
+                 task_id=f"{structure}-{i}", split="holdout",
+                 task_meta={"skills": [structure], "structure": structure})
+    if outcome is None:
+        return ep
+    return ep.evolve(reward=RewardBreakdown.from_components({"accuracy": reward},
+                                                            {"accuracy": 1.0}, outcome, "hand@1"))
+
+
+def test_worst_slices_link_to_their_escaped_transcripts(tmp_path):
+    evil = "<script>alert(1)</script>"
+    episodes = [hand_episode("add", i, 1.0) for i in range(3)]  # the best slice: not linked
+    episodes += [hand_episode("mul", 0, 0.0, text=f"I think {evil} & 7"),
+                 hand_episode("mul", 1, 0.5)]
+    episodes += [hand_episode("div", i, 0.75) for i in range(2)]
+    episodes += [hand_episode("sub", 0, 0.5),
+                 hand_episode("sub", 1, 0.0, outcome=Outcome.sandbox_error)]
+    run = EvalRun([EvalRecord.from_episode(e, "p") for e in episodes], episodes)
+    rows = [row for by in ((), "structure") for row in slice_summary(run.records, by, n_boot=50)]
+    store = tmp_path / "eval dir" / "episodes.jsonl"
+    html = write_report(tmp_path / "report.html", title="eval", slices=rows, evaluation=run,
+                        episodes_path=store).read_text()
+
+    worst = html[html.index("<h2>Worst slices</h2>"):html.index("<h2>Transcripts</h2>")]
+    # lowest reward/mean first: mul 0.25, sub 0.5 (its infrastructure fault not scored), div 0.75
+    assert [m.split(":")[0] for m in re.findall(r"<h3>([^<]*)</h3>", worst)] == [
+        "structure=mul", "structure=sub", "structure=div"]
+    assert "infrastructure fault: not scored" in worst and "structure=add" not in worst
+    for e in episodes:
+        anchor = episode_anchor(e.episode_id)
+        linked = e.task_meta["structure"] != "add"
+        assert (f'href="#{anchor}"' in worst) == linked, e.episode_id
+        assert html.count(f'id="{anchor}"') == linked, e.episode_id  # one transcript each
+        assert (escape(inspect_command(store, e.episode_id)) in html) == linked
+    assert "&#x27;" in escape(inspect_command(store, episodes[3].episode_id))  # shell-quoted
+    # the worst episode's transcript: its task, outcome and every turn, escaped
+    worst_ep = html[html.index(f'id="{episode_anchor("mul-0#0@0")}"'):]
+    worst_ep = worst_ep[:worst_ep.index("</section>")]
+    assert "task mul-0" in worst_ep and "outcome <b>wrong</b>" in worst_ep
+    assert "<b>user</b>" in worst_ep and "<pre>task</pre>" in worst_ep
+    assert f"I think {escape(evil)} &amp; 7" in worst_ep
+    assert "<script" not in html
+    checker = _Checker()
+    checker.feed(html)
+    assert "script" not in checker.tags and checker.tags.count("section") == 6
+    fault = html[html.index(f'id="{episode_anchor("sub-1#0@1")}"'):]
+    assert "outcome <b>sandbox_error</b>" in fault[:fault.index("</section>")]
+
+
+def test_episode_anchors_are_distinct_and_fragment_safe():
+    ids = ["a#1", "a.23.1", "a-23-1", "a_1", "é", "a 1", "a.20.1", 'x"><script>']
+    anchors = [episode_anchor(i) for i in ids]
+    assert len(set(anchors)) == len(ids)
+    assert all(re.fullmatch(r"ep-[A-Za-z0-9_.-]+", a) for a in anchors)
+
+
+def test_run_report_shows_the_trained_policys_worst_transcripts(tmp_path):
+    episodes = [hand_episode("add", 0, 1.0), hand_episode("mul", 0, 0.0, text="nine?")]
+    records = [EvalRecord.from_episode(e, tag) for tag in ("before", "after") for e in episodes]
+    write_records(records[:2], tmp_path / "evals" / "before.jsonl")
+    write_records(records[2:], tmp_path / "evals" / "after.jsonl")
+    write_episodes(episodes, tmp_path / "evals" / "episodes" / "after.jsonl")
+    html = write_run_report(tmp_path).read_text()
+    assert f'id="{episode_anchor("mul-0#0@0")}"' in html and "nine?" in html
+    assert "policy_name=after · structure=mul" in html
+    assert "policy_name=before · structure=" not in html[html.index("<h2>Worst slices"):]

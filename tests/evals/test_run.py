@@ -11,8 +11,18 @@ import pytest
 import envs
 from envs import TaskMeta, TaskSpec
 from envs.runner import Completion, Sampling
-from evals.run import EvalRecord, evaluate, read_records, slice_summary, write_records
+from evals.run import (
+    EvalRecord,
+    evaluate,
+    read_records,
+    run_eval,
+    slice_members,
+    slice_summary,
+    write_episodes,
+    write_records,
+)
 from evals.stats import wilson
+from trajectories import Outcome, RewardBreakdown, RolloutStore
 
 ARITH = "agent_rl/Arithmetic-v0"
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -214,3 +224,44 @@ def test_record_composition_of_a_task_without_skills():
     record = evaluate(Oracle(), ARITH, HAND[:1], Sampling())[0]
     bare = EvalRecord.model_validate({**record.model_dump(), "skills": [], "atomic": False})
     assert bare.composition == "unknown"
+
+
+def test_run_eval_keeps_every_episode_beside_its_record(tmp_path):
+    run = run_eval(AtomicOnly(), ARITH, HAND, Sampling(), samples_per_task=2, split="holdout")
+    assert len(run.episodes) == len(run.records) == 8
+    assert [e.episode_id for e in run.episodes] == [r.episode_id for r in run.records]
+    assert [EvalRecord.from_episode(e).reward for e in run.episodes] == [r.reward for r in run.records]
+    timeless = lambda records: [r.model_dump(exclude={"latency_s"}) for r in records]  # noqa: E731
+    assert timeless(evaluate(AtomicOnly(), ARITH, HAND, Sampling(), samples_per_task=2,
+                             split="holdout")) == timeless(run.records)  # evaluate: the records
+    # an infrastructure fault is stored too, and says so
+    fault = run.episodes[0].evolve(reward=RewardBreakdown.from_components(
+        {"accuracy": 0.0}, {"accuracy": 1.0}, Outcome.sandbox_error, "hand@1"), episode_id="x",
+        sessions=[s.model_copy(update={"episode_id": "x"}) for s in run.episodes[0].sessions])
+    path = write_episodes([*run.episodes, fault], tmp_path / "ev" / "episodes.jsonl")
+    store = RolloutStore(path)
+    assert store.verify().ok and store.cursor == 9
+    back = list(store.read())
+    assert back[:8] == run.episodes and back[8].reward.is_infrastructure_fault
+    assert EvalRecord.from_episode(back[8]).infra_fault
+
+
+def test_write_episodes_replaces_the_file_whole(tmp_path):
+    first = run_eval(Oracle(), ARITH, HAND, Sampling()).episodes
+    path = write_episodes(first, tmp_path / "episodes.jsonl.zst")
+    again = run_eval(Zero(), ARITH, HAND[:2], Sampling()).episodes
+    write_episodes(again, path)  # as write_records does: the new evaluation, never both
+    assert list(RolloutStore(path).read()) == again and path.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"
+    assert [p.name for p in tmp_path.iterdir()] == ["episodes.jsonl.zst"]  # no temp file left
+    write_episodes([], path)
+    assert path.is_file() and RolloutStore(path).cursor == 0
+
+
+def test_slice_members_are_the_rows_records():
+    records = evaluate(AtomicOnly(), ARITH, HAND, Sampling(), samples_per_task=2)
+    for row in slice_summary(records, by=("structure", "composition"), n_boot=50):
+        members = slice_members(records, {"structure": row["structure"],
+                                          "composition": row["composition"]})
+        assert len(members) == row["n"] and {r.structure for r in members} == {row["structure"]}
+    assert slice_members(records, {}) == records
+    assert [r.task_id for r in slice_members(records, {"skills": ["add", "mul"]})] == ["t3"] * 2
