@@ -18,6 +18,7 @@ from envs.core import (
     approx_token_count,
     tool,
 )
+from envs.datasets import from_dataset
 from envs.registry import accepted_kwargs, list_envs, make, register
 from envs.sessions import Return, SessionRecorder, Spawn, Summary, used_by_data_flow
 
@@ -27,6 +28,7 @@ register("agent_rl/LongRecords-v0", "envs.records.env:LongRecordsEnv")
 register("agent_rl/PIIMask-v0", "envs.piimask:PIIMaskEnv")
 register("agent_rl/Relay-v0", "envs.relay:RelayEnv")
 register("agent_rl/CodeTests-v0", "envs.codetests:CodeTestsEnv")
+register("agent_rl/Dataset-v0", "envs.datasets:DatasetEnv")
 
 __all__ = [
     "accepted_kwargs",
@@ -46,6 +48,7 @@ __all__ = [
     "ToolEnv",
     "ToolError",
     "approx_token_count",
+    "from_dataset",
     "list_envs",
     "make",
     "register",
