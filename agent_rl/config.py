@@ -101,6 +101,15 @@ class RolloutSection(_Section):
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="the weights rollouts sample with: null = the trained model's (HF: shared, or a float32 copy with LoRA merged under adapter lora; vLLM: model.dtype); float32 | bfloat16 = a copy in that dtype (LoRA merged), given the weights after every update; the mismatch is measured (rollout/logprob_diff_*)")
 
 
+class RewardShapingSection(_Section):
+    length: float = Field(0.0, ge=0.0, description="weight of Kimi k1.5's length reward, added to every training episode's reward as the component `length` (agent_rl.rollout, step 4); 0 or null: off. Held-out evaluation is never shaped")
+
+    @field_validator("length", mode="before")
+    @classmethod
+    def _null_is_off(cls, value: Any) -> Any:
+        return 0.0 if value is None else value  # null and 0 are one contract (one hash)
+
+
 class CreditSection(_Section):
     assigner: str = Field("broadcast", description="trajectories.ASSIGNERS name")
     params: dict[str, Any] = Field(default_factory=dict)
@@ -173,6 +182,7 @@ class ExperimentContract(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     reference: str | None = Field(None, description="fixed KL reference model id; required when loss.kl.beta > 0")
     rollout: RolloutSection = Field(default_factory=RolloutSection)
+    reward_shaping: RewardShapingSection = Field(default_factory=RewardShapingSection)
     credit: CreditSection = Field(default_factory=CreditSection)
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
     loss: LossSection = Field(default_factory=LossSection)

@@ -9,27 +9,50 @@
    ``truncation_penalty`` (component ``overlong``); ``keep`` leaves it alone.
 3. Infrastructure faults (outcome ``sandbox_error``) are never scored as wrong: they leave the
    group and the loss, and are counted.
-4. Dynamic sampling (DAPO) drops groups whose valid rewards are all equal: no contrast, no
-   policy gradient. Each drop is recorded with its reason (``all_correct``, ``all_wrong``,
-   ``zero_contrast``, ``too_few_valid``); acceptance rates are kept per env, skill and
-   difficulty. The budget report counts *all* generated tokens, kept and discarded.
-5. Credit: ``trajectories.assign`` gives each session its credit; ``session_weights`` gives
+4. Length reward (Kimi k1.5's length penalty, optional: ``length_weight`` w > 0,
+   ``reward_shaping.length`` in the contract). Within a group's valid episodes, with len_i the
+   episode's generated tokens (every policy-sampled token of *all* its sessions: root,
+   compression continuations, branches, summaries included; prompts and tool results are not)
+   and min_len / max_len their extremes::
+
+       lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len)      (0 for all when max = min)
+       length_i = lambda_i if outcome_i is correct else min(0, lambda_i)
+
+   "Correct" is ``Outcome.correct``; every other outcome (wrong, format_error, truncated, ...)
+   is not. ``length`` becomes a component of the episode's RewardBreakdown with weight w, so
+   ``total = task total + w * length_i``; the task total is kept in
+   ``reward.audit["length_shaping"]["unshaped_total"]`` (``task_total``) with len_i, lambda_i and
+   the group's extremes. That is the paper's rule exactly; it departs in two ways: Kimi warms
+   the penalty up (no penalty for the first phase of training, then a constant one) where this
+   is constant from step 1, and Kimi's baseline is the group mean without a std division, so
+   with ``advantage.std`` other than ``none`` the length term is rescaled with the group's
+   spread. Only training rollouts are shaped; held-out evaluation never is.
+5. Dynamic sampling (DAPO) drops groups whose valid *task* rewards (``task_total``, before the
+   length reward) are all equal: no contrast, no policy gradient. Length contrast alone never
+   keeps a group: the std division would blow a 0.1-weighted length spread up to unit-scale
+   advantages, training saturated groups only to be short and all-wrong groups to give up early
+   (a wrong answer is only ever pushed down, never up). Each drop is recorded with its reason
+   (``all_correct``, ``all_wrong``, ``zero_contrast``, ``too_few_valid``); acceptance rates are
+   kept per env, skill and difficulty. The budget report counts *all* generated tokens, kept and
+   discarded.
+6. Credit: ``trajectories.assign`` gives each session its credit; ``session_weights`` gives
    each session a loss weight (``per_episode``: an episode's sessions share weight 1).
-6. Advantages (``session_advantages``): the group baseline is over *episodes*. For episode e
+7. Advantages (``session_advantages``): the group baseline is over *episodes*. For episode e
    of group g (the G episodes sampled for one task) and its session s::
 
        A(e, s) = (credit(e, s) - mean_g R) / (std_g R + eps)      (std="none": no division)
 
-   with R the episode rewards (``reward.total``) of the group's kept episodes, never the
-   sessions, so an episode cut into more sessions does not pull the mean or the spread; a
-   group whose rewards are all equal gives 0 everywhere. Under ``broadcast`` this is exactly
-   plain GRPO per episode whatever the session count; under ``terminal_only`` the non-final
-   sessions of a rewarded episode are pushed down.
-7. Render: each session becomes one sequence (``render.render_session``) with its own loss
+   with R the episode rewards (``reward.total``, the length reward included) of the group's
+   kept episodes, never the sessions, so an episode cut into more sessions does not pull the
+   mean or the spread; a group whose rewards are all equal gives 0 everywhere. Under
+   ``broadcast`` this is exactly plain GRPO per episode whatever the session count; under
+   ``terminal_only`` the non-final sessions of a rewarded episode are pushed down.
+8. Render: each session becomes one sequence (``render.render_session``) with its own loss
    mask and old log-probs, carrying its advantage and weight.
 
 The group statistics (``all_correct``, ``all_wrong``, ...) are counted over every valid
-episode before dynamic sampling drops anything, so they mean the same with it on or off.
+episode's task reward before dynamic sampling drops anything, so they mean the same with it on
+or off, and with the length reward on or off.
 """
 
 from __future__ import annotations
@@ -101,10 +124,68 @@ def apply_truncation(episode: Episode, policy: str, penalty: float) -> Episode:
         return episode.evolve(reward=reward, filter={"overlong": True, "truncation": "penalize"})
 
 
+LENGTH = "length"  # the component name of step 4's length reward
+
+
+def length_lambdas(lengths: Sequence[int]) -> list[float]:
+    """Kimi k1.5's lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len) over one group's
+    lengths; 0 for every member when they are all equal."""
+    lo, hi = min(lengths), max(lengths)
+    if hi == lo:
+        return [0.0] * len(lengths)
+    return [0.5 - (n - lo) / (hi - lo) for n in lengths]
+
+
+def length_reward(lam: float, correct: bool) -> float:
+    """lambda for a correct response, min(0, lambda) otherwise: a wrong answer is pushed down
+    for being long but never rewarded for being short."""
+    return lam if correct else min(0.0, lam)
+
+
+def apply_length_reward(episodes: Sequence[Episode], weight: float) -> list[Episode]:
+    """Step 4 of the module docstring: the component ``length`` (weight ``weight``) added to
+    every valid episode's reward, per group. ``weight`` 0 returns the episodes as they are."""
+    if not weight:
+        return list(episodes)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, e in enumerate(episodes):
+        if not e.reward.is_infrastructure_fault:  # a fault leaves its group (step 3)
+            groups[e.group_id].append(i)
+    shaped = list(episodes)
+    for members in groups.values():
+        lengths = [generated_tokens(episodes[i]) for i in members]
+        for i, n, lam in zip(members, lengths, length_lambdas(lengths), strict=True):
+            r = episodes[i].reward
+            if LENGTH in r.components:
+                raise ValueError(f"episode {episodes[i].episode_id}: its reward ({r.verifier}) "
+                                 f"already has a {LENGTH!r} component; length shaping would "
+                                 "overwrite it (turn reward_shaping.length off)")
+            audit = {"unshaped_total": r.total, "tokens": n, "lambda": lam,
+                     "min_tokens": min(lengths), "max_tokens": max(lengths)}
+            shaped[i] = episodes[i].evolve(reward=RewardBreakdown.from_components(
+                {**r.components, LENGTH: length_reward(lam, r.outcome == Outcome.correct)},
+                {**r.weights, LENGTH: weight}, r.outcome, r.verifier,
+                audit={**r.audit, "length_shaping": audit}))
+    return shaped
+
+
+def task_total(reward: RewardBreakdown) -> float:
+    """The verifier's total before step 4's length reward: what dynamic sampling judges."""
+    shaping = reward.audit.get("length_shaping")
+    return shaping["unshaped_total"] if shaping else reward.total
+
+
+def _task_weights(reward: RewardBreakdown) -> dict[str, float]:
+    if "length_shaping" not in reward.audit:
+        return reward.weights
+    return {k: w for k, w in reward.weights.items() if k != LENGTH}
+
+
 def best_total(episodes: Sequence[Episode]) -> float:
-    """The verifier's best total over these episodes (the sum of its positive weights); an
-    overlong penalty (``truncation="penalize"``) says nothing about it. +inf when unknown."""
-    return max((sum(w for w in e.reward.weights.values() if w > 0) for e in episodes
+    """The verifier's best total over these episodes (the sum of its positive weights, the
+    length reward's left out); an overlong penalty (``truncation="penalize"``) says nothing
+    about it. +inf when unknown."""
+    return max((sum(w for w in _task_weights(e.reward).values() if w > 0) for e in episodes
                 if "unpenalized" not in e.reward.audit), default=math.inf)
 
 
@@ -117,7 +198,7 @@ def filter_groups(episodes: list[Episode], dynamic_sampling: bool) -> tuple[list
     drops = []
     for group_id, members in groups.items():
         valid = [e for e in members if not e.reward.is_infrastructure_fault]
-        rewards = {round(e.reward.total, 12) for e in valid}
+        rewards = {round(task_total(e.reward), 12) for e in valid}  # length contrast alone: none
         reason = None
         if len(valid) < (2 if dynamic_sampling else 1):
             reason = "too_few_valid"
@@ -179,11 +260,11 @@ def session_advantages(
     eps: float = 1e-6,
     scale: str = "group",
 ) -> Advantages:
-    """Step 6 of the module docstring, for every session of ``episodes`` that generated
+    """Step 7 of the module docstring, for every session of ``episodes`` that generated
     tokens. Groups are the episodes' ``group_id``; infrastructure faults must already be out."""
     if not episodes:
         return Advantages({}, dict(NO_GROUPS))
-    baseline = _baseline(episodes, std, scale, eps)
+    baseline = _baseline(episodes, [e.reward.total for e in episodes], std, scale, eps)
     keys, credits, members = [], [], []
     for i, e in enumerate(episodes):
         credit = assign(e, assigner, **(assigner_params or {}))
@@ -229,14 +310,17 @@ def build_sequences(
 
 
 def contrast_stats(episodes: Sequence[Episode]) -> dict[str, int]:
-    """Zero-contrast group counts over every valid episode (before any drop)."""
+    """Zero-contrast group counts over every valid episode's task reward (before any drop)."""
     valid = [e for e in episodes if not e.reward.is_infrastructure_fault]
-    return _baseline(valid, "population", "group", 1e-6).stats if valid else dict(NO_GROUPS)
+    if not valid:
+        return dict(NO_GROUPS)
+    return _baseline(valid, [task_total(e.reward) for e in valid], "population", "group", 1e-6).stats
 
 
-def _baseline(episodes: Sequence[Episode], std: str, scale: str, eps: float) -> GroupBaseline:
-    rewards = torch.tensor([e.reward.total for e in episodes], dtype=torch.float64)  # [N]
-    return group_baseline(rewards, [e.group_id for e in episodes], std=std, scale=scale, eps=eps,
+def _baseline(episodes: Sequence[Episode], rewards: Sequence[float], std: str, scale: str,
+              eps: float) -> GroupBaseline:
+    r = torch.tensor(rewards, dtype=torch.float64)  # [N]
+    return group_baseline(r, [e.group_id for e in episodes], std=std, scale=scale, eps=eps,
                           correct_threshold=best_total(episodes) - 1e-9)  # as filter_groups
 
 
@@ -272,6 +356,7 @@ def rollout_batch(
     env_kwargs: dict[str, Any] | None = None,
     truncation: str = "mask",
     truncation_penalty: float = 0.0,
+    length_weight: float = 0.0,
     dynamic_sampling: bool = True,
     assigner: str = "broadcast",
     assigner_params: dict[str, Any] | None = None,
@@ -281,11 +366,12 @@ def rollout_batch(
     eps: float = 1e-6,
     group_prefix: str = "",
 ) -> RolloutBatch:
-    """Steps 1-7 of the module docstring, in order."""
+    """Steps 1-8 of the module docstring, in order."""
     episodes = run_episodes(env_id, tasks, policy, sampling=sampling, samples_per_task=group_size,
                             num_envs=len(tasks) * group_size, seed=seed, env_kwargs=env_kwargs,
                             group_prefix=group_prefix)
     episodes = [apply_truncation(e, truncation, truncation_penalty) for e in episodes]
+    episodes = apply_length_reward(episodes, length_weight)
     episodes, drops = filter_groups(episodes, dynamic_sampling)
     sequences, _ = build_sequences(tokenizer, episodes, assigner, assigner_params or {},
                                    session_weighting, std, scale, eps)

@@ -213,6 +213,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             seed=seed + lo * contract.rollout.group_size, env_kwargs=contract.env.kwargs,
             truncation=contract.rollout.truncation,
             truncation_penalty=contract.rollout.truncation_penalty,
+            length_weight=contract.reward_shaping.length,
             dynamic_sampling=contract.rollout.dynamic_sampling,
             assigner=contract.credit.assigner, assigner_params=contract.credit.params,
             session_weighting=contract.credit.session_weighting,

@@ -360,3 +360,25 @@ def test_changes_from_says_what_changed(design_file):
     changed = ExperimentContract.from_yaml(design_file, ["optim.lr=2e-5", "env.kwargs={max_turns: 3}"])
     assert changed.changes_from(base) == ["env.kwargs: {} -> {'max_turns': 3}",
                                           "optim.lr: 1e-05 -> 2e-05"]
+
+
+def test_reward_shaping_length_is_a_contract_key(design_file):
+    """reward_shaping.length: the weight of Kimi's length reward; 0 (the default) or null: off."""
+    base = ExperimentContract.from_yaml(design_file)
+    assert base.reward_shaping.length == 0.0
+    assert ExperimentContract.from_yaml(design_file, ["reward_shaping.length=null"]) == base
+    assert ExperimentContract.from_yaml(
+        design_file, ["reward_shaping.length=null"]).contract_hash() == base.contract_hash()
+    on = ExperimentContract.from_yaml(design_file, ["reward_shaping.length=0.1"])
+    assert on.reward_shaping.length == 0.1
+    assert on.contract_hash() != base.contract_hash()
+    assert on.changes_from(base) == ["reward_shaping.length: 0.0 -> 0.1"]
+    assert ExperimentContract.from_dict({"reward_shaping": {"length": 0.25}}).reward_shaping.length == 0.25
+    assert "reward_shaping.length: Input should be greater than or equal to 0" in contract_error(
+        overrides=["reward_shaping.length=-0.1"])
+    assert "reward_shaping.length: got the boolean" in contract_error(
+        overrides=["reward_shaping.length=true"])
+    assert "reward_shaping.length: Input should be a finite number" in contract_error(
+        overrides=["reward_shaping.length=.inf"])
+    assert "reward_shaping.lenght: unknown key" in contract_error(
+        overrides=["reward_shaping.lenght=0.1"])

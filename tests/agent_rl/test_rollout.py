@@ -5,6 +5,7 @@ token by token, and rollout_batch end to end with the tiny model."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -14,15 +15,22 @@ from agent_rl.models import tiny_model, tiny_tokenizer
 from agent_rl.policy import HFPolicy, sequence_logprobs
 from agent_rl.render import chat_ids, end_of_turn_id, render_episode, render_session
 from agent_rl.rollout import (
+    LENGTH,
+    RolloutBatch,
+    apply_length_reward,
     apply_truncation,
     budget_report,
     build_sequences,
     contrast_stats,
     filter_groups,
     generated_tokens,
+    length_lambdas,
+    length_reward,
     rollout_batch,
     session_advantages,
+    task_total,
 )
+from agent_rl.runlog import step_metrics
 from envs.runner import Sampling
 from trajectories import (
     Boundary,
@@ -644,3 +652,170 @@ def test_rollout_batch_end_to_end_with_the_tiny_model(tiny, tmp_path):
             new = policy.logprobs(q.rendered.input_ids[None])[0]  # [T]
         mask = q.rendered.loss_mask
         assert torch.allclose(new[mask], q.rendered.old_logprobs[mask], atol=1e-4)
+
+
+# --- the length reward (Kimi k1.5's length penalty, step 4) -------------------------------------
+
+
+def episode_of_length(tok, episode_id: str, group_id: str, n: int, outcome: Outcome) -> Episode:
+    """One session whose single assistant turn generated exactly ``n`` tokens (<|im_end|> last)."""
+    ids = tok.encode("The answer is 42. " * n, add_special_tokens=False)[: n - 1] + [end_of_turn_id(tok)]
+    reply = Turn(role="assistant", content=tok.decode(ids[:-1]), token_ids=ids,
+                 logprobs=[-0.3] * n, finish_reason="stop")
+    session = Session(session_id=f"{episode_id}/s0", episode_id=episode_id, used_by_final=True,
+                      turns=[*turns(tok, "")[:2], reply])
+    reward = RewardBreakdown.from_components({"accuracy": float(outcome == Outcome.correct)},
+                                             {"accuracy": 1.0}, outcome, "hand@1")
+    return Episode(episode_id=episode_id, env_id="agent_rl/Hand-v0", env_version=0,
+                   task_id=group_id, group_id=group_id, sessions=[session], reward=reward)
+
+
+def kimi_group(tok) -> list[Episode]:
+    """Lengths [10, 20, 30, 10], outcomes [correct, correct, wrong, wrong]."""
+    spec = [(10, Outcome.correct), (20, Outcome.correct), (30, Outcome.wrong), (10, Outcome.wrong)]
+    return [episode_of_length(tok, f"k#{j}", "k", n, o) for j, (n, o) in enumerate(spec)]
+
+
+def test_length_reward_by_hand(tok):
+    group = kimi_group(tok)
+    assert [generated_tokens(e) for e in group] == [10, 20, 30, 10]
+    # min_len 10, max_len 30, span 20: lambda = 0.5 - (len - 10) / 20
+    #   = [0.5 - 0/20, 0.5 - 10/20, 0.5 - 20/20, 0.5 - 0/20] = [0.5, 0.0, -0.5, 0.5]
+    assert length_lambdas([10, 20, 30, 10]) == [0.5, 0.0, -0.5, 0.5]
+    # correct keep lambda, wrong get min(0, lambda): [0.5, 0.0, min(0, -0.5), min(0, 0.5)]
+    #   = [0.5, 0.0, -0.5, 0.0]: the short wrong answer (k#3) is not rewarded for being short
+    assert [length_reward(lam, ok) for lam, ok in
+            zip([0.5, 0.0, -0.5, 0.5], [True, True, False, False], strict=True)] == [0.5, 0.0, -0.5, 0.0]
+
+    shaped = apply_length_reward(group, 0.1)
+    assert all(e.hash_ok() for e in shaped)
+    assert [e.reward.components[LENGTH] for e in shaped] == [0.5, 0.0, -0.5, 0.0]
+    for before, after in zip(group, shaped, strict=True):  # the verifier's components stay
+        r = after.reward
+        assert r.components == {**before.reward.components, LENGTH: r.components[LENGTH]}
+        assert r.weights == {"accuracy": 1.0, LENGTH: 0.1}
+        assert r.outcome == before.reward.outcome and r.verifier == "hand@1"
+        assert task_total(r) == r.audit["length_shaping"]["unshaped_total"] == before.reward.total
+        assert r.audit["length_shaping"]["min_tokens"] == 10
+        assert r.audit["length_shaping"]["max_tokens"] == 30
+    # total = accuracy + 0.1 x length = [1 + 0.05, 1 + 0, 0 - 0.05, 0 + 0]
+    totals = [1.05, 1.0, -0.05, 0.0]
+    assert [e.reward.total for e in shaped] == pytest.approx(totals, abs=1e-12)
+    assert [e.reward.audit["length_shaping"]["lambda"] for e in shaped] == [0.5, 0.0, -0.5, 0.5]
+
+    # Advantages from the shaped totals: mean (1.05 + 1 - 0.05 + 0) / 4 = 0.5, deviations
+    # [0.55, 0.5, -0.55, -0.5], population variance (2 x 0.3025 + 2 x 0.25) / 4 = 0.27625.
+    decided, drops = filter_groups(shaped, dynamic_sampling=True)
+    assert drops == []
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    std = math.sqrt(0.27625)
+    assert [q.advantage for q in sequences] == pytest.approx(
+        [0.55 / (std + EPS), 0.5 / (std + EPS), -0.55 / (std + EPS), -0.5 / (std + EPS)], abs=1e-12)
+    # Unshaped the two correct answers tie at +1 and the two wrong ones at -1; shaped, the
+    # shorter of each pair is preferred.
+    sequences, _ = build_sequences(tok, decided, **{**BUILD, "std": "none"})
+    assert [q.advantage for q in sequences] == pytest.approx([0.55, 0.5, -0.55, -0.5], abs=1e-12)
+
+
+def test_equal_lengths_give_no_length_reward(tok):
+    group = [episode_of_length(tok, f"e#{j}", "e", 12, o)
+             for j, o in enumerate([Outcome.correct, Outcome.wrong, Outcome.format_error])]
+    shaped = apply_length_reward(group, 0.5)
+    assert length_lambdas([12, 12, 12]) == [0.0, 0.0, 0.0]
+    assert [e.reward.components[LENGTH] for e in shaped] == [0.0, 0.0, 0.0]
+    assert [e.reward.total for e in shaped] == [e.reward.total for e in group]
+    assert length_lambdas([7]) == [0.0]  # a group of one has no extremes either
+
+
+def test_length_reward_off_changes_nothing(tok):
+    episodes = [*kimi_group(tok), *groups_of_every_kind(tok)]
+    assert [e.content_hash for e in apply_length_reward(episodes, 0.0)] == \
+        [e.content_hash for e in episodes]
+    assert all(task_total(e.reward) == e.reward.total for e in episodes)
+
+
+def test_dynamic_sampling_and_group_stats_judge_the_task_reward(tok):
+    """Length contrast alone never keeps a group; faults neither set nor get a length."""
+    spec = {"all-right": [(10, Outcome.correct), (30, Outcome.correct)],
+            "all-wrong": [(10, Outcome.wrong), (30, Outcome.wrong)],
+            "mixed": [(10, Outcome.correct), (30, Outcome.wrong), (90, Outcome.sandbox_error)]}
+    episodes = [episode_of_length(tok, f"{g}#{j}", g, n, o)
+                for g, members in spec.items() for j, (n, o) in enumerate(members)]
+    shaped = apply_length_reward(episodes, 0.1)
+    # all-right: lambda [0.5, -0.5], both correct: totals 1.05 and 0.95, yet all correct
+    assert [e.reward.total for e in shaped[:2]] == pytest.approx([1.05, 0.95])
+    for dynamic in (True, False):
+        _, drops = filter_groups(shaped, dynamic_sampling=dynamic)
+        _, plain = filter_groups(episodes, dynamic_sampling=dynamic)
+        assert drops == plain
+        assert contrast_stats(shaped) == contrast_stats(episodes)
+    _, drops = filter_groups(shaped, dynamic_sampling=True)
+    assert {d["group_id"]: d["reason"] for d in drops} == {"all-right": "all_correct",
+                                                         "all-wrong": "all_wrong"}
+    # the fault (90 tokens) is not the group's max_len and carries no length component
+    fault = shaped[-1]
+    assert LENGTH not in fault.reward.components and fault.reward == episodes[-1].reward
+    assert shaped[4].reward.audit["length_shaping"]["max_tokens"] == 30
+    assert [e.reward.components[LENGTH] for e in shaped[4:6]] == [0.5, -0.5]
+    assert [e.reward.components[LENGTH] for e in shaped[2:4]] == [0.0, -0.5]  # all-wrong
+
+
+def test_length_reward_metrics_and_a_clashing_component(tok):
+    extra = [episode_of_length(tok, "h#0", "h", 10, Outcome.wrong),
+             episode_of_length(tok, "h#1", "h", 30, Outcome.correct)]
+    shaped = apply_length_reward([*kimi_group(tok), *extra], 0.1)
+    decided, drops = filter_groups(shaped, dynamic_sampling=True)
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    batch = RolloutBatch(decided, sequences, budget_report(decided, drops, "mask"),
+                         contrast_stats(decided), drops)
+    m = step_metrics(1, batch, {}, 1.0, 1.0, Counter(), {"max": 0.0, "mean": 0.0})
+    # length: k [0.5, 0, -0.5, 0], h [min(0, 0.5), -0.5] = [0, -0.5]: mean -0.5 / 6
+    assert m["reward/length"] == pytest.approx(-0.5 / 6)
+    assert m["reward/accuracy"] == pytest.approx(3 / 6)
+    # reward/mean is the shaped total: (1.05 + 1 - 0.05 + 0 + 0 + 0.95) / 6
+    assert m["reward/mean"] == pytest.approx(2.95 / 6)
+
+    with pytest.raises(ValueError, match="already has a 'length' component"):
+        apply_length_reward(shaped, 0.1)  # shaping twice would overwrite the first
+
+
+def test_a_multi_session_length_is_every_generated_token_of_every_session(tok, long_episodes):
+    _, solved, wrong = long_episodes
+    assert {s.origin for s in solved.sessions} >= {"root", "compression", "branch"}
+    shaped = apply_length_reward([solved, wrong], 0.1)
+    lengths = [tokens_of(solved), tokens_of(wrong)]
+    assert lengths[0] != lengths[1]
+    assert lengths[0] > max(s.generated_tokens for s in solved.sessions)  # not one session's
+    assert [e.reward.audit["length_shaping"]["tokens"] for e in shaped] == lengths
+    lams = length_lambdas(lengths)
+    assert [e.reward.components[LENGTH] for e in shaped] == [
+        length_reward(lams[0], solved.reward.outcome == Outcome.correct),
+        length_reward(lams[1], False)]
+
+
+def test_rollout_batch_with_the_length_reward(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(2, seed=0)
+    sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=0)
+    common = {"group_size": 3, "sampling": sampling, "seed": 7, "truncation": "keep",
+              "dynamic_sampling": False}
+    plain = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, **common)
+    off = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, length_weight=0.0, **common)
+    on = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, length_weight=0.1, **common)
+    # off: the very same batch as before the length reward existed
+    assert [e.content_hash for e in off.episodes] == [e.content_hash for e in plain.episodes]
+    assert [q.advantage for q in off.sequences] == [q.advantage for q in plain.sequences]
+    assert off.report == plain.report and off.advantage_stats == plain.advantage_stats
+    # on: the same samples (seeded), each reward the verifier's plus 0.1 x the group's rule
+    assert [generated_tokens(e) for e in on.episodes] == [generated_tokens(e) for e in plain.episodes]
+    for group in {e.group_id for e in on.episodes}:
+        members = [(a, b) for a, b in zip(plain.episodes, on.episodes, strict=True)
+                   if a.group_id == group]
+        lams = length_lambdas([generated_tokens(a) for a, _ in members])
+        for (a, b), lam in zip(members, lams, strict=True):
+            value = length_reward(lam, a.reward.outcome == Outcome.correct)
+            assert b.reward.components == {**a.reward.components, LENGTH: value}
+            assert b.reward.total == pytest.approx(a.reward.total + 0.1 * value, abs=1e-12)
+            assert task_total(b.reward) == a.reward.total
+    assert on.advantage_stats == plain.advantage_stats  # counted on the task reward
