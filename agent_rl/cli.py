@@ -371,17 +371,14 @@ def eval_tasks(env_id: str, split: str, n: int, contract) -> tuple[list, dict]:
     import gymnasium
 
     from agent_rl.config import EnvSection
-    from evals.splits import default_splits
 
     section = contract.env if contract and contract.env.id == env_id else EnvSection(id=env_id)
     try:
         import envs
 
         env = envs.make(env_id, **section.kwargs)
-        splits = default_splits(env, section.pool_size, section.pool_seed,
-                                iid_fraction=section.iid_fraction)
-        tasks = list(splits[split])[:n]
-    except gymnasium.error.Error as exc:
+        tasks = list(section.splits(env, require=[split])[split])[:n]
+    except (gymnasium.error.Error, ValueError) as exc:  # a bad id or holdout, an empty split
         raise CLIError(str(exc)) from exc
     except KeyError as exc:
         raise CLIError(f"unknown split {split!r}; splits: {SPLIT_NAMES}") from exc
@@ -616,14 +613,17 @@ def envs_list(args: argparse.Namespace) -> int:
 
 
 def envs_new(args: argparse.Namespace) -> int:
-    from envs.scaffold import new_env_package, package_names
+    from envs.scaffold import new_env_package, next_steps, package_names
 
     try:
         root = new_env_package(args.name, args.dest)
     except (ValueError, FileExistsError) as exc:
         raise CLIError(str(exc)) from exc
-    print(f"{root}\nnext: pip install -e {root} && agent-rl envs check "
-          f"{package_names(args.name)['env_id']}")
+    print(f"{root}: the environment {package_names(args.name)['env_id']} (edit its env.py)\n"
+          f"next, from this folder (the last trains it: 2 steps of the tiny model, evaluated "
+          f"before and after on its unseen tasks, into runs/{args.name}/):")
+    for step in next_steps(args.name, root):
+        print(f"  {step}")
     return 0
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -34,6 +34,9 @@ from pydantic import (
 
 from trajectories.hashing import canonical_hash
 
+if TYPE_CHECKING:
+    from evals.splits import Splits
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -47,13 +50,77 @@ class _Section(BaseModel):
         return value
 
 
+class HoldoutSection(_Section):
+    """What the trainer holds out of the task pool, in place of the automatic choice
+    (``evals.splits.choose_holdouts``). Names are checked against the pool when a run starts."""
+
+    structures: list[str] = Field(default_factory=list, description="meta.structure values held out whole (split holdout_structure); each must occur in the pool")
+    entity_groups: list[str] = Field(default_factory=list, description="meta.entity_group values held out whole (split holdout_entity); each must occur in the pool")
+    min_length: int | None = Field(None, ge=1, description="tasks with meta.length >= this are held out (split holdout_length); some task must reach it")
+    task_ids_file: str | None = Field(None, description="a text file of task_ids (one a line; blank lines and # comments ignored; relative to the working directory) held out as unseen tasks (split holdout_iid); the path is hashed, not the file's content")
+
+    @model_validator(mode="after")
+    def _names_something(self) -> HoldoutSection:
+        if not (self.structures or self.entity_groups or self.min_length is not None
+                or self.task_ids_file is not None):
+            raise ValueError("names nothing to hold out: give structures, entity_groups, "
+                             "min_length or task_ids_file (or env.holdout: null for the "
+                             "automatic choice)")
+        return self
+
+    def fills(self, split: str, iid_fraction: float) -> bool:
+        """Whether these holdouts (and ``env.iid_fraction``) can put tasks in ``split``."""
+        compositional = bool(self.structures or self.entity_groups or self.min_length is not None)
+        return {"holdout_structure": bool(self.structures),
+                "holdout_entity": bool(self.entity_groups),
+                "holdout_length": self.min_length is not None, "holdout": compositional,
+                "holdout_iid": self.task_ids_file is not None or iid_fraction > 0}.get(split, True)
+
+    def split_kwargs(self) -> dict[str, Any]:
+        """The ``holdouts`` of ``evals.splits.default_splits`` (reads ``task_ids_file``)."""
+        task_ids: list[str] = []
+        if self.task_ids_file is not None:
+            try:
+                lines = Path(self.task_ids_file).read_text().splitlines()
+            except OSError as exc:
+                raise ValueError(f"env.holdout.task_ids_file: cannot read {self.task_ids_file} "
+                                 f"({exc.strerror or exc})") from None
+            task_ids = [t for t in (line.split("#", 1)[0].strip() for line in lines) if t]
+            if not task_ids:
+                raise ValueError(f"env.holdout.task_ids_file: {self.task_ids_file} lists no "
+                                 "task id (one a line)")
+        return {"holdout_structures": self.structures, "holdout_entity_groups": self.entity_groups,
+                "min_holdout_length": self.min_length, "holdout_task_ids": task_ids}
+
+
+_HOLDOUT_KEYS = {"structure": "structures", "entity_group": "entity_groups",
+                 "length": "min_length", "task_id": "task_ids_file"}  # UnknownHoldout.what -> key
+
+
 class EnvSection(_Section):
     id: str = Field("agent_rl/Arithmetic-v0", description="registered environment id")
     split: str = Field("train", description="which compositional split the trainer draws from")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to envs.make")
     pool_size: int = Field(256, ge=1, description="tasks generated before splitting")
     pool_seed: int = Field(0, description="seed of the task pool")
-    iid_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of the train split held out as `holdout_iid` (unseen tasks of trained structures)")
+    iid_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of the train split held out as `holdout_iid` (unseen tasks of trained structures); when nothing compositional can be held out and env.holdout is null, this share (0.25 when 0) of the tasks is, with a notice")
+    holdout: HoldoutSection | None = Field(None, description="what to hold out: {structures, entity_groups, min_length, task_ids_file}; null: chosen from the pool's metadata (evals.splits.choose_holdouts)")
+
+    def splits(self, env: Any, require: list[str] | tuple[str, ...] = ()) -> Splits:
+        """``evals.splits.default_splits`` of this section's pool (``env`` built from it), with
+        ``holdout`` in place of the automatic choice; ``require``: splits that must hold tasks.
+        A held-out name the pool does not have is a ``ValueError`` naming the key."""
+        from evals.splits import HoldoutError, default_splits
+
+        try:
+            return default_splits(env, self.pool_size, self.pool_seed,
+                                  holdouts=self.holdout.split_kwargs() if self.holdout else None,
+                                  iid_fraction=self.iid_fraction, require=require)
+        except HoldoutError as exc:
+            raise ValueError("; ".join(f"env.holdout.{_HOLDOUT_KEYS[p.what]}: {p.message}"
+                                       for p in exc.problems)
+                             + f" (a pool of {self.pool_size} tasks, env.pool_seed "
+                             f"{self.pool_seed})") from None
 
 
 class EvalSection(_Section):
@@ -110,6 +177,46 @@ class RewardShapingSection(_Section):
         return 0.0 if value is None else value  # null and 0 are one contract (one hash)
 
 
+class HintsSection(_Section):
+    """Task hints on a decaying share of the training episodes (``agent_rl.rollout``, step 0:
+    the formulas, the rounding, the seeded choice); held-out evaluation never shows any. In
+    place of ``env.kwargs.hints``, which may not be given with it."""
+
+    schedule: Literal["constant", "linear", "step"] = Field(..., description="the share of step s (from 1), t = min(s - 1, over_steps) / over_steps: constant: start; linear: (1 - t) * start + t * end; step: start while s <= over_steps, then end")
+    start: float = Field(1.0, ge=0.0, le=1.0, description="share of step 1's episodes shown a hint")
+    end: float = Field(0.0, ge=0.0, le=1.0, description="share from step over_steps + 1 on (unused by constant)")
+    over_steps: int = Field(100, ge=1, description="steps from start to end (unused by constant)")
+
+
+class CurriculumSection(_Section):
+    """Kimi k1.5's difficulty filter (``agent_rl.curriculum``: the pool, the pass rule, the
+    rounds, resume): train only on tasks whose estimated pass rate is in [min, max]."""
+
+    filter: Literal["pass_rate"] = Field(..., description="pass_rate: k samples of each pool task at the rollout's settings; a sample passes when its outcome is `correct`")
+    k: int = Field(4, ge=1, description="samples per task of the estimate")
+    min: float = Field(0.1, ge=0.0, le=1.0, description="lowest pass rate kept (inclusive)")
+    max: float = Field(0.9, ge=0.0, le=1.0, description="highest pass rate kept (inclusive)")
+    every: int = Field(0, ge=0, description="re-estimate (with the current policy, on a new pool) before step r * every + 1; 0: once, before step 1")
+    pool: int = Field(64, ge=1, description="train tasks estimated per round, at most: a seeded draw (optim.seed, round); only kept pool tasks are trained on")
+
+    @field_validator("filter", mode="before")
+    @classmethod
+    def _known_filter(cls, value: Any) -> Any:
+        if value in ("none", None):
+            raise ValueError("filter none takes no other curriculum key: give curriculum: "
+                             "{filter: none} alone (or curriculum: null)")
+        if value != "pass_rate":
+            raise ValueError(f"unknown filter {value!r}: use pass_rate (or curriculum: null)")
+        return value
+
+    @model_validator(mode="after")
+    def _band(self) -> CurriculumSection:
+        if self.min > self.max:
+            raise ValueError(f"curriculum.min ({self.min}) > curriculum.max ({self.max}): the "
+                             "band keeps no pass rate; make min <= max")
+        return self
+
+
 class CreditSection(_Section):
     assigner: str = Field("broadcast", description="trajectories.ASSIGNERS name")
     params: dict[str, Any] = Field(default_factory=dict)
@@ -141,7 +248,7 @@ class OptimSection(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     updates_per_batch: int = Field(1, ge=1)
-    micro_batch_tokens: int = Field(512, ge=1, description="tokens per trainer micro-batch, padding included (a longer row is a micro-batch of its own): the memory of one forward/backward (make demo's peak: 4.8 GB at 512, 8.4 GB at 2048)")
+    micro_batch_tokens: int = Field(512, ge=1, description="tokens per trainer micro-batch, padding included (a longer row is a micro-batch of its own): the memory of one forward/backward (make demo's peak: 4.45 GB at 512 with packing, 8.4 GB at 2048 before it)")
     max_steps: int = Field(20, ge=0)
     seed: int = 0
 
@@ -186,12 +293,24 @@ class ExperimentContract(_Section):
     credit: CreditSection = Field(default_factory=CreditSection)
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
     loss: LossSection = Field(default_factory=LossSection)
+    curriculum: CurriculumSection | None = Field(None, description="difficulty filter {filter: pass_rate, k, min, max, every, pool}; null (or {filter: none}): every train task is drawn")
+    hints: HintsSection | None = Field(None, description="annealed training hints {schedule, start, end, over_steps}; null (or {schedule: none}): env.kwargs decide, as built")
     optim: OptimSection = Field(default_factory=OptimSection)
     backend: BackendSection = Field(default_factory=BackendSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     guards: GuardSection = Field(default_factory=GuardSection)
     acceptance: AcceptanceSection = Field(default_factory=AcceptanceSection)
     run_dir: str = "runs/${name}"
+
+    @field_validator("hints", mode="before")
+    @classmethod
+    def _schedule_none_is_null(cls, value: Any) -> Any:
+        return None if value == {"schedule": "none"} else value  # one contract, one hash
+
+    @field_validator("curriculum", mode="before")
+    @classmethod
+    def _filter_none_is_null(cls, value: Any) -> Any:
+        return None if value in ({"filter": "none"}, {"filter": None}) else value  # one hash
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ExperimentContract:
@@ -220,8 +339,16 @@ class ExperimentContract(_Section):
                 raise ValueError(f"{key}: no split {unknown[0]!r}; splits are {list(SPLIT_NAMES)}")
         if not self.eval.splits or len(set(self.eval.splits)) != len(self.eval.splits):
             raise ValueError(f"eval.split: name each split once, got {self.eval.split!r}")
-        if "holdout_iid" in self.eval.splits and self.env.iid_fraction == 0.0:
-            raise ValueError("eval.split holdout_iid needs env.iid_fraction > 0")
+        held = self.env.holdout  # explicit holdouts: the splits they leave empty are known now
+        empty = [n for n in self.eval.splits
+                 if held is not None and not held.fills(n, self.env.iid_fraction)]
+        if "holdout_iid" in empty:
+            raise ValueError("eval.split holdout_iid needs env.iid_fraction > 0 or "
+                             "env.holdout.task_ids_file")
+        if empty:
+            raise ValueError(f"eval.split {empty[0]!r} is empty: env.holdout holds out none of "
+                             "it; name it there (structures, entity_groups, min_length) or "
+                             "evaluate on holdout_iid")
         if self.env.split in self.eval.splits:
             raise ValueError(f"eval.split {self.env.split!r} is the training split (env.split): "
                              "held-out evaluation must use tasks the trainer never sees")
@@ -230,6 +357,10 @@ class ExperimentContract(_Section):
             if bad is not None:
                 raise ValueError(f"{bad}: not a finite number")
         check_env_kwargs(self.env.id, self.env.kwargs)
+        if self.hints is not None and "hints" in self.env.kwargs:
+            raise ValueError("hints: the hints section decides which training episodes show a "
+                             "hint, so env.kwargs.hints would be ignored; drop env.kwargs.hints "
+                             "(hints: {schedule: constant, start: 1.0} shows them on every one)")
         budget = self.env.kwargs.get("context_budget")
         if isinstance(budget, int) and budget >= self.rollout.max_prompt_tokens:
             raise ValueError(
@@ -240,6 +371,10 @@ class ExperimentContract(_Section):
             raise ValueError(
                 f"rollout.max_policy_lag ({self.rollout.max_policy_lag}) exceeds "
                 f"guards.max_policy_lag ({self.guards.max_policy_lag})")
+        if self.curriculum is not None and self.curriculum.every and self.rollout.max_policy_lag:
+            raise ValueError("curriculum.every > 0 with rollout.max_policy_lag > 0: rollouts run "
+                             "ahead of the re-estimated band; use curriculum.every: 0 (once, "
+                             "before step 1) or rollout.max_policy_lag: 0")
         if self.loss.aggregation == "seq_mean_token_sum_norm" and self.rollout.max_response_tokens < 1:
             raise ValueError("loss.aggregation seq_mean_token_sum_norm needs rollout.max_response_tokens")
         if self.rollout.dynamic_sampling and self.rollout.group_size < 2:
@@ -348,12 +483,15 @@ UNHASHED = ("optim.max_steps",)  # where a run stops, not what it computes (modu
 
 def _leaves(section: BaseModel, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> value down through the sections (a free-form dict such as env.kwargs is
-    one value), in field order."""
+    one value, and so is a section that may be null, such as env.holdout: both contracts then
+    have the same keys), in field order."""
     out: dict[str, Any] = {}
-    for name in type(section).model_fields:
+    for name, info in type(section).model_fields.items():
         value = getattr(section, name)
-        if isinstance(value, BaseModel):
+        if isinstance(value, BaseModel) and info.default is not None:  # always present
             out.update(_leaves(value, f"{prefix}{name}."))
+        elif isinstance(value, BaseModel):
+            out[f"{prefix}{name}"] = value.model_dump(mode="json", exclude_defaults=True)
         else:
             out[f"{prefix}{name}"] = value
     return out

@@ -19,6 +19,11 @@ reward_not_holdout     train reward rose over the last ``holdout_patience``     
                        evaluations while the hint-free holdout did not
 =====================  ==========================================================  ======
 
+The train reward of ``reward_not_holdout`` is ``reward/mean``, or ``reward/unhinted_mean``
+when the contract anneals hints (``holdout_train_reward``): a rise that only the hints bring
+must not count, nor a fall that only their removal brings. A step with no unhinted episode
+(a share of 1.0) gives no train reward and its evaluation is left out of the history.
+
 A NaN metric trips its rule (``_above``/``_below``): a comparison with NaN is false, so a plain
 ``kl > max_kl`` would let the broken step pass.
 """
@@ -28,6 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def holdout_train_reward(metrics: dict[str, Any], annealed_hints: bool) -> float | None:
+    """The training reward ``Guards.after_eval`` compares with the holdout: ``reward/mean``,
+    or ``reward/unhinted_mean`` (None when no episode was unhinted) under annealed hints."""
+    return metrics.get("reward/unhinted_mean") if annealed_hints else metrics["reward/mean"]
 
 
 def _above(value: float, limit: float) -> bool:
@@ -112,8 +123,11 @@ class Guards:
         self._long_streak = int(state.get("long_streak", 0))
         self._evals = [(float(t), float(h)) for t, h in state.get("evals", [])]
 
-    def after_eval(self, train_reward: float, holdout_reward: float) -> GuardTrip | None:
-        """Reward rising while the hint-free holdout does not is a warning sign (hacking, hints)."""
+    def after_eval(self, train_reward: float | None, holdout_reward: float) -> GuardTrip | None:
+        """Reward rising while the hint-free holdout does not is a warning sign (hacking, hints).
+        ``train_reward`` None (no unhinted episode that step): nothing to compare, not recorded."""
+        if train_reward is None:
+            return None
         self._evals.append((train_reward, holdout_reward))
         window = self._evals[-(self.holdout_patience + 1):]
         if len(window) <= self.holdout_patience:

@@ -1,5 +1,23 @@
 """From a policy and tasks to training sequences: rollout -> filter -> credit -> advantages -> render.
 
+0. Hints (optional, the contract's ``hints``): annealed task hints, shown on a decaying share of
+   the training episodes. Steps count from 1; with t = min(s - 1, over_steps) / over_steps the
+   share of step s is (``hint_share``)::
+
+       constant: start
+       linear:   (1 - t) * start + t * end       (start at step 1, end from step over_steps + 1)
+       step:     start for s <= over_steps, end after
+
+   e.g. linear 1.0 -> 0.0 over 10: steps 1, 2, 6, 10, 11, 50 -> 1.0, 0.9, 0.5, 0.1, 0.0, 0.0.
+   Of the step's J jobs (task i, sample j -> job i * G + j, the step's tasks in sampler order,
+   before any sharding) exactly n = floor(share * J + 1/2) show their task's hint (half rounds
+   up): the first n of ``numpy.random.default_rng([seed, s, HINT_STREAM]).permutation(J)``
+   (``hinted_jobs``), so a step's hinted jobs are a pure function of (seed, step, J) and a
+   resumed run shows what the killed one would have. A job whose task has no hint is unhinted
+   (``Episode.hint`` None) and counted so. Every shown hint keeps the task's ``text`` and
+   ``provenance`` and gets ``shown: True`` (the env) and ``schedule: {schedule, step, share}``
+   (here). A group may mix hinted and unhinted episodes; they share the group baseline.
+   Held-out evaluation never shows hints (``evals.run``).
 1. Collect: ``envs.runner.run_episodes`` with G samples per task (a group shares
    ``group_id``); every episode, kept or not, carries its ``filter`` decision (the trainer
    appends them all to the RolloutStore when it takes the batch).
@@ -63,6 +81,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from agent_rl.grpo import GroupBaseline, group_baseline
@@ -96,6 +115,44 @@ class RolloutBatch:
     @property
     def kept(self) -> list[Episode]:
         return [e for e in self.episodes if e.filter and e.filter.get("kept")]
+
+
+HINT_SCHEDULES = ("constant", "linear", "step")
+HINT_STREAM = 0x68696E74  # "hint": keeps the hint draw apart from TaskSampler's [seed, epoch]
+
+
+def hint_share(step: int, schedule: str, start: float, end: float, over_steps: int) -> float:
+    """Step 0 of the module docstring: the share of step ``step``'s (from 1) training
+    episodes shown a hint."""
+    if step < 1 or over_steps < 1:
+        raise ValueError(f"hint_share: step ({step}) and over_steps ({over_steps}) count from 1")
+    if schedule == "constant":
+        return start
+    if schedule == "linear":
+        t = min(step - 1, over_steps) / over_steps
+        return (1 - t) * start + t * end
+    if schedule == "step":
+        return start if step <= over_steps else end
+    raise ValueError(f"unknown hint schedule {schedule!r}; use one of {', '.join(HINT_SCHEDULES)}")
+
+
+def hinted_jobs(share: float, jobs: int, seed: int, step: int) -> list[bool]:
+    """Which of a step's ``jobs`` show their hint (step 0): exactly floor(share * jobs + 1/2)
+    of them, the first of a permutation seeded by (seed, step)."""
+    # + 1e-9: a share computed as 0.1 gives 0.1 x 5 = 0.4999999999999999, which rounds to 1
+    n = min(jobs, math.floor(share * jobs + 0.5 + 1e-9))
+    shown = [False] * jobs
+    for k in np.random.default_rng([seed, step, HINT_STREAM]).permutation(jobs)[:n]:
+        shown[int(k)] = True
+    return shown
+
+
+def note_hints(episodes: Sequence[Episode], note: dict[str, Any] | None) -> list[Episode]:
+    """Step 0's provenance: ``note`` (the schedule, step and share that chose them) recorded as
+    ``hint["schedule"]`` on every episode that showed a hint; None leaves them as they are."""
+    if note is None:
+        return list(episodes)
+    return [e.evolve(hint={**e.hint, "schedule": note}) if e.hint else e for e in episodes]
 
 
 def is_overlong(episode: Episode) -> bool:
@@ -365,11 +422,16 @@ def rollout_batch(
     scale: str = "group",
     eps: float = 1e-6,
     group_prefix: str = "",
+    hints: Sequence[bool] | None = None,
+    hint_note: dict[str, Any] | None = None,
 ) -> RolloutBatch:
-    """Steps 1-8 of the module docstring, in order."""
+    """Steps 0-8 of the module docstring, in order. ``hints``: one bool per job (task i,
+    sample j -> i * group_size + j; ``hinted_jobs``), None: as the envs are built;
+    ``hint_note``: recorded on every shown hint (``note_hints``)."""
     episodes = run_episodes(env_id, tasks, policy, sampling=sampling, samples_per_task=group_size,
                             num_envs=len(tasks) * group_size, seed=seed, env_kwargs=env_kwargs,
-                            group_prefix=group_prefix)
+                            group_prefix=group_prefix, hints=hints)
+    episodes = note_hints(episodes, hint_note)
     episodes = [apply_truncation(e, truncation, truncation_penalty) for e in episodes]
     episodes = apply_length_reward(episodes, length_weight)
     episodes, drops = filter_groups(episodes, dynamic_sampling)

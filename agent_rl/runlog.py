@@ -4,7 +4,8 @@
 base model's files: pinned before the first rollout), ``metrics.jsonl`` (one namespaced
 record per step, mirrored to TensorBoard when it is installed), ``eval.jsonl`` (held-out
 summaries) and ``evals/<tag>.jsonl`` (one record per held-out episode), ``rollouts.jsonl``
-(every episode), ``checkpoints/``, ``guard.json``, ``result.json``.
+(every episode), ``curriculum.jsonl`` (one record per difficulty-filter round, keyed by the
+first step it trains), ``checkpoints/``, ``guard.json``, ``result.json``.
 
 What a user owns is never overwritten or dropped: ``check_run_dir`` refuses, writing
 nothing, a folder that is no run of this contract and base model, or whose logs lost what
@@ -33,7 +34,7 @@ from agent_rl.rollout import RolloutBatch
 from evals.run import EvalRecord, slice_summary
 from evals.stats import paired_bootstrap
 
-LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl")
+LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl", "curriculum.jsonl")
 RUN_FILES = (*LOG_FILES, "checkpoints")
 BASE_MODEL_FILE = "base_model.json"
 
@@ -45,10 +46,16 @@ def peak_rss_mb() -> float:
 
 def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollout_s: float,
                  train_s: float, counters: Counter, lag: dict[str, float],
-                 wait_s: float = 0.0) -> dict[str, Any]:
+                 wait_s: float = 0.0, hint_share: float | None = None) -> dict[str, Any]:
     """One step's record. ``rollout_s``: generating the batch (on whatever thread did);
-    ``wait_s``: how long the trainer waited for it (all of ``rollout_s`` when synchronous)."""
+    ``wait_s``: how long the trainer waited for it (all of ``rollout_s`` when synchronous);
+    ``hint_share``: the share the contract's ``hints`` scheduled for this step (logged as
+    ``hint/share`` when given). ``reward/hinted_mean`` and ``reward/unhinted_mean`` split
+    ``reward/mean`` by whether the episode showed a hint (None when no episode is on that side);
+    ``hint/used_frac`` is the share that did."""
     episodes = batch.episodes
+    hinted = [e.reward.total for e in episodes if e.hint is not None]
+    unhinted = [e.reward.total for e in episodes if e.hint is None]
     groups = batch.advantage_stats  # over every valid episode, dropped groups included
     compressed = [s for e in episodes for s in e.compressed_sessions()]
     rewards = [e.reward.total for e in episodes]
@@ -95,7 +102,10 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
                                     if compressed else 0.0),
         "sessions/summary_used_frac": (sum(bool(s.used_by_final) for s in compressed) / len(compressed)
                                        if compressed else 0.0),
-        "hint/used_frac": sum(e.hint is not None for e in episodes) / max(len(episodes), 1),
+        "reward/hinted_mean": float(np.mean(hinted)) if hinted else None,
+        "reward/unhinted_mean": float(np.mean(unhinted)) if unhinted else None,
+        "hint/used_frac": len(hinted) / max(len(episodes), 1),
+        **({"hint/share": hint_share} if hint_share is not None else {}),
         "rollout/tokens_generated": report["tokens_generated"],
         "rollout/tokens_discarded": report["tokens_discarded"],
         "rollout/tokens_per_s": report["tokens_generated"] / max(rollout_s, 1e-9),

@@ -1,7 +1,7 @@
 """The GRPO training loop, top to bottom.
 
     contract -> run dir -> data (train / held-out splits from evals) -> model + optimizer
-    -> [resume] -> evaluate before
+    -> [resume] -> [difficulty band: curriculum.py] -> evaluate before
     -> loop: rollout -> assign -> advantages -> loss -> optimizer step -> log -> guards
              -> maybe evaluate -> maybe checkpoint
     -> evaluate after -> report
@@ -48,16 +48,23 @@ import numpy as np
 import torch
 
 import envs
-from agent_rl import checkpoint
+from agent_rl import checkpoint, curriculum
 from agent_rl.config import ExperimentContract
 from agent_rl.distributed import Backend, launched_world_size, make_backend, write_bundle
 from agent_rl.grpo import behaviour_correction, picked_entropy, picked_logprobs, policy_loss
-from agent_rl.guards import Guards, GuardTrip
+from agent_rl.guards import Guards, GuardTrip, holdout_train_reward
 from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device, rollout_copy
 from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.policy import HFPolicy, scoring_temperature
 from agent_rl.render import ROW_TOKENS, Rendered, SharedRow, collate_shared, pack, share_prefixes
-from agent_rl.rollout import RolloutBatch, TrainSequence, merge_batches, rollout_batch
+from agent_rl.rollout import (
+    RolloutBatch,
+    TrainSequence,
+    hint_share,
+    hinted_jobs,
+    merge_batches,
+    rollout_batch,
+)
 from agent_rl.runlog import (
     TensorBoardLog,
     check_run_dir,
@@ -75,7 +82,7 @@ from agent_rl.runlog import (
 from envs.core import TaskSpec
 from envs.runner import Sampling
 from evals.run import run_eval, write_episodes, write_records
-from evals.splits import LeakageError, check_leakage, default_splits
+from evals.splits import LeakageError, check_leakage
 from trajectories import RolloutStore
 
 
@@ -95,8 +102,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     # splits, leakage between train and evaluation, context budget vs. prompt limit) before
     # anything is written ----------------------------------------------------------------------
     env = envs.make(contract.env.id, **contract.env.kwargs)
-    splits = default_splits(env, contract.env.pool_size, contract.env.pool_seed,
-                            iid_fraction=contract.env.iid_fraction)
+    splits = contract.env.splits(env, require=[contract.env.split, *contract.eval.splits])
     train_tasks = list(splits[contract.env.split])
     eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
     check_data(contract, env, train_tasks, eval_sets)
@@ -157,6 +163,17 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     if latest is not None:
         backend.load_state(latest)
     rollout_policy = make_rollout_policy(contract, full, tokenizer, policy, run_dir)
+    # the difficulty band (curriculum.py) in force: the checkpoint's round, else estimated now,
+    # so that a band keeping no task fails before anything is written
+    selection, estimated = None, False
+    if contract.curriculum is not None:
+        held = meta.get("curriculum") if latest is not None else None
+        selection = curriculum.Selection.from_state(held) if held else None
+        if start_step < contract.optim.max_steps and curriculum.due(
+                selection, start_step + 1, contract.curriculum.every):
+            selection = estimate_band(contract, rollout_policy, backend, train_tasks,
+                                      start_step + 1, selection)
+            estimated = True
     backend.barrier()  # every rank has read the run directory before rank 0 writes it
     if main:
         pin_run_dir(run_dir, contract, contract_hash, base_model)
@@ -166,6 +183,16 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     def log(name: str, record: dict[str, Any]) -> None:  # rank 0 writes the run directory
         if main:
             log_json(run_dir / name, record)
+
+    def adopt(band: curriculum.Selection) -> TaskSampler:  # a new band: its cost, its record
+        counters["tokens_generated"] += band.tokens
+        counters["curriculum_tokens_generated"] += band.tokens
+        log("curriculum.jsonl", band.record())
+        return TaskSampler(band.tasks(train_tasks), seed=contract.optim.seed)
+
+    if selection is not None:  # the sampler draws from the band's kept tasks only
+        sampler = (adopt(selection) if estimated
+                   else TaskSampler(selection.tasks(train_tasks), seed=contract.optim.seed))
 
     def evaluate_policy(tag: str) -> dict[str, Any]:  # hint-free, whatever env.kwargs say
         records, episodes = [], []
@@ -189,7 +216,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             "base_model": base_model, "reference": contract.reference, "verifier": verifier_id,
             "sampler_position": step * contract.rollout.tasks_per_step,  # TaskSampler.for_step
             "store_cursor": store.cursor if main else None, "before": before,
-            "policy_revision": policy.revision, "guards": guards.state(), **(extra or {})})
+            "policy_revision": policy.revision, "guards": guards.state(),
+            "curriculum": selection.state() if selection else None, **(extra or {})})
         if main:
             checkpoint.apply_retention(run_dir / "checkpoints", contract.checkpoint.keep)
 
@@ -198,11 +226,19 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         before = evaluate_policy("before")
         log("eval.jsonl", {"step": start_step, "tag": "before", **before})
 
+    def scheduled_hints(step: int) -> float | None:  # the contract's hints: step's share
+        return hint_share(step, **contract.hints.model_dump()) if contract.hints else None
+
     def rollout(step: int):  # rollout -> assign -> advantages (rollout.py does the three)
         t0 = time.perf_counter()
         tasks = sampler.for_step(step, contract.rollout.tasks_per_step)
         lo, hi = shard(len(tasks), rank, world)  # this rank's tasks; their jobs seeded as a whole
         seed = contract.optim.seed * 100_003 + step
+        group, share, shown, note = contract.rollout.group_size, scheduled_hints(step), None, None
+        if share is not None:  # annealed hints, chosen over the step's jobs as a whole
+            shown = hinted_jobs(share, len(tasks) * group, contract.optim.seed, step)
+            shown = shown[lo * group:hi * group]
+            note = {"schedule": contract.hints.schedule, "step": step, "share": share}
         batch = rollout_batch(
             rollout_policy, rollout_policy.tokenizer, contract.env.id, tasks[lo:hi],
             group_size=contract.rollout.group_size,
@@ -218,7 +254,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             assigner=contract.credit.assigner, assigner_params=contract.credit.params,
             session_weighting=contract.credit.session_weighting,
             std=contract.advantage.std, scale=contract.advantage.scale,
-            eps=contract.advantage.eps, group_prefix=f"step{step}/")
+            eps=contract.advantage.eps, group_prefix=f"step{step}/", hints=shown, hint_note=note)
         return batch, time.perf_counter() - t0
 
     # --- 5. the loop: rollouts come from this thread (max_policy_lag 0) or run ahead on a
@@ -229,6 +265,10 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 if lag_bound else Synchronous(rollout))
     with rollouts, progress_bar(progress and main, contract.optim.max_steps, start_step) as advance:
         for step in range(start_step + 1, contract.optim.max_steps + 1):
+            if selection is not None and curriculum.due(selection, step, contract.curriculum.every):
+                selection = estimate_band(contract, rollout_policy, backend, train_tasks, step,
+                                          selection)  # a new round (curriculum.every > 0)
+                sampler = adopt(selection)
             # rollout -> assign -> advantages, recorded in the store; every rank gets the whole
             # batch; sessions sampled more than max_policy_lag updates ago are dropped
             # (counted), never trained on
@@ -259,8 +299,12 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             counters["tokens_generated"] += batch.report["tokens_generated"]
             counters["tokens_trained"] += update.get("tokens", 0)
             counters["episodes"] += len(batch.episodes)
-            metrics = step_metrics(step, batch, update, rollout_s, train_s, counters, lag, wait_s)
+            metrics = step_metrics(step, batch, update, rollout_s, train_s, counters, lag, wait_s,
+                                   hint_share=scheduled_hints(step))
             metrics["step/seconds"] = time.perf_counter() - t0  # waiting for the batch to here
+            if selection is not None:  # the band in force and what estimating it cost
+                metrics |= {**selection.metrics(step), "total/curriculum_tokens_generated":
+                            counters["curriculum_tokens_generated"]}
             result.losses.append(metrics["loss/policy"])
 
             # guards, evaluation, checkpoint
@@ -269,7 +313,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 held = evaluate_policy(f"step{step}")
                 metrics["holdout/reward"] = held["reward_mean"]
                 log("eval.jsonl", {"step": step, "tag": f"step{step}", **held})
-                trip = trip or guards.after_eval(metrics["reward/mean"], held["reward_mean"])
+                trip = trip or guards.after_eval(  # the unhinted reward under annealed hints
+                    holdout_train_reward(metrics, contract.hints is not None), held["reward_mean"])
             trip = backend.all_gather_object(trip)[0]  # rank 0's decision, on every rank
             log("metrics.jsonl", metrics)
             if main:
@@ -330,6 +375,28 @@ def check_data(contract: ExperimentContract, env, train_tasks: list[TaskSpec],
             f"{contract.env.id} compresses at context_budget {budget} tokens, but "
             f"rollout.max_prompt_tokens is {contract.rollout.max_prompt_tokens}: raise "
             "rollout.max_prompt_tokens or lower env.kwargs.context_budget")
+
+
+def estimate_band(contract: ExperimentContract, policy, backend: Backend,
+                  train_tasks: list[TaskSpec], step: int,
+                  previous: curriculum.Selection | None) -> curriculum.Selection:
+    """The curriculum round of ``step``: its pool's pass rates, k samples each by ``policy`` at
+    the rollout's sampling settings, sharded over the ranks (job-seeded as a whole), and the
+    band kept (``agent_rl.curriculum``). Collective; writes nothing."""
+    cur, r = contract.curriculum, curriculum.round_of(step, contract.curriculum.every)
+    pool = curriculum.estimation_pool(train_tasks, cur.pool, contract.optim.seed, r)
+    lo, hi = shard(len(pool), backend.rank, backend.world_size)
+    sampling = curriculum.round_sampling(Sampling(
+        temperature=contract.rollout.temperature, top_p=contract.rollout.top_p,
+        max_new_tokens=contract.rollout.max_response_tokens,
+        max_prompt_tokens=contract.rollout.max_prompt_tokens), contract.optim.seed, r)
+    mine = curriculum.estimate_pass_rates(
+        policy, contract.env.id, pool[lo:hi], k=cur.k, sampling=sampling, seed=lo * cur.k,
+        env_kwargs=contract.env.kwargs, group_prefix=f"curriculum{r}/",
+        num_envs=contract.rollout.tasks_per_step * contract.rollout.group_size)
+    return curriculum.select([e for part in backend.all_gather_object(mine) for e in part],
+                             cur.min, cur.max, round_=r, step=curriculum.round_start(r, cur.every),
+                             k=cur.k, previous=previous.kept if previous else None)
 
 
 def policy_lag(sequences: list[TrainSequence], revision: int) -> dict[str, float]:

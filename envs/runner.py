@@ -120,20 +120,25 @@ def run_episodes(
     group_prefix: str = "",
     on_round: Callable[[int, int], None] | None = None,
     split: str | None = None,
-    hints: bool | None = None,
+    hints: bool | Sequence[bool] | None = None,
 ) -> list[Episode]:
     """Run every task ``samples_per_task`` times; returns episodes in job order.
 
     ``envs`` is an env id (``num_envs`` copies are made with ``env_kwargs``) or ready envs.
     Episodes of one task share ``group_id`` (``group_prefix + task_id``); ``sample_id`` is
     the sample index. ``split`` is recorded on every episode (None: the env's own);
-    ``hints`` shows or hides task hints whatever the envs were built with (None: as built).
+    ``hints`` shows or hides task hints whatever the envs were built with (None: as built); a
+    sequence decides per job, one bool per (task, sample) job in job order (a job whose task
+    has no hint is unhinted either way).
     ``on_round(done, total)`` is called after every policy round.
     """
     sampling = sampling or Sampling()
     jobs = [(task, j) for task in tasks for j in range(samples_per_task)]
     if not jobs:
         return []
+    if hints is not None and not isinstance(hints, bool) and len(hints) != len(jobs):
+        raise ValueError(f"hints: {len(hints)} values for {len(jobs)} jobs ({len(tasks)} tasks x "
+                         f"{samples_per_task} samples); give one per job, or one bool for all")
     if isinstance(envs, str):
         pool = [make(envs, **(env_kwargs or {})) for _ in range(min(num_envs, len(jobs)))]
     else:
@@ -162,7 +167,7 @@ def run_episodes(
         if split is not None:
             options["split"] = split
         if hints is not None:
-            options["hints"] = hints
+            options["hints"] = hints if isinstance(hints, bool) else bool(hints[next_job])
         slot.obs, _ = slot.env.reset(seed=seed + next_job, options=options)
         slot.job, slot.calls = next_job, 0
         next_job += 1

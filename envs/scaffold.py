@@ -4,7 +4,9 @@
 
     pyproject.toml                      entry point: [project.entry-points."agent_rl.envs"]
                                         letter_count = "agent_rl_env_letter_count:register_envs"
-    README.md
+    README.md                           the commands of ``next_steps``, from install to a run
+    train.yaml                          an experiment contract that trains the id out of the box
+                                        (the tiny model, 2 steps, evaluated on holdout_iid)
     agent_rl_env_letter_count/
         __init__.py                     register_envs(): envs.register(
                                             "letter_count/LetterCount-v0", ...)
@@ -13,13 +15,15 @@
     tests/test_env.py                   envs.checks.check_env_id on the id, plus a reward unit test
 
 Once ``pip install -e`` installed it, ``envs.list_envs()`` shows the id without an import.
-Command line: ``python -m envs.scaffold NAME [DEST]``.
+``next_steps(name, root)`` are the commands from there to a trained run (``agent-rl envs new``
+prints them). Command line: ``python -m envs.scaffold NAME [DEST]``.
 """
 
 from __future__ import annotations
 
 import keyword
 import re
+import shlex
 import sys
 from pathlib import Path
 from string import Template
@@ -51,10 +55,45 @@ testpaths = ["tests"]
 README = """\
 # ${dist}
 
-The agent-rl environment `${env_id}` (see `${pkg}/env.py`).
+The agent-rl environment `${env_id}` (see `${pkg}/env.py`). From this folder:
 
-    pip install -e .          # registers ${env_id} through the `agent_rl.envs` entry point
-    python -m pytest tests    # contract checks (envs.checks.check_env_id) and reward tests
+    pip install -e .                  # registers the id (entry-point group agent_rl.envs)
+    agent-rl envs check ${env_id}
+    python -m pytest tests            # the same contract checks and the reward unit tests
+    agent-rl train train.yaml         # 2 steps of the tiny model -> runs/${name}/
+
+`train.yaml` is the experiment contract of that run. Its tasks all share one structure, entity
+group and length, so there is no compositional holdout (split `holdout`): a quarter of the
+tasks are held out as unseen tasks (`env.iid_fraction: 0.25`, split `holdout_iid`) and
+evaluated before and after training. Once `task_pool` varies `meta.structure`,
+`meta.entity_group` or `meta.length`, held-out compositions are chosen automatically
+(`eval.split: [holdout_iid, holdout]`), or name them in `env.holdout`:
+`{structures: [...], entity_groups: [...], min_length: N, task_ids_file: held_out.txt}`.
+For a real run, edit `train.yaml` as its comments say (a real model, longer replies, more steps).
+"""
+
+TRAIN = """\
+# A first training run of ${env_id}: the tiny random Llama, 2 steps, seconds on CPU.
+#   agent-rl train train.yaml          # writes runs/${name}/ under the working directory
+# It proves the package trains end to end (the random model never answers). For a real run:
+#   model: {id: smollm2-135m, adapter: lora}, rollout: {group_size: 8, max_response_tokens: 128,
+#   dynamic_sampling: true}, optim: {lr: 1.0e-5, max_steps: 50}; delete guards.
+# The scaffold's tasks share one structure, entity group and length: nothing compositional can
+# be held out, so a quarter of them are held out as unseen tasks (split holdout_iid). To name
+# holdouts instead: env.holdout: {structures: [...], entity_groups: [...], min_length: N,
+# task_ids_file: held_out.txt}
+name: ${name}
+env: {id: ${env_id}, split: train, iid_fraction: 0.25}
+eval: {split: holdout_iid, n: 4, every: 0}
+model: {id: tiny, adapter: none}
+# the random tiny model never answers, so its groups have no reward contrast and always hit the
+# length limit: dynamic sampling off and max_truncated_frac > 1 keep every step running
+rollout: {group_size: 2, tasks_per_step: 2, max_response_tokens: 8, truncation: keep,
+          dynamic_sampling: false}
+optim: {lr: 1.0e-4, max_steps: 2}
+checkpoint: {every: 0, keep: 2}
+guards: {max_truncated_frac: 1.5}
+run_dir: runs/$${name}
 """
 
 INIT = '''\
@@ -221,6 +260,7 @@ def new_env_package(name: str, dest_dir: str | Path) -> Path:
     files = {
         "pyproject.toml": PYPROJECT,
         "README.md": README,
+        "train.yaml": TRAIN,
         f"{names['pkg']}/__init__.py": INIT,
         f"{names['pkg']}/env.py": ENV,
         "tests/test_env.py": TEST,
@@ -230,6 +270,21 @@ def new_env_package(name: str, dest_dir: str | Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(Template(template).substitute(names))
     return root
+
+
+def next_steps(name: str, root: str | Path) -> list[str]:
+    """The shell commands, run from the folder ``root`` is relative to, that take the package
+    ``new_env_package(name, ...)`` wrote at ``root`` to a trained run: install, the contract
+    checks, the package's tests, then its ``train.yaml`` (2 steps of the tiny model, written to
+    ``runs/NAME/``)."""
+    env_id = package_names(name)["env_id"]
+    folder = Path(root).as_posix()
+    if not (Path(root).is_absolute() or folder.startswith(".")):
+        folder = f"./{folder}"  # pip reads a bare name as a package to download
+    return [f"pip install -e {shlex.quote(folder)}",
+            f"agent-rl envs check {env_id}",
+            f"python -m pytest {shlex.quote(folder + '/tests')}",
+            f"agent-rl train {shlex.quote(folder + '/train.yaml')}"]
 
 
 if __name__ == "__main__":

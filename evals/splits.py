@@ -17,9 +17,10 @@ A pool of ``TaskSpec`` (from ``env.unwrapped.task_pool``) is split in three step
 
 2. **Assign buckets.** A task goes to the first matching bucket in the order
    ``holdout_structure`` (``meta.structure`` held out), ``holdout_entity`` (``meta.entity_group``
-   held out), ``holdout_length`` (``meta.length >= min_holdout_length``); otherwise to
-   ``train``. So train holds no held-out structure, no held-out entity group, and only tasks
-   strictly shorter than every length-held-out task.
+   held out), ``holdout_length`` (``meta.length >= min_holdout_length``), ``holdout_iid`` (its
+   ``task_id`` is in ``holdout_task_ids``); otherwise to ``train``. So train holds no held-out
+   structure, no held-out entity group, no named task, and only tasks strictly shorter than
+   every length-held-out task. Then ``iid_fraction`` of train moves to ``holdout_iid`` too.
 
 3. **Order.** Each bucket is shuffled with ``numpy.random.default_rng(seed)``: same pool, same
    arguments, same seed -> the same splits, item for item.
@@ -27,8 +28,12 @@ A pool of ``TaskSpec`` (from ``env.unwrapped.task_pool``) is split in three step
 ``check_leakage(train, eval)`` fails loudly (``LeakageError``) on a shared ``task_id``, a shared
 normalised prompt or a near duplicate across the two sides. ``sealed_eval_set(tasks)`` freezes a
 hint-free evaluation set with a manifest hash that ``verify()`` recomputes.
-``default_splits(env, pool_size, seed)`` picks holdouts from what the pool's metadata shows (see
-``choose_holdouts``): it is what the trainer uses.
+``default_splits(env, pool_size, seed, holdouts=None)`` picks holdouts from what the pool's
+metadata shows (see ``choose_holdouts``), or takes them from ``holdouts`` (the contract's
+``env.holdout``): it is what the trainer uses. A pool with no compositional axis at all (one
+length, one entity group, no composed structure) and no explicit holdouts is split by unseen
+task only: ``IID_FALLBACK_FRACTION`` of it (or ``iid_fraction`` when > 0) becomes
+``holdout_iid``, with a ``HoldoutFallbackWarning``; ``holdout`` is then empty.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import hashlib
 import math
 import re
 import unicodedata
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import gymnasium
@@ -246,7 +252,7 @@ class Splits:
     holdout_structure: list[TaskSpec]
     holdout_entity: list[TaskSpec]
     holdout_length: list[TaskSpec]
-    holdout_iid: list[TaskSpec] = field(default_factory=list)  # unseen tasks, trained structures
+    holdout_iid: list[TaskSpec] = field(default_factory=list)  # unseen tasks: named, then a share
     dropped_duplicates: list[Duplicate] = field(default_factory=list)
     criteria: dict[str, Any] = field(default_factory=dict)
 
@@ -295,22 +301,32 @@ def compositional_splits(
     ngram: int = 8,
     ngram_threshold: float = 0.8,
     iid_fraction: float = 0.0,
+    holdout_task_ids: Sequence[str] = (),
 ) -> Splits:
     """Deduplicate ``tasks``, then hold out whole structures, entity groups and long tasks.
 
-    ``iid_fraction`` then moves that share of what is left for training (seeded) to
-    ``holdout_iid``: unseen tasks of trained structures, the in-distribution control that
+    ``holdout_task_ids`` names tasks (not already held out by the three criteria) that go to
+    ``holdout_iid``; ``iid_fraction`` then moves that share of what is left for training
+    (seeded) there too: unseen tasks of trained structures, the in-distribution control that
     ``holdout`` (compositional) is compared with. It is not part of ``holdout``.
 
-    A task matching several criteria goes to the first of structure, entity, length, never to
-    train. Raises ``ValueError`` for a held-out structure or entity group that no task has (a
-    typo would otherwise hold out nothing) and when nothing is left to train on. With
-    ``dedup=True`` the result is also checked with ``check_leakage`` (train vs holdout).
+    A task matching several criteria goes to the first of structure, entity, length, task id,
+    never to train. Raises ``HoldoutError`` (a ``ValueError``) for a held-out structure, entity
+    group or task id that no task has, or a ``min_holdout_length`` no task reaches (a typo would
+    otherwise hold out nothing), and ``ValueError`` when nothing is left to train on. With
+    ``dedup=True`` the result is also checked with ``check_leakage`` (train vs holdout and
+    holdout_iid).
     """
     structures = set(holdout_structures)
     groups = set(holdout_entity_groups)
-    _check_known("structure", structures, {t.meta.structure for t in tasks})
-    _check_known("entity_group", groups, {t.meta.entity_group for t in tasks})
+    task_ids = set(holdout_task_ids)
+    problems = [p for p in (
+        _unknown("structure", structures, {t.meta.structure for t in tasks}),
+        _unknown("entity_group", groups, {t.meta.entity_group for t in tasks}),
+        _unknown("task_id", task_ids, {t.task_id for t in tasks}),
+        _unreached(min_holdout_length, {t.meta.length for t in tasks})) if p is not None]
+    if problems:
+        raise HoldoutError(problems)
 
     dropped: list[Duplicate] = []
     if dedup:
@@ -318,7 +334,7 @@ def compositional_splits(
     else:
         tasks = list(tasks)
 
-    buckets: dict[str, list[TaskSpec]] = {name: [] for name in BUCKETS}
+    buckets: dict[str, list[TaskSpec]] = {name: [] for name in (*BUCKETS, "holdout_iid")}
     for task in tasks:
         meta = task.meta
         if meta.structure in structures:
@@ -327,6 +343,8 @@ def compositional_splits(
             buckets["holdout_entity"].append(task)
         elif min_holdout_length is not None and meta.length >= min_holdout_length:
             buckets["holdout_length"].append(task)
+        elif task.task_id in task_ids:
+            buckets["holdout_iid"].append(task)
         else:
             buckets["train"].append(task)
     if not buckets["train"]:
@@ -338,25 +356,61 @@ def compositional_splits(
     if not 0.0 <= iid_fraction < 1.0:
         raise ValueError(f"iid_fraction must be in [0, 1), got {iid_fraction}")
     rng = np.random.default_rng(seed)
-    for name in BUCKETS:
+    for name in (*BUCKETS, "holdout_iid"):
         buckets[name] = [buckets[name][i] for i in rng.permutation(len(buckets[name]))]
     n_iid = int(round(iid_fraction * len(buckets["train"])))
     if n_iid >= len(buckets["train"]):
         raise ValueError(f"iid_fraction {iid_fraction} leaves nothing to train on")
-    iid, buckets["train"] = buckets["train"][:n_iid], buckets["train"][n_iid:]
-    splits = Splits(**buckets, holdout_iid=iid, dropped_duplicates=dropped, criteria={
+    buckets["holdout_iid"] += buckets["train"][:n_iid]  # named tasks first, then the share
+    buckets["train"] = buckets["train"][n_iid:]
+    splits = Splits(**buckets, dropped_duplicates=dropped, criteria={
         "holdout_structures": sorted(structures), "holdout_entity_groups": sorted(groups),
         "min_holdout_length": min_holdout_length, "seed": seed, "dedup": dedup,
-        "ngram": ngram, "ngram_threshold": ngram_threshold, "iid_fraction": iid_fraction})
+        "ngram": ngram, "ngram_threshold": ngram_threshold, "iid_fraction": iid_fraction,
+        "holdout_task_ids": sorted(task_ids)})
     if dedup:
         check_leakage(splits.train, splits.holdout + splits.holdout_iid, ngram, ngram_threshold)
     return splits
 
 
-def _check_known(what: str, wanted: set[str], seen: set[str]) -> None:
+@dataclass(frozen=True)
+class UnknownHoldout:
+    """A named holdout that matches no task of the pool. ``what``: ``structure``,
+    ``entity_group``, ``task_id`` or ``length``; ``unknown``: the names (or the minimum length)
+    that match nothing; ``known``: what the pool has."""
+
+    what: Literal["structure", "entity_group", "task_id", "length"]
+    unknown: list[Any]
+    known: list[Any]
+
+    @property
+    def message(self) -> str:
+        if self.what == "length":
+            return (f"min_holdout_length {self.unknown[0]} holds out nothing: the longest task "
+                    f"has length {max(self.known, default=0)}")
+        shown = (f"{self.known[:20]} and {len(self.known) - 20} more" if len(self.known) > 20
+                 else f"{self.known}")
+        return f"held-out {self.what} {self.unknown} appears in no task; known: {shown}"
+
+
+class HoldoutError(ValueError):
+    """Held-out names that match no task (``problems``: one ``UnknownHoldout`` per kind), all
+    said at once."""
+
+    def __init__(self, problems: list[UnknownHoldout]):
+        self.problems = problems
+        super().__init__("; ".join(p.message for p in problems))
+
+
+def _unknown(what: str, wanted: set[str], seen: set[str]) -> UnknownHoldout | None:
     unknown = sorted(wanted - seen)
-    if unknown:
-        raise ValueError(f"held-out {what} {unknown} appears in no task; known: {sorted(seen)}")
+    return UnknownHoldout(what, unknown, sorted(seen)) if unknown else None
+
+
+def _unreached(min_length: int | None, lengths: set[int]) -> UnknownHoldout | None:
+    if min_length is None or min_length <= max(lengths, default=0):
+        return None
+    return UnknownHoldout("length", [min_length], sorted(lengths))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +418,14 @@ def _check_known(what: str, wanted: set[str], seen: set[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 STRUCTURE_HOLDOUT_FRACTION = 0.25
+IID_FALLBACK_FRACTION = 0.25  # share held out as holdout_iid when nothing compositional can be
+HOLDOUT_KWARGS = ("holdout_structures", "holdout_entity_groups", "min_holdout_length",
+                  "holdout_task_ids")  # what ``default_splits(holdouts=...)`` may name
+
+
+class HoldoutFallbackWarning(UserWarning):
+    """``default_splits`` found nothing compositional to hold out and held out unseen tasks
+    (``holdout_iid``) instead."""
 
 
 def _steps(structure: str) -> int:
@@ -385,6 +447,19 @@ def choose_holdouts(tasks: Sequence[TaskSpec], seed: int = 0) -> dict[str, Any]:
     Returns ``{"holdout_structures", "holdout_entity_groups", "min_holdout_length"}``; raises
     ``ValueError`` when the pool offers nothing to hold out.
     """
+    chosen = _automatic_holdouts(tasks, seed)
+    if chosen is None:
+        raise ValueError(f"{_no_axis(tasks)}; pass holdouts to compositional_splits explicitly")
+    return chosen
+
+
+def _no_axis(tasks: Sequence[TaskSpec]) -> str:
+    return (f"the {len(tasks)} tasks show one length, one entity group and no composed "
+            "structure to hold out")
+
+
+def _automatic_holdouts(tasks: Sequence[TaskSpec], seed: int) -> dict[str, Any] | None:
+    """``choose_holdouts``' criteria, or None when the pool has no compositional axis."""
     lengths = sorted({t.meta.length for t in tasks})
     min_length = lengths[-1] if len(lengths) >= 2 else None
     groups = sorted({t.meta.entity_group for t in tasks if t.meta.entity_group})
@@ -416,29 +491,98 @@ def choose_holdouts(tasks: Sequence[TaskSpec], seed: int = 0) -> dict[str, Any]:
         if remaining and skills <= trained_skills:
             held_structures.append(structure)
     if min_length is None and not held_groups and not held_structures:
-        raise ValueError(
-            f"the {len(tasks)} tasks show one length, one entity group and no composed "
-            "structure to hold out; pass holdouts to compositional_splits explicitly")
+        return None
     return {"holdout_structures": sorted(held_structures), "holdout_entity_groups": held_groups,
             "min_holdout_length": min_length}
 
 
-def default_splits(env: str | gymnasium.Env, pool_size: int, seed: int = 0, **kwargs: Any) -> Splits:
-    """Train/holdout splits of ``env.unwrapped.task_pool(pool_size, seed)`` with the holdouts of
-    ``choose_holdouts`` (read from the deduplicated pool). ``env`` is an env or a registered id;
-    ``kwargs`` go to ``compositional_splits`` (``ngram``, ``ngram_threshold``)."""
+def default_splits(
+    env: str | gymnasium.Env,
+    pool_size: int,
+    seed: int = 0,
+    holdouts: dict[str, Any] | None = None,
+    iid_fraction: float = 0.0,
+    require: Sequence[str] = (),
+    **kwargs: Any,
+) -> Splits:
+    """Train/holdout splits of ``env.unwrapped.task_pool(pool_size, seed)``.
+
+    What is held out: ``holdouts`` (keywords of ``compositional_splits``, any of
+    ``HOLDOUT_KWARGS``) when given, else ``choose_holdouts`` read from the deduplicated pool.
+    When that finds nothing (one length, one entity group, no composed structure) the split is
+    by unseen task only: ``iid_fraction`` of the tasks, or ``IID_FALLBACK_FRACTION`` when it is
+    0, become ``holdout_iid``, ``holdout`` is empty, ``criteria["holdouts"]`` says
+    ``"iid_fallback"`` (else ``"explicit"`` or ``"automatic"``) and a ``HoldoutFallbackWarning``
+    says why and how to name holdouts.
+
+    ``require``: split names that must hold tasks (the trainer's train and evaluation splits);
+    an empty one is a ``ValueError`` that says why and what to set. ``env`` is an env or a
+    registered id; ``kwargs`` go to ``compositional_splits`` (``ngram``, ``ngram_threshold``).
+    """
     own = isinstance(env, str)
     instance = make(env) if own else env
+    env_id = env if own else getattr(instance.spec, "id", None) or type(instance.unwrapped).__name__
     try:
         pool = instance.unwrapped.task_pool(pool_size, seed=seed)
     finally:
         if own:
             instance.close()
-    kept, _ = deduplicate(pool, kwargs.get("ngram", 8), kwargs.get("ngram_threshold", 0.8))
-    splits = compositional_splits(pool, **choose_holdouts(kept, seed), seed=seed, **kwargs)
-    if not splits.holdout:
-        raise ValueError(f"default holdouts left nothing held out of {len(kept)} tasks")
+    if holdouts is not None:
+        unknown = sorted(set(holdouts) - set(HOLDOUT_KWARGS))
+        if unknown:
+            raise TypeError(f"holdouts: unknown keys {unknown}; known: {list(HOLDOUT_KWARGS)}")
+        chosen, how = dict(holdouts), "explicit"
+    else:
+        kept, _ = deduplicate(pool, kwargs.get("ngram", 8), kwargs.get("ngram_threshold", 0.8))
+        chosen, how = _automatic_holdouts(kept, seed), "automatic"
+        if chosen is None:
+            chosen, how = {}, "iid_fallback"
+            iid_fraction = iid_fraction or IID_FALLBACK_FRACTION
+            warnings.warn(
+                f"{env_id}: {_no_axis(kept)}, so nothing compositional is held out; holding out "
+                f"{iid_fraction:.0%} of them as unseen tasks (split holdout_iid) instead, and "
+                "there is no split holdout. Evaluate on holdout_iid (eval.split: holdout_iid), "
+                "or name what to hold out: env.holdout: {structures: [...], entity_groups: "
+                "[...], min_length: N, task_ids_file: PATH}", HoldoutFallbackWarning, stacklevel=2)
+    splits = compositional_splits(pool, **chosen, seed=seed, iid_fraction=iid_fraction, **kwargs)
+    splits = replace(splits, criteria={**splits.criteria, "holdouts": how})
+    if not splits.holdout and not splits.holdout_iid:
+        raise ValueError(f"{env_id}: the {how} holdouts {chosen} (iid_fraction {iid_fraction}) "
+                         f"hold out none of the {len(pool)} tasks; enlarge env.pool_size or "
+                         "name what to hold out (env.holdout)")
+    empty = [name for name in require if not splits[name]]
+    if empty:
+        raise ValueError(f"{env_id}: " + "; ".join(_why_empty(splits, name) for name in empty))
     return splits
+
+
+_CRITERION = {"holdout_structure": ("holdout_structures", "env.holdout.structures"),
+              "holdout_entity": ("holdout_entity_groups", "env.holdout.entity_groups"),
+              "holdout_length": ("min_holdout_length", "env.holdout.min_length")}
+
+
+def _why_empty(splits: Splits, name: str) -> str:
+    """Why split ``name`` of ``default_splits`` holds no task, and what to set."""
+    c = splits.criteria
+    n = sum(len(splits[b]) for b in (*BUCKETS, "holdout_iid"))
+    if c["holdouts"] == "iid_fallback" and name in ("holdout", *HOLDOUT_BUCKETS):
+        return (f"split {name!r} does not exist: the {n} tasks show one length, one entity "
+                "group and no composed structure, so they are split by unseen task only "
+                "(holdout_iid). Evaluate on holdout_iid (eval.split: holdout_iid), or name "
+                "what to hold out (env.holdout: {structures, entity_groups, min_length, "
+                "task_ids_file})")
+    if name == "holdout_iid":
+        return ("split 'holdout_iid' is empty: iid_fraction is 0 and no task ids are held out; "
+                "set env.iid_fraction > 0 or env.holdout.task_ids_file")
+    if name == "holdout":
+        return (f"split 'holdout' is empty: the holdouts hold out only task ids "
+                f"({len(splits.holdout_iid)} tasks, split holdout_iid); evaluate on holdout_iid "
+                "or name env.holdout.structures, entity_groups or min_length")
+    if name in _CRITERION:
+        arg, key = _CRITERION[name]
+        return (f"split {name!r} is empty: {arg} is {c[arg]!r} ({c['holdouts']}); name "
+                f"what to hold out with {key}, or evaluate on holdout")
+    return f"split {name!r} is empty in a pool of {n} tasks; enlarge env.pool_size"
 
 
 # ---------------------------------------------------------------------------------------------

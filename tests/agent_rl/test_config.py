@@ -245,7 +245,10 @@ def test_other_impossible_combinations():
     assert ExperimentContract.from_dict({}, ["rollout.group_size=1",
                                              "rollout.dynamic_sampling=false"]).rollout.group_size == 1
     assert "credit.assigner 'nope'" in contract_error(overrides=["credit.assigner=nope"])
-    assert "needs env.iid_fraction > 0" in contract_error(overrides=["eval.split=holdout_iid"])
+    # with explicit holdouts an empty holdout_iid is known before the run (without, it depends
+    # on the pool: test_holdout_iid_without_iid_fraction_is_decided_by_the_pool)
+    assert "needs env.iid_fraction > 0" in contract_error(
+        overrides=["eval.split=holdout_iid", "env.holdout={min_length: 3}"])
     assert ExperimentContract.from_dict({}, ["eval.split=holdout_iid",
                                              "env.iid_fraction=0.2"]).env.iid_fraction == 0.2
 
@@ -382,3 +385,185 @@ def test_reward_shaping_length_is_a_contract_key(design_file):
         overrides=["reward_shaping.length=.inf"])
     assert "reward_shaping.lenght: unknown key" in contract_error(
         overrides=["reward_shaping.lenght=0.1"])
+
+
+# --- env.holdout: what the trainer holds out ----------------------------------------------------
+
+
+def test_env_holdout_is_a_contract_key(design_file, tmp_path):
+    from agent_rl.config import HoldoutSection
+
+    base = ExperimentContract.from_yaml(design_file)
+    assert base.env.holdout is None  # null: chosen from the pool's metadata
+    held = ExperimentContract.from_yaml(
+        design_file, ["env.holdout={structures: [a>b], min_length: 3, task_ids_file: ids.txt}"])
+    assert held.env.holdout == HoldoutSection(structures=["a>b"], min_length=3,
+                                              task_ids_file="ids.txt")
+    assert held.contract_hash() != base.contract_hash()
+    assert held.hashed_fields()["env"]["holdout"] == {
+        "structures": ["a>b"], "entity_groups": [], "min_length": 3, "task_ids_file": "ids.txt"}
+    assert held.changes_from(base) == [
+        "env.holdout: None -> {'structures': ['a>b'], 'min_length': 3, 'task_ids_file': 'ids.txt'}"]
+    assert base.changes_from(held)[0].endswith("-> None")
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(held.to_yaml())
+    assert ExperimentContract.from_yaml(copy).contract_hash() == held.contract_hash()
+    assert all(f.description for f in HoldoutSection.model_fields.values())
+    assert "env.holdout.strucs: unknown key" in contract_error(overrides=["env.holdout.strucs=[a]"])
+    assert "env.holdout: names nothing to hold out" in contract_error(overrides=["env.holdout={}"])
+    assert "env.holdout.min_length: Input should be greater than or equal to 1" in contract_error(
+        overrides=["env.holdout={min_length: 0}"])
+    assert "env.holdout.min_length: got the boolean" in contract_error(
+        overrides=["env.holdout={min_length: true}"])
+
+
+def test_explicit_holdouts_decide_which_eval_splits_exist():
+    only_ids = "env.holdout={task_ids_file: ids.txt}"
+    assert "eval.split 'holdout' is empty: env.holdout holds out none of it" in contract_error(
+        overrides=[only_ids, "eval.split=holdout"])
+    assert ExperimentContract.from_dict({}, [only_ids, "eval.split=holdout_iid"])
+    assert "eval.split 'holdout_structure' is empty" in contract_error(
+        overrides=["env.holdout={entity_groups: [g]}", "eval.split=[holdout, holdout_structure]"])
+    assert ExperimentContract.from_dict({}, ["env.holdout={min_length: 3}",
+                                             "eval.split=[holdout_length, holdout]"])
+
+
+def test_holdout_iid_without_iid_fraction_is_decided_by_the_pool():
+    """With env.holdout null, holdout_iid holds tasks when the pool has no compositional axis
+    (the unseen-task fallback), so the contract cannot refuse it; the run checks it."""
+    contract = ExperimentContract.from_dict({}, ["eval.split=holdout_iid"])
+    assert contract.env.iid_fraction == 0.0 and contract.env.holdout is None
+
+
+class _PoolEnv:
+    spec = None
+
+    def __init__(self, tasks):
+        self.tasks, self.unwrapped = tasks, self
+
+    def task_pool(self, n, seed=0):
+        return self.tasks[:n]
+
+
+def _pool():
+    from envs import TaskMeta, TaskSpec
+
+    def task(tid, structure, group, length):
+        return TaskSpec(task_id=tid, prompt=f"Task {tid}.", meta=TaskMeta(
+            skills=structure.split(">"), structure=structure, entity_group=group, length=length))
+
+    return [task("s1", "a>b", "g1", 2), task("e1", "a", "g2", 1), task("l1", "b", "g1", 5),
+            task("i1", "a", "g1", 1), task("i2", "b", "g1", 2),
+            *(task(f"t{i}", "ab"[i % 2], "g1", 1 + i % 2) for i in range(5))]
+
+
+def test_env_holdout_splits_the_pool_by_name(tmp_path):
+    from agent_rl.config import EnvSection, HoldoutSection
+
+    ids = tmp_path / "held_out.txt"
+    ids.write_text("# held-out tasks\ni1\n\n  i2   # and this one\n")
+    section = EnvSection(holdout=HoldoutSection(
+        structures=["a>b"], entity_groups=["g2"], min_length=5, task_ids_file=str(ids)))
+    splits = section.splits(_PoolEnv(_pool()), require=["train", "holdout", "holdout_iid"])
+    got = {name: sorted(t.task_id for t in splits[name]) for name in
+           ("holdout_structure", "holdout_entity", "holdout_length", "holdout_iid", "train")}
+    assert got == {"holdout_structure": ["s1"], "holdout_entity": ["e1"], "holdout_length": ["l1"],
+                   "holdout_iid": ["i1", "i2"], "train": [f"t{i}" for i in range(5)]}
+
+    unknown = EnvSection(holdout=HoldoutSection(structures=["a>c", "a>b"], entity_groups=["g7"]))
+    with pytest.raises(ValueError) as info:
+        unknown.splits(_PoolEnv(_pool()))
+    message = str(info.value)
+    assert "env.holdout.structures: held-out structure ['a>c'] appears in no task" in message
+    assert "env.holdout.entity_groups: held-out entity_group ['g7'] appears in no task" in message
+    assert "known: ['g1', 'g2']" in message
+
+    ids.write_text("i1\nnope\n")
+    with pytest.raises(ValueError, match=r"env.holdout.task_ids_file: held-out task_id \['nope'\]"):
+        EnvSection(holdout=HoldoutSection(task_ids_file=str(ids))).splits(_PoolEnv(_pool()))
+    ids.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="env.holdout.task_ids_file: .* lists no task id"):
+        EnvSection(holdout=HoldoutSection(task_ids_file=str(ids))).splits(_PoolEnv(_pool()))
+    with pytest.raises(ValueError, match="env.holdout.task_ids_file: cannot read"):
+        EnvSection(holdout=HoldoutSection(task_ids_file=str(tmp_path / "missing.txt"))).splits(
+            _PoolEnv(_pool()))
+
+
+# --- hints: annealed training hints -------------------------------------------------------------
+
+
+def test_hints_is_a_contract_key(design_file):
+    default = ExperimentContract.from_yaml(design_file)
+    assert default.hints is None  # off: env.kwargs decide, as before the section existed
+    off = ExperimentContract.from_yaml(design_file, ["hints={schedule: none}"])  # DESIGN's spelling
+    assert off.hints is None and off.contract_hash() == default.contract_hash()
+    on = ExperimentContract.from_yaml(design_file, [
+        "hints.schedule=linear", "hints.start=1.0", "hints.end=0.0", "hints.over_steps=2"])
+    assert on.hints.model_dump() == {"schedule": "linear", "start": 1.0, "end": 0.0,
+                                     "over_steps": 2}
+    assert on.contract_hash() != default.contract_hash()
+    assert ExperimentContract.from_yaml(design_file, ["hints.schedule=step"]).hints.over_steps == 100
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["hints.schedule=cosine"], "hints.schedule: Input should be 'constant', 'linear' or 'step'"),
+    (["hints={start: 0.5}"], "hints.schedule: Field required"),
+    (["hints.schedule=linear", "hints.start=1.5"], "hints.start: Input should be less than or equal to 1"),
+    (["hints.schedule=linear", "hints.end=-0.1"], "hints.end: Input should be greater than or equal to 0"),
+    (["hints.schedule=step", "hints.over_steps=0"], "hints.over_steps: Input should be greater than or equal to 1"),
+    (["hints.schedule=linear", "hints.gamma=2"], "hints.gamma: unknown key"),
+    (["hints=true"], "hints: got the boolean true"),
+    (["hints.schedule=linear", "env.kwargs={hints: true}"], "drop env.kwargs.hints"),
+])
+def test_hints_errors_name_the_key(overrides, message):
+    assert message in contract_error(overrides=overrides)
+
+
+# --- curriculum: the difficulty filter -----------------------------------------------------------
+
+
+def test_curriculum_is_a_contract_key(design_file):
+    default = ExperimentContract.from_yaml(design_file)
+    assert default.curriculum is None  # off: every train task is drawn
+    for spelling in ("curriculum={filter: none}", "curriculum={filter: null}"):  # DESIGN's spelling
+        off = ExperimentContract.from_yaml(design_file, [spelling])
+        assert off.curriculum is None and off.contract_hash() == default.contract_hash()
+    design = ExperimentContract.from_yaml(  # DESIGN section 7's example
+        design_file, ["curriculum={filter: pass_rate, k: 4, min: 0.1, max: 0.9, every: 10}"])
+    assert design.curriculum.model_dump() == {"filter": "pass_rate", "k": 4, "min": 0.1,
+                                              "max": 0.9, "every": 10, "pool": 64}
+    assert design.contract_hash() != default.contract_hash()
+    on = ExperimentContract.from_yaml(design_file, ["curriculum.filter=pass_rate"])
+    assert (on.curriculum.k, on.curriculum.min, on.curriculum.max, on.curriculum.every,
+            on.curriculum.pool) == (4, 0.1, 0.9, 0, 64)
+    edge = ExperimentContract.from_yaml(design_file, [
+        "curriculum.filter=pass_rate", "curriculum.min=0.5", "curriculum.max=0.5"])
+    assert edge.curriculum.min == edge.curriculum.max == 0.5  # a one-point band is allowed
+    lagged = ExperimentContract.from_dict({}, ["curriculum.filter=pass_rate",
+                                               "rollout.max_policy_lag=1"])
+    assert lagged.curriculum.every == 0  # estimated once, before the pipeline starts
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["curriculum.filter=pass_rate", "curriculum.min=0.9", "curriculum.max=0.1"],
+     "curriculum: curriculum.min (0.9) > curriculum.max (0.1)"),
+    (["curriculum.filter=pass_rate", "curriculum.k=0"],
+     "curriculum.k: Input should be greater than or equal to 1"),
+    (["curriculum.filter=best_of_k"], "curriculum.filter: unknown filter 'best_of_k'"),
+    (["curriculum={filter: none, k: 2}"], "curriculum.filter: filter none takes no other"),
+    (["curriculum.k=2"], "curriculum.filter: Field required"),
+    (["curriculum.filter=pass_rate", "curriculum.max=1.5"],
+     "curriculum.max: Input should be less than or equal to 1"),
+    (["curriculum.filter=pass_rate", "curriculum.min=-0.1"],
+     "curriculum.min: Input should be greater than or equal to 0"),
+    (["curriculum.filter=pass_rate", "curriculum.pool=0"],
+     "curriculum.pool: Input should be greater than or equal to 1"),
+    (["curriculum.filter=pass_rate", "curriculum.every=-1"],
+     "curriculum.every: Input should be greater than or equal to 0"),
+    (["curriculum.filter=pass_rate", "curriculum.k=true"], "curriculum.k: got the boolean true"),
+    (["curriculum.filter=pass_rate", "curriculum.kk=2"], "curriculum.kk: unknown key"),
+    (["curriculum.filter=pass_rate", "curriculum.every=3", "rollout.max_policy_lag=1"],
+     "curriculum.every > 0 with rollout.max_policy_lag > 0"),
+])
+def test_curriculum_errors_name_the_key(overrides, message):
+    assert message in contract_error(overrides=overrides)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from agent_rl.config import GuardSection
-from agent_rl.guards import Guards, GuardTrip
+from agent_rl.guards import Guards, GuardTrip, holdout_train_reward
 
 NAN, INF = math.nan, math.inf
 
@@ -171,3 +171,33 @@ def test_state_round_trip_keeps_streaks_and_history():
     fresh = Guards()
     fresh.load_state({})  # a checkpoint written before guards had state
     assert fresh.state() == Guards().state()
+
+
+def test_holdout_rule_compares_the_unhinted_reward_under_annealed_hints():
+    """The hinted episodes lift reward/mean by 0.6 over three evaluations; the unhinted reward
+    and the holdout stay flat. Only the unhinted reward is compared once hints are annealed."""
+    steps = [{"reward/mean": 0.2 * k, "reward/unhinted_mean": 0.1} for k in range(4)]
+    annealed, plain = Guards(holdout_patience=3), Guards(holdout_patience=3)
+    assert [holdout_train_reward(m, True) for m in steps] == [0.1] * 4
+    assert [annealed.after_eval(holdout_train_reward(m, True), 0.1) for m in steps] == [None] * 4
+    trips = [plain.after_eval(holdout_train_reward(m, False), 0.1) for m in steps]
+    assert trips[:3] == [None] * 3 and trips[3].rule == "reward_not_holdout"
+    assert trips[3].evidence["train"] == pytest.approx([0.0, 0.2, 0.4, 0.6])
+
+    # hinted-only gains with no unhinted gain do not fire; an unhinted gain of 0.3 does
+    rising = Guards(holdout_patience=3)
+    unhinted = [0.1, 0.2, 0.3, 0.4]
+    out = [rising.after_eval(holdout_train_reward({"reward/mean": 0.9, "reward/unhinted_mean": u},
+                                                  True), 0.1) for u in unhinted]
+    assert out[:3] == [None] * 3 and out[3].evidence["train"] == pytest.approx(unhinted)
+
+
+def test_a_step_without_unhinted_episodes_is_left_out_of_the_holdout_history():
+    guards = Guards(holdout_patience=2)
+    all_hinted = {"reward/mean": 0.9, "reward/unhinted_mean": None}
+    assert holdout_train_reward(all_hinted, True) is None
+    assert holdout_train_reward(all_hinted, False) == 0.9
+    assert guards.after_eval(None, 0.5) is None and guards.state()["evals"] == []
+    assert [guards.after_eval(t, 0.5) for t in (0.0, 0.1)] == [None, None]
+    assert guards.after_eval(None, 0.5) is None  # not a third evaluation
+    assert guards.after_eval(0.2, 0.5).rule == "reward_not_holdout"  # the third one

@@ -24,6 +24,8 @@ from agent_rl.rollout import (
     contrast_stats,
     filter_groups,
     generated_tokens,
+    hint_share,
+    hinted_jobs,
     length_lambdas,
     length_reward,
     rollout_batch,
@@ -819,3 +821,92 @@ def test_rollout_batch_with_the_length_reward(tiny):
             assert b.reward.total == pytest.approx(a.reward.total + 0.1 * value, abs=1e-12)
             assert task_total(b.reward) == a.reward.total
     assert on.advantage_stats == plain.advantage_stats  # counted on the task reward
+
+
+# --- annealed hints (step 0) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule, start, end, over, expected", [
+    # linear: (1 - t) * start + t * end, t = min(s - 1, over) / over
+    ("linear", 1.0, 0.0, 10, {1: 1.0, 2: 0.9, 6: 0.5, 10: 0.1, 11: 0.0, 50: 0.0}),
+    ("linear", 0.2, 0.8, 4, {1: 0.2, 2: 0.35, 3: 0.5, 5: 0.8, 9: 0.8}),
+    ("linear", 1.0, 0.0, 2, {1: 1.0, 2: 0.5, 3: 0.0}),  # the 2-step tiny run: 1.0, then 0.5
+    ("linear", 1.0, 0.0, 1, {1: 1.0, 2: 0.0}),
+    # step: start while s <= over, then end
+    ("step", 0.8, 0.2, 3, {1: 0.8, 3: 0.8, 4: 0.2, 100: 0.2}),
+    ("constant", 0.3, 0.9, 5, {1: 0.3, 6: 0.3, 1000: 0.3}),
+])
+def test_hint_share_at_hand_computed_steps(schedule, start, end, over, expected):
+    assert {s: hint_share(s, schedule, start, end, over) for s in expected} == pytest.approx(expected)
+
+
+def test_hint_share_refuses_what_the_contract_refuses():
+    with pytest.raises(ValueError, match="unknown hint schedule 'cosine'"):
+        hint_share(1, "cosine", 1.0, 0.0, 10)
+    with pytest.raises(ValueError, match="count from 1"):
+        hint_share(0, "linear", 1.0, 0.0, 10)
+
+
+def test_hinted_jobs_counts_are_exact_and_a_pure_function_of_seed_and_step():
+    # linear 1.0 -> 0.0 over 10, 8 jobs: n = floor(share * 8 + 1/2)
+    shares = {s: hint_share(s, "linear", 1.0, 0.0, 10) for s in (1, 2, 3, 6, 10, 11)}
+    counts = {s: sum(hinted_jobs(share, 8, 0, s)) for s, share in shares.items()}
+    assert counts == {1: 8, 2: 7, 3: 6, 6: 4, 10: 1, 11: 0}  # 8, 7.2, 6.4, 4, 0.8, 0
+    assert sum(hinted_jobs(0.5, 3, 0, 1)) == 2  # half rounds up (1.5 -> 2), not to even
+    assert sum(hinted_jobs(0.5, 5, 0, 1)) == 3  # 2.5 -> 3
+    assert shares[10] != 0.1 and sum(hinted_jobs(shares[10], 5, 0, 10)) == 1  # 0.4999... -> 1
+    for s in range(1, 12):  # the same draw every time (a resumed run shows what the killed one would)
+        assert hinted_jobs(0.5, 8, 3, s) == hinted_jobs(0.5, 8, 3, s)
+    draws = {tuple(hinted_jobs(0.5, 8, 3, s)) for s in range(1, 12)}
+    assert len(draws) > 1 and all(sum(d) == 4 for d in draws)  # a fresh choice per step
+    assert hinted_jobs(0.5, 8, 3, 1) != hinted_jobs(0.5, 8, 4, 1)  # and per seed
+
+
+def test_rollout_batch_shows_hints_on_the_chosen_jobs_with_their_provenance(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(3, seed=0)
+    tasks[2] = tasks[2].model_copy(update={"hint": None})  # a task with no hint
+    note = {"schedule": "linear", "step": 3, "share": 0.5}
+    shown = [True, False, False, True, True, True]
+    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
+                          sampling=Sampling(temperature=1.0, max_new_tokens=4, seed=0), seed=5,
+                          truncation="keep", dynamic_sampling=False, hints=shown, hint_note=note)
+    # job i * 2 + j is task i's sample j; task 2 has no hint, so its jobs are unhinted anyway
+    assert [e.hint is not None for e in batch.episodes] == [True, False, False, True, False, False]
+    for e, task in zip(batch.episodes, [t for t in tasks for _ in range(2)], strict=True):
+        if e.hint is not None:
+            assert e.hint == {"text": task.hint["text"], "provenance": "solution-derived",
+                              "shown": True, "schedule": note}
+            assert f"Hint: {task.hint['text']}" in e.sessions[0].turns[1].content
+        assert e.hash_ok()
+    m = step_metrics(3, batch, {}, 1.0, 1.0, Counter(), {"max": 0.0, "mean": 0.0}, hint_share=0.5)
+    assert m["hint/used_frac"] == pytest.approx(2 / 6) and m["hint/share"] == 0.5
+    rewards = [e.reward.total for e in batch.episodes]
+    assert m["reward/hinted_mean"] == pytest.approx((rewards[0] + rewards[3]) / 2)
+    assert m["reward/unhinted_mean"] == pytest.approx((sum(rewards) - rewards[0] - rewards[3]) / 4)
+
+    plain = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
+                          sampling=Sampling(temperature=1.0, max_new_tokens=4, seed=0), seed=5,
+                          truncation="keep", dynamic_sampling=False)
+    assert not any(e.hint for e in plain.episodes)  # no hints given: as the envs are built
+
+
+def test_reward_split_by_hint_on_a_hand_made_batch(tok):
+    hint = {"text": "6 * 7 = 42", "provenance": "solution-derived", "shown": True}
+    rewards = {"a#0": (1.0, True), "a#1": (0.5, True), "a#2": (0.0, False), "b#0": (0.25, False),
+               "b#1": (0.5, False)}
+    episodes = [make_episode(tok, eid, eid[0], r).evolve(hint=hint if hinted else None)
+                for eid, (r, hinted) in rewards.items()]
+    batch = RolloutBatch(episodes, [], budget_report(episodes, [], "mask"), {}, [])
+    lag = {"max": 0.0, "mean": 0.0}
+    m = step_metrics(1, batch, {}, 1.0, 1.0, Counter(), lag, hint_share=0.4)
+    assert m["reward/hinted_mean"] == pytest.approx(0.75)  # (1.0 + 0.5) / 2
+    assert m["reward/unhinted_mean"] == pytest.approx(0.25)  # (0.0 + 0.25 + 0.5) / 3
+    assert m["reward/mean"] == pytest.approx(0.45)  # 2.25 / 5
+    assert m["hint/used_frac"] == pytest.approx(0.4) and m["hint/share"] == 0.4
+    everyone = [e.evolve(hint=hint) for e in episodes]
+    all_hinted = step_metrics(1, RolloutBatch(everyone, [], batch.report, {}, []), {}, 1.0, 1.0,
+                              Counter(), lag)
+    assert all_hinted["reward/unhinted_mean"] is None and all_hinted["hint/used_frac"] == 1.0
+    assert "hint/share" not in all_hinted  # no hints section: no scheduled share

@@ -445,6 +445,36 @@ def test_evaluation_is_hint_free_and_records_its_splits(tmp_path):
     assert result.comparison["n"] == 6 and result.comparison["splits"]["holdout"]["n"] == 3
 
 
+def test_annealed_hints_show_on_the_scheduled_share_and_never_in_evaluation(tmp_path):
+    """hints linear 1.0 -> 0.0 over 2 steps, 2 tasks x 2 samples: step 1 shows all 4 hints,
+    step 2 exactly round(0.5 * 4) = 2; every shown hint says why; evaluation shows none (the
+    holdout guard, at step 1, has no unhinted reward to compare and records nothing)."""
+    run_dir = tmp_path / "run"
+    contract = make_contract(run_dir, "env.id=agent_rl/Arithmetic-v0", "eval.n=3",
+                             "eval.every=1", "optim.max_steps=2", "rollout.tasks_per_step=2",
+                             "rollout.group_size=2", "rollout.max_response_tokens=4",
+                             "checkpoint.every=0", "hints.schedule=linear", "hints.start=1.0",
+                             "hints.end=0.0", "hints.over_steps=2")
+    train.run(contract, progress=False)
+    episodes = list(RolloutStore(run_dir / "rollouts.jsonl").read())
+    by_step = defaultdict(list)
+    for e in episodes:
+        by_step[int(e.group_id.split("/")[0].removeprefix("step"))].append(e)
+    assert {s: sum(e.hint is not None for e in es) for s, es in by_step.items()} == {1: 4, 2: 2}
+    for step, share in ((1, 1.0), (2, 0.5)):
+        for e in by_step[step]:
+            if e.hint is not None:
+                assert e.hint["provenance"] == "solution-derived" and e.hint["shown"]
+                assert e.hint["schedule"] == {"schedule": "linear", "step": step, "share": share}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["hint/share"] for m in metrics] == [1.0, 0.5]
+    assert [m["hint/used_frac"] for m in metrics] == [1.0, 0.5]
+    assert metrics[0]["reward/unhinted_mean"] is None and metrics[1]["reward/unhinted_mean"] is not None
+    assert "holdout/reward" in metrics[0]
+    for tag in ("before", "step1", "after"):
+        assert not any(r["hint_shown"] for r in read_jsonl(run_dir / "evals" / f"{tag}.jsonl"))
+
+
 def test_max_prompt_tokens_is_enforced(tmp_path):
     run_dir = tmp_path / "run"
     train.run(make_contract(run_dir, "rollout.max_prompt_tokens=8", "optim.max_steps=1",

@@ -102,3 +102,23 @@ def test_context_budgets_are_counted_with_the_policy_tokenizer(tokens, compresse
                               env_kwargs={"max_turns": 3, "context_budget": 100})
     assert counts  # the env asked the policy's counter
     assert any(s.origin == "compression" for s in episode.sessions) == compresses
+
+
+def test_hints_can_be_decided_per_job():
+    """A sequence of bools shows the hint on exactly the jobs it marks (job = task i, sample j ->
+    i * samples + j); a task without a hint stays unhinted; a wrong length is refused."""
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(3, seed=0)
+    tasks[2] = tasks[2].model_copy(update={"hint": None})
+    shown = [True, False, False, True, True, True]
+    episodes = run_episodes("agent_rl/Arithmetic-v0", tasks, Recorder(), samples_per_task=2,
+                            hints=shown)
+    assert [e.hint is not None for e in episodes] == [True, False, False, True, False, False]
+    for e in episodes:
+        prompt = e.sessions[0].turns[1].content
+        assert ("Hint:" in prompt) == (e.hint is not None)
+        if e.hint:
+            task = next(t for t in tasks if t.task_id == e.task_id)
+            assert e.hint == {**task.hint, "shown": True}
+    with pytest.raises(ValueError, match="hints: 2 values for 6 jobs"):
+        run_episodes("agent_rl/Arithmetic-v0", tasks, Recorder(), samples_per_task=2,
+                     hints=[True, False])

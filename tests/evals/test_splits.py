@@ -4,6 +4,7 @@ removed before splitting, leakage fails loudly, splits are deterministic, sealed
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ from hypothesis import strategies as st
 import envs
 from envs import TaskMeta, TaskSpec
 from evals.splits import (
+    IID_FALLBACK_FRACTION,
+    HoldoutError,
+    HoldoutFallbackWarning,
     LeakageError,
     SealedSetError,
     Splits,
@@ -313,3 +317,116 @@ def test_iid_holdout_is_unseen_tasks_of_trained_structures():
     assert splits.criteria["iid_fraction"] == 0.25
     with pytest.raises(ValueError, match="iid_fraction"):
         compositional_splits(tasks, min_holdout_length=3, iid_fraction=1.0)
+
+
+# ----------------------------------------------------------------------------- named holdouts
+
+
+class PoolEnv:
+    """Stands in for an env: ``default_splits`` reads only ``unwrapped.task_pool`` and ``spec``."""
+
+    spec = None
+
+    def __init__(self, tasks: list[TaskSpec]):
+        self.tasks, self.unwrapped = tasks, self
+
+    def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
+        return self.tasks[:n]
+
+
+def meta_task(tid: str, structure: str, group: str, length: int) -> TaskSpec:
+    return TaskSpec(task_id=tid, prompt=f"Task {tid}.", meta=TaskMeta(
+        skills=structure.split(">"), structure=structure, entity_group=group, length=length))
+
+
+# by hand: which bucket each task must land in under HAND_HOLDOUTS
+HAND_POOL = [meta_task("s1", "a>b", "g1", 2), meta_task("s2", "a>b", "g2", 4),
+             meta_task("e1", "a", "g2", 1), meta_task("l1", "b", "g1", 4),
+             meta_task("i1", "a", "g1", 1), meta_task("i2", "b", "g1", 1),
+             *(meta_task(f"t{i}", "ab"[i % 2], "g1", 1 + i % 2) for i in range(6))]
+HAND_HOLDOUTS = {"holdout_structures": ["a>b"], "holdout_entity_groups": ["g2"],
+                 "min_holdout_length": 4, "holdout_task_ids": ["i1", "i2", "s2"]}
+HAND_SPLITS = {"holdout_structure": {"s1", "s2"}, "holdout_entity": {"e1"},
+               "holdout_length": {"l1"}, "holdout_iid": {"i1", "i2"},
+               "train": {f"t{i}" for i in range(6)}}
+
+
+def test_explicit_holdouts_give_exactly_the_expected_membership():
+    for splits in (compositional_splits(HAND_POOL, **HAND_HOLDOUTS, seed=5),
+                   default_splits(PoolEnv(HAND_POOL), 100, seed=5, holdouts=HAND_HOLDOUTS)):
+        assert {name: set(ids(splits[name])) for name in HAND_SPLITS} == HAND_SPLITS
+        assert set(ids(splits.holdout)) == {"s1", "s2", "e1", "l1"}  # named ids are not in it
+        assert splits.criteria["holdout_task_ids"] == ["i1", "i2", "s2"]
+    # each criterion alone, through default_splits (nothing is chosen automatically then)
+    pool = PoolEnv(HAND_POOL)
+    alone = {"holdout_structures": ["a>b"]}, {"holdout_entity_groups": ["g2"]}, \
+        {"min_holdout_length": 4}, {"holdout_task_ids": ["i1"]}
+    want = [{"s1", "s2"}, {"s2", "e1"}, {"s2", "l1"}, {"i1"}]
+    for holdouts, held in zip(alone, want, strict=True):
+        splits = default_splits(pool, 100, holdouts=holdouts)
+        assert set(ids(splits.holdout + splits.holdout_iid)) == held, holdouts
+        assert set(ids(splits.train)) == {t.task_id for t in HAND_POOL} - held
+        assert splits.criteria["holdouts"] == "explicit"
+    # an iid share comes on top of the named tasks, out of train
+    splits = compositional_splits(HAND_POOL, **HAND_HOLDOUTS, iid_fraction=0.5)
+    assert {"i1", "i2"} < set(ids(splits.holdout_iid)) and len(splits.holdout_iid) == 2 + 3
+    assert len(splits.train) == 3
+
+
+def test_unknown_holdouts_are_all_named_at_once():
+    with pytest.raises(HoldoutError) as info:
+        compositional_splits(HAND_POOL, holdout_structures=["a>b", "a>c"],
+                             holdout_entity_groups=["g9"], holdout_task_ids=["i1", "zz"],
+                             min_holdout_length=7)
+    assert [(p.what, p.unknown) for p in info.value.problems] == [
+        ("structure", ["a>c"]), ("entity_group", ["g9"]), ("task_id", ["zz"]), ("length", [7])]
+    message = str(info.value)
+    for part in ("['a>c']", "['g9']", "['zz']", "min_holdout_length 7", "longest task has length 4",
+                 "known: ['a', 'a>b', 'b']"):
+        assert part in message
+    with pytest.raises(TypeError, match="unknown keys"):
+        default_splits(PoolEnv(HAND_POOL), 100, holdouts={"structures": ["a>b"]})
+
+
+FLAT = [word_task(f"f{i}", f"Compute {i} + 1.") for i in range(40)]  # one structure, no axis
+
+
+def test_no_compositional_axis_falls_back_to_unseen_tasks_with_a_notice():
+    with pytest.warns(HoldoutFallbackWarning) as caught:
+        splits = default_splits(PoolEnv(FLAT), 40, seed=0)
+    notice = str(caught[0].message)
+    for part in ("the 40 tasks show one length, one entity group and no composed structure",
+                 "25%", "holdout_iid", "env.holdout: {structures"):
+        assert part in notice
+    assert IID_FALLBACK_FRACTION == 0.25
+    assert len(splits.holdout_iid) == 10 and len(splits.train) == 30
+    assert splits.holdout == [] and splits.criteria["holdouts"] == "iid_fallback"
+    assert set(ids(splits.train) + ids(splits.holdout_iid)) == {t.task_id for t in FLAT}
+    check_leakage(splits.train, splits.holdout_iid)
+    # env.iid_fraction, when > 0, is the share
+    with pytest.warns(HoldoutFallbackWarning, match="10%"):
+        assert len(default_splits(PoolEnv(FLAT), 40, iid_fraction=0.1).holdout_iid) == 4
+    # the compositional holdout does not exist: asking for it says what to do instead
+    with pytest.warns(HoldoutFallbackWarning), \
+            pytest.raises(ValueError, match="split 'holdout' does not exist.*holdout_iid.*env.holdout"):
+        default_splits(PoolEnv(FLAT), 40, require=["train", "holdout"])
+    with pytest.warns(HoldoutFallbackWarning):
+        assert default_splits(PoolEnv(FLAT), 40, require=["train", "holdout_iid"]).holdout_iid
+    # explicit holdouts never fall back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        named = default_splits(PoolEnv(FLAT), 40, holdouts={"holdout_task_ids": ["f1", "f2"]})
+        assert set(ids(named.holdout_iid)) == {"f1", "f2"} and len(named.train) == 38
+        with pytest.raises(ValueError, match="split 'holdout' is empty.*only task ids"):
+            default_splits(PoolEnv(FLAT), 40, holdouts={"holdout_task_ids": ["f1"]},
+                           require=["holdout"])
+
+
+def test_required_splits_say_why_they_are_empty():
+    with pytest.raises(ValueError, match="holdout_iid' is empty.*env.iid_fraction > 0"):
+        default_splits(ARITH, 200, require=["train", "holdout_iid"])
+    assert default_splits(ARITH, 200, iid_fraction=0.2, require=["holdout_iid", "holdout"])
+    with pytest.raises(ValueError, match="holdout_entity' is empty.*env.holdout.entity_groups"):
+        default_splits(ARITH, 200, require=["holdout_entity"])
+    with pytest.raises(KeyError, match="no split"):
+        default_splits(ARITH, 200, require=["holdot"])
