@@ -536,6 +536,46 @@ def load_bundle(
     return meta
 
 
+def resolve_bundle(path: str | os.PathLike) -> Path:
+    """A bundle folder as given (it has COMPLETE), else the newest complete bundle under
+    ``path/checkpoints`` (a run directory) or ``path`` (a checkpoints folder)."""
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"no checkpoint bundle or run directory at {path}")
+    if (path / COMPLETE_FILE).exists():
+        return path
+    for root in (path / "checkpoints", path):
+        found = latest_complete(root)
+        if found is not None:
+            return found
+    raise BundleError(f"{path} holds no complete checkpoint bundle (a folder with a COMPLETE marker)")
+
+
+def load_init(path: str | os.PathLike, model: torch.nn.Module,
+              base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start ``model`` (plain, before any adapter) from the bundle at ``path`` (``resolve_bundle``):
+    its full weights, verified, replace the model's; RNG states are left alone. ``base``: the
+    ``models.model_fingerprint`` of the model the weights go into; a bundle whose meta names
+    another base model (``base_model.model``: other weight or tokenizer files) is refused, as
+    is one that holds only part of the weights (a LoRA training checkpoint: its adapters fit a
+    peft model, not the base). Returns the bundle's meta, with ``bundle_hash`` added."""
+    bundle = resolve_bundle(path)
+    meta = json.loads((bundle / META_FILE).read_text()) if (bundle / META_FILE).is_file() else {}
+    trained_from = (meta.get("base_model") or {}).get("model")
+    if base is not None and trained_from is not None and any(
+            trained_from.get(part) != base.get(part) for part in ("weights", "tokenizer")):
+        raise BundleError(f"{bundle} was trained from {trained_from.get('id')!r}, whose weight or "
+                          f"tokenizer files differ from those of {base.get('id')!r}: set model.id "
+                          "to the model it was trained from")
+    names = meta.get("parameter_names", [])
+    if any("lora_" in n for n in names):
+        raise BundleError(f"{bundle} holds LoRA adapters only (a training checkpoint under "
+                          "model.adapter: lora); start from a bundle of full weights: "
+                          "`agent-rl sft` writes one, or train with model.adapter: none")
+    out = load_bundle(bundle, model, restore_rng=False)
+    return {**out, "bundle_hash": bundle_hash(bundle), "bundle": str(bundle)}
+
+
 def apply_retention(root: str | os.PathLike, keep: int) -> list[Path]:
     """Delete complete bundles older than the newest `keep` intact ones; return what went.
 

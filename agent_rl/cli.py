@@ -87,32 +87,36 @@ def load_model_or_fail(model_id: str, dtype: str = "float32"):
 
 
 def resolve_bundle(path: str | Path) -> Path:
-    """A bundle folder as given, or the newest complete bundle of a run dir / checkpoints dir."""
+    """``checkpoint.resolve_bundle``; no bundle there is a ``CLIError``."""
     from agent_rl import checkpoint
 
-    path = Path(path)
-    if not path.exists():
-        raise CLIError(f"no checkpoint bundle or run directory at {path}")
-    if (path / checkpoint.COMPLETE_FILE).exists():
-        return path
-    for root in (path / "checkpoints", path):
-        found = checkpoint.latest_complete(root)
-        if found is not None:
-            return found
-    raise CLIError(f"{path} holds no complete checkpoint bundle (a folder with a COMPLETE marker)")
+    try:
+        return checkpoint.resolve_bundle(path)
+    except checkpoint.BundleError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def contract_of(bundle: Path):
-    """The contract of the run a bundle belongs to (``RUN_DIR/checkpoints/step-N``), or None."""
-    from agent_rl.config import ContractError, ExperimentContract
+    """The contract of the run a bundle belongs to (``RUN_DIR/checkpoints/step-N``): an
+    ``ExperimentContract``, or an ``SFTContract`` for a warm start's bundle; or None."""
+    from agent_rl.config import ContractError, read_contract
 
     for folder in (bundle.parent.parent, bundle.parent, bundle):
         if (folder / "contract.yaml").is_file():
             try:
-                return ExperimentContract.from_yaml(folder / "contract.yaml")
+                return read_contract(folder / "contract.yaml")
             except ContractError as exc:
                 raise CLIError(f"the run's contract is unreadable: {exc}") from exc
     return None
+
+
+def response_limit(contract) -> int:
+    """Tokens per reply of the run a bundle came from: an RL run's rollout limit, a warm
+    start's limits.max_response_tokens, 128 without a contract."""
+    if contract is None:
+        return 128
+    section = getattr(contract, "rollout", None) or contract.limits
+    return section.max_response_tokens
 
 
 def lora_rank(bundle: Path, names: list[str]) -> int:
@@ -139,6 +143,13 @@ def load_bundle_policy(path: str | Path, model_id: str | None, device: str) -> L
     contract = contract_of(bundle)
     model_id = model_id or (contract.model.id if contract else DEFAULT_MODEL)
     model, tokenizer = load_model_or_fail(model_id, contract.model.dtype if contract else "float32")
+    if contract is not None and contract.model.init is not None:  # the run's starting weights
+        from agent_rl.models import model_fingerprint
+
+        try:
+            checkpoint.load_init(contract.model.init, model, model_fingerprint(model_id))
+        except checkpoint.BundleError as exc:
+            raise CLIError(f"the run's model.init: {exc}") from exc
     names = json.loads((bundle / checkpoint.META_FILE).read_text()).get("parameter_names", [])
     if any("lora_" in n for n in names):
         section = contract.model if contract else ModelSection()
@@ -311,6 +322,59 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- sft ----------------------------------------------------------------------------------
+
+
+def _sft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="SFT contract (YAML: env, eval, model, "
+                        "data, optim, limits, run_dir)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a contract key by its dotted path, e.g. optim.epochs=1")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("sft", "supervised warm start on episodes (solver or a rollout store); writes a bundle "
+         "`train` starts from with model.init", _sft_arguments)
+def sft(args: argparse.Namespace) -> int:
+    from agent_rl.config import ContractError, SFTContract
+
+    try:  # a broken contract fails before torch is imported
+        contract = SFTContract.from_yaml(args.config, args.overrides)
+        contract.check_run_dir()
+    except ContractError as exc:
+        raise CLIError(str(exc)) from exc
+    import gymnasium
+
+    from agent_rl import checkpoint
+    from agent_rl import sft as warm_start
+
+    for module in ("transformers", "peft", "torch"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    load_model_or_fail(contract.model.id, contract.model.dtype)
+    try:
+        with _StopSignal():
+            result = warm_start.run(contract, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("agent-rl sft: interrupted; no bundle was written (rerun it with a new run_dir)",
+              file=sys.stderr)
+        return 130
+    except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
+        raise CLIError(str(exc)) from exc
+    out = console()
+    data = result.data
+    out.print(f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
+              f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}), "
+              f"{result.steps} steps, loss {result.losses[0] if result.losses else float('nan'):.4f}"
+              f" -> {result.losses[-1] if result.losses else float('nan'):.4f}", highlight=False,
+              soft_wrap=True)
+    out.print(before_after_table(result))
+    out.print(f"bundle: {result.bundle} (sha256 {result.bundle_hash[:12]})", highlight=False,
+              soft_wrap=True)  # paths and commands stay whole, to be copied
+    out.print(f"start RL from it: agent-rl train CONFIG --set model.init={result.bundle}",
+              highlight=False, soft_wrap=True)
+    return 0
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -432,7 +496,7 @@ def eval_(args: argparse.Namespace) -> int:
     if env_id is None:
         raise CLIError("pass --env ID (e.g. agent_rl/Arithmetic-v0)")
     tasks, env_kwargs = eval_tasks(env_id, args.split, args.n, contract)
-    max_new = args.max_new_tokens or (contract.rollout.max_response_tokens if contract else 128)
+    max_new = args.max_new_tokens or response_limit(contract)
     sampling = Sampling(temperature=args.temperature, top_p=1.0, max_new_tokens=max_new,
                         seed=args.seed)
     run = run_eval(loaded.policy, env_id, tasks, sampling, seed=args.seed,
@@ -513,7 +577,7 @@ def canary_plan(env_id: str, contract, n: int, fraction: float, seed: int, live_
     per_task = len({canonical_hash(t.data) for t in tasks}) > 1
     store = {t.task_id: t.data for t in tasks} if per_task else live[0].data
     gate, bounds = canary_criteria(contract)
-    max_new = contract.rollout.max_response_tokens if contract else 128
+    max_new = response_limit(contract)
     return CanaryPlan(env_id=env_id, offline_tasks=shadow, criteria=gate, shadow_tasks=shadow,
                       live_tasks=live, canary_fraction=fraction, canary_criteria=bounds,
                       store_per_task=per_task,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import yaml
 from pydantic import (
@@ -57,7 +57,7 @@ class HoldoutSection(_Section):
     structures: list[str] = Field(default_factory=list, description="meta.structure values held out whole (split holdout_structure); each must occur in the pool")
     entity_groups: list[str] = Field(default_factory=list, description="meta.entity_group values held out whole (split holdout_entity); each must occur in the pool")
     min_length: int | None = Field(None, ge=1, description="tasks with meta.length >= this are held out (split holdout_length); some task must reach it")
-    task_ids_file: str | None = Field(None, description="a text file of task_ids (one a line; blank lines and # comments ignored; relative to the working directory) held out as unseen tasks (split holdout_iid); the path is hashed, not the file's content")
+    task_ids_file: str | None = Field(None, description="a text file of task_ids (one a line; blank lines and # comments ignored; relative to the working directory) held out as unseen tasks (split holdout_iid); its content is part of the contract hash")
 
     @model_validator(mode="after")
     def _names_something(self) -> HoldoutSection:
@@ -142,6 +142,7 @@ class ModelSection(_Section):
     adapter: Literal["none", "lora"] = Field("lora", description="full fine-tune or LoRA (peft)")
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
+    init: str | None = Field(None, description="start from a bundle written by `agent-rl sft` (or any checkpoint of full weights): the bundle folder, or a run dir (its newest complete bundle); loaded onto model.id's weights, which must be the ones the bundle was trained from, before any adapter; its content hash is part of the contract hash")
 
     @field_validator("device")
     @classmethod
@@ -280,8 +281,99 @@ class AcceptanceSection(_Section):
     critical_slices: list[str] = Field(default_factory=list)
 
 
-class ExperimentContract(_Section):
+class _Contract(_Section):
+    """What every contract kind shares: YAML in with ``--set`` overrides, the run directory, and
+    the hash over the resolved contract, less the ``UNHASHED`` keys, plus the content hash of
+    the bundle ``model.init`` names (so a changed bundle is a changed contract)."""
+
+    UNHASHED: ClassVar[tuple[str, ...]] = ()
+
+    # --- I/O -------------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Self:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ContractError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ContractError(f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ContractError(f"{path}: the top level must be a mapping of keys")
+        return cls.from_dict(data, overrides, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None,
+                  source: str = "contract") -> Self:
+        data = json.loads(json.dumps(data))  # deep copy, plain types
+        for item in overrides or []:
+            apply_override(data, item)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ContractError(f"{source}: {format_errors(exc)}") from None
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir.replace("${name}", self.name))
+
+    def check_run_dir(self) -> Path:
+        """``resolved_run_dir``, refused when it or a folder above it is a file (a check of
+        the disk, so it is not part of validation: a contract read back from a bundle is valid
+        wherever it is read)."""
+        run_dir = self.resolved_run_dir
+        blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()),
+                       None)
+        if blocked is not None:
+            raise ContractError(f"run_dir: {blocked} is a file, not a directory ({self.run_dir!r})")
+        return run_dir
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def hashed_fields(self) -> dict[str, Any]:
+        """The resolved contract as plain JSON types, less the ``UNHASHED`` keys; ``model.init``
+        as ``{path, bundle}`` with the bundle's content hash (``checkpoint.bundle_hash``), or
+        left out when null (a contract without a warm start hashes as before the key existed).
+        A ``model.init`` that names no complete bundle is a ``ContractError``."""
+        data = self.model_dump(mode="json")
+        model = data.get("model")
+        if isinstance(model, dict) and "init" in model:
+            if model["init"] is None:
+                del model["init"]
+            else:
+                model["init"] = {"path": model["init"], "bundle": init_bundle_hash(model["init"])}
+        env = data["env"]  # the files the tasks come from: pinned by content, not by name
+        if env["holdout"] and env["holdout"]["task_ids_file"] is not None:
+            path = env["holdout"]["task_ids_file"]
+            env["holdout"]["task_ids_file"] = {"path": path, "sha256": content_hash(
+                path, "env.holdout.task_ids_file")}
+        if env["id"] == DATASET_ENV and isinstance(env["kwargs"].get("path"), str):
+            path = env["kwargs"]["path"]
+            env["kwargs"]["path"] = {"path": path, "sha256": content_hash(path, "env.kwargs.path")}
+        for dotted in self.UNHASHED:
+            *sections, key = dotted.split(".")
+            node = data
+            for section in sections:
+                node = node[section]
+            del node[key]
+        return data
+
+    def contract_hash(self) -> str:
+        return canonical_hash(self.hashed_fields())
+
+    def changes_from(self, other: _Contract) -> list[str]:
+        """``key: other's value -> this value`` for every hashed key that differs (dotted)."""
+        mine, theirs = _leaves(self), _leaves(other)
+        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}"
+                for key in mine if key not in self.UNHASHED and mine[key] != theirs[key]]
+
+
+
+class ExperimentContract(_Contract):
     """One training run, fully specified."""
+
+    UNHASHED: ClassVar[tuple[str, ...]] = ("optim.max_steps",)  # where a run stops (module docstring)
 
     name: str = "run"
     env: EnvSection = Field(default_factory=EnvSection)
@@ -390,68 +482,35 @@ class ExperimentContract(_Section):
             raise ValueError(f"credit.params: {exc}") from None
         return self
 
-    # --- I/O -------------------------------------------------------------------------------
-    @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> ExperimentContract:
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except FileNotFoundError:
-            raise ContractError(f"config file not found: {path}") from None
-        except yaml.YAMLError as exc:
-            raise ContractError(f"{path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ContractError(f"{path}: the top level must be a mapping of keys")
-        return cls.from_dict(data, overrides, source=str(path))
+DATASET_ENV = "agent_rl/Dataset-v0"  # its kwargs.path names the file the tasks come from
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None,
-                  source: str = "contract") -> ExperimentContract:
-        data = json.loads(json.dumps(data))  # deep copy, plain types
-        for item in overrides or []:
-            apply_override(data, item)
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ContractError(f"{source}: {format_errors(exc)}") from None
 
-    @property
-    def resolved_run_dir(self) -> Path:
-        return Path(self.run_dir.replace("${name}", self.name))
+def content_hash(path: str, key: str) -> str:
+    """sha256 of a file's bytes, or of a folder's files (relative names and their hashes, in
+    order; a ``datasets`` folder); unreadable is a ``ContractError`` naming ``key``."""
+    import hashlib
 
-    def check_run_dir(self) -> Path:
-        """``resolved_run_dir``, refused when it or a folder above it is a file (a check of
-        the disk, so it is not part of validation: a contract read back from a bundle is valid
-        wherever it is read)."""
-        run_dir = self.resolved_run_dir
-        blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()),
-                       None)
-        if blocked is not None:
-            raise ContractError(f"run_dir: {blocked} is a file, not a directory ({self.run_dir!r})")
-        return run_dir
+    root = Path(path)
+    try:
+        if root.is_dir():
+            digest = hashlib.sha256()
+            for file in sorted(p for p in root.rglob("*") if p.is_file()):
+                digest.update(f"{file.relative_to(root)}\0".encode())
+                digest.update(hashlib.sha256(file.read_bytes()).digest())
+            return digest.hexdigest()
+        return hashlib.sha256(root.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ContractError(f"{key}: cannot read {path} ({exc.strerror or exc})") from None
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
-    def hashed_fields(self) -> dict[str, Any]:
-        """The resolved contract as plain JSON types, less the ``UNHASHED`` keys."""
-        data = self.model_dump(mode="json")
-        for dotted in UNHASHED:
-            *sections, key = dotted.split(".")
-            node = data
-            for section in sections:
-                node = node[section]
-            del node[key]
-        return data
+def init_bundle_hash(path: str) -> str:
+    """The content hash of the bundle ``model.init`` names (``checkpoint.resolve_bundle``)."""
+    from agent_rl import checkpoint
 
-    def contract_hash(self) -> str:
-        return canonical_hash(self.hashed_fields())
-
-    def changes_from(self, other: ExperimentContract) -> list[str]:
-        """``key: other's value -> this value`` for every hashed key that differs (dotted)."""
-        mine, theirs = _leaves(self), _leaves(other)
-        return [f"{key}: {theirs[key]!r} -> {mine[key]!r}"
-                for key in mine if key not in UNHASHED and mine[key] != theirs[key]]
+    try:
+        return checkpoint.bundle_hash(checkpoint.resolve_bundle(path))
+    except checkpoint.BundleError as exc:
+        raise ContractError(f"model.init: {exc}") from None
 
 
 def _nonfinite(value: Any, key: str):
@@ -478,7 +537,90 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
                          f"{sorted(takes)}")
 
 
-UNHASHED = ("optim.max_steps",)  # where a run stops, not what it computes (module docstring)
+UNHASHED = ExperimentContract.UNHASHED
+
+
+class SFTDataSection(_Section):
+    """The episodes ``agent-rl sft`` trains on (``agent_rl.sft``)."""
+
+    source: Literal["solver", "store"] = Field("solver", description="solver: the env's scripted solver (reference_action) on the env.split tasks; store: the episodes of a RolloutStore file")
+    episodes_per_task: int = Field(1, ge=1, description="solver: episodes per train task (seeded env resets)")
+    store: str | None = Field(None, description="store: the rollouts.jsonl (a RolloutStore) to read; its content hash is part of the contract hash")
+    min_reward: float | None = Field(None, description="keep episodes whose reward total is at least this (null: all); the rest are counted, not trained on")
+    max_episodes: int | None = Field(None, ge=1, description="at most this many episodes, in order (null: all)")
+
+    @model_validator(mode="after")
+    def _store_named(self) -> SFTDataSection:
+        if self.source == "store" and not self.store:
+            raise ValueError("data.source store needs data.store: the path of a rollouts.jsonl")
+        if self.source == "solver" and self.store:
+            raise ValueError("data.store is read only with data.source: store")
+        return self
+
+
+class SFTOptimSection(_Section):
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    epochs: int = Field(2, ge=0, description="passes over the episodes' sessions, each in a seeded order (0: evaluate only)")
+    batch_sessions: int = Field(8, ge=1, description="sessions per optimizer step; the loss is the mean over their trained tokens")
+    micro_batch_tokens: int = Field(512, ge=1, description="tokens per micro-batch, padding included")
+    seed: int = 0
+
+
+class SFTLimits(_Section):
+    max_prompt_tokens: int = Field(512, ge=8, description="evaluation: a longer prompt is not generated for; training: a longer session is refused")
+    max_response_tokens: int = Field(128, ge=1, description="evaluation: tokens per reply")
+
+
+class SFTContract(_Contract):
+    """One supervised warm start (``agent-rl sft``): episodes in, a bundle out, held-out reward
+    before and after. The loss is the mean negative log-likelihood of the tokens RL would
+    train (``render``'s loss mask: assistant tokens the policy generates, in every session)."""
+
+    name: str = "sft"
+    env: EnvSection = Field(default_factory=EnvSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: SFTDataSection = Field(default_factory=SFTDataSection)
+    optim: SFTOptimSection = Field(default_factory=SFTOptimSection)
+    limits: SFTLimits = Field(default_factory=SFTLimits)
+    run_dir: str = "runs/${name}"
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTContract:
+        from evals.splits import SPLIT_NAMES
+
+        for key, names in (("env.split", [self.env.split]), ("eval.split", self.eval.splits)):
+            unknown = [n for n in names if n not in SPLIT_NAMES]
+            if unknown:
+                raise ValueError(f"{key}: no split {unknown[0]!r}; splits are {list(SPLIT_NAMES)}")
+        if self.env.split in self.eval.splits:
+            raise ValueError(f"eval.split {self.env.split!r} is the training split (env.split)")
+        bad = next(_nonfinite(self.env.kwargs, "env.kwargs"), None)
+        if bad is not None:
+            raise ValueError(f"{bad}: not a finite number")
+        check_env_kwargs(self.env.id, self.env.kwargs)
+        return self
+
+    def hashed_fields(self) -> dict[str, Any]:
+        """As every contract's, with ``data.store`` as ``{path, sha256}`` of the file's bytes."""
+        data = super().hashed_fields()
+        if self.data.store:
+            data["data"]["store"] = {"path": self.data.store,
+                                     "sha256": content_hash(self.data.store, "data.store")}
+        return data
+
+
+def read_contract(path: str | Path, overrides: list[str] | None = None) -> ExperimentContract | SFTContract:
+    """A run directory's ``contract.yaml`` (or any contract file) as the kind it is: an
+    ``SFTContract`` when it has a ``data`` section, else an ``ExperimentContract``."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        data = {}
+    kind = SFTContract if isinstance(data, dict) and "data" in data else ExperimentContract
+    return kind.from_yaml(path, overrides)
 
 
 def _leaves(section: BaseModel, prefix: str = "") -> dict[str, Any]:

@@ -426,6 +426,13 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def check_world_size(name: str, world_size: int) -> None:
+    """Several ranks (WORLD_SIZE from a launcher) need backend deepspeed."""
+    if name == "torch" and world_size > 1:
+        raise ValueError(f"WORLD_SIZE={world_size}: several ranks train through backend.name: "
+                         "deepspeed (backend torch is a world of one)")
+
+
 def make_backend(name: Literal["torch", "deepspeed"], zero_stage: int, offload: str,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  grad_clip: float) -> TorchBackend | DeepSpeedBackend:
@@ -434,9 +441,7 @@ def make_backend(name: Literal["torch", "deepspeed"], zero_stage: int, offload: 
         if zero_stage != 0 or offload != "none":
             raise ValueError(f"backend torch has no ZeRO stage {zero_stage} or offload "
                              f"{offload!r}; use backend.name: deepspeed")
-        if launched_world_size() > 1:
-            raise ValueError(f"backend torch is a world of one, but WORLD_SIZE="
-                             f"{launched_world_size()}; use backend.name: deepspeed")
+        check_world_size(name, launched_world_size())
         return TorchBackend(model, optimizer, grad_clip)
     if name == "deepspeed":
         return DeepSpeedBackend(model, optimizer, zero_stage, offload, grad_clip)

@@ -41,7 +41,8 @@ through the shared prefix is the sum over its members.
 ``ROW_TOKENS`` each), so a micro-batch carries almost no padding; ``collate_shared`` batches
 bins, one per batch row, with ``packed_attention_mask`` blocking attention between the rows of
 a bin (position ids restart with each row), and lists every trained token as (row,
-predicting position, target, sequence).
+predicting position, target, sequence); ``micro_batches`` groups consecutive bins into
+micro-batches of at most so many tokens, padding included.
 """
 
 from __future__ import annotations
@@ -423,3 +424,20 @@ def collate_shared(bins: Sequence[Sequence[SharedRow]], rendered: Sequence[Rende
     return {"input_ids": input_ids, "position_ids": position_ids,
             "attention_mask": packed_attention_mask(seq_index, dtype, prefix=prefix),
             **{name: torch.cat(parts) for name, parts in tokens.items()}}
+
+
+def micro_batches(bins: list[list[SharedRow]], max_tokens: int) -> list[list[list[SharedRow]]]:
+    """Consecutive bins (``pack``), as many per micro-batch as fit ``max_tokens`` once
+    padded to the longest (>= 1)."""
+    out: list[list[list[SharedRow]]] = []
+    for b in bins:
+        if out and (len(out[-1]) + 1) * max(bin_tokens(b), *map(bin_tokens, out[-1])) <= max_tokens:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
+def bin_tokens(rows: Sequence[SharedRow]) -> int:
+    """The tokens of one bin: its rows side by side."""
+    return sum(map(len, rows))

@@ -376,11 +376,19 @@ def log_json(path: Path, record: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
-class progress_bar:
-    """A rich progress bar over steps showing the latest reward and loss (or nothing)."""
+def train_status(m: dict[str, Any]) -> str:
+    return (f"reward {m['reward/mean']:.3f}  loss {m['loss/policy']:+.4f}  "
+            f"kept {m['train/sequences']} seqs")
 
-    def __init__(self, enabled: bool, total: int, completed: int):
+
+class progress_bar:
+    """A rich progress bar over steps showing ``status(latest metrics)`` (the training
+    reward and loss by default), or nothing when not ``enabled``."""
+
+    def __init__(self, enabled: bool, total: int, completed: int, label: str = "train",
+                 status=train_status):
         self.enabled, self.total, self.completed = enabled, total, completed
+        self.label, self.status = label, status
 
     def __enter__(self):
         if not self.enabled:
@@ -393,15 +401,15 @@ class progress_bar:
             TimeElapsedColumn,
         )
 
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
+        self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[status]}"))
         self.progress.start()
-        task = self.progress.add_task("train", total=self.total, completed=self.completed, status="")
+        task = self.progress.add_task(self.label, total=self.total, completed=self.completed,
+                                      status="")
 
         def advance(m: dict[str, Any]) -> None:
-            self.progress.update(task, advance=1, status=(
-                f"reward {m['reward/mean']:.3f}  loss {m['loss/policy']:+.4f}  "
-                f"kept {m['train/sequences']} seqs"))
+            self.progress.update(task, advance=1, status=self.status(m))
 
         return advance
 

@@ -49,14 +49,28 @@ import torch
 
 import envs
 from agent_rl import checkpoint, curriculum
-from agent_rl.config import ExperimentContract
-from agent_rl.distributed import Backend, launched_world_size, make_backend, write_bundle
+from agent_rl.config import EnvSection, ExperimentContract, ModelSection
+from agent_rl.distributed import (
+    Backend,
+    check_world_size,
+    launched_world_size,
+    make_backend,
+    write_bundle,
+)
 from agent_rl.grpo import behaviour_correction, picked_entropy, picked_logprobs, policy_loss
 from agent_rl.guards import Guards, GuardTrip, holdout_train_reward
 from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device, rollout_copy
 from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.policy import HFPolicy, scoring_temperature
-from agent_rl.render import ROW_TOKENS, Rendered, SharedRow, collate_shared, pack, share_prefixes
+from agent_rl.render import (
+    ROW_TOKENS,
+    Rendered,
+    SharedRow,
+    collate_shared,
+    micro_batches,
+    pack,
+    share_prefixes,
+)
 from agent_rl.rollout import (
     RolloutBatch,
     TrainSequence,
@@ -105,7 +119,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     splits = contract.env.splits(env, require=[contract.env.split, *contract.eval.splits])
     train_tasks = list(splits[contract.env.split])
     eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
-    check_data(contract, env, train_tasks, eval_sets)
+    check_data(contract.env, env, train_tasks, eval_sets, contract.rollout.max_prompt_tokens)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
     check_world(contract, launched_world_size())
@@ -121,8 +135,9 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     latest = check_run_dir(run_dir, contract, contract_hash, base_model, resume)
     seed_everything(contract.optim.seed)
 
-    # --- 2. model (fp32 master weights on the device), optional fixed reference, optimizer --
-    model, tokenizer = load_model(contract.model.id)
+    # --- 2. model (fp32 master weights on the device; started from model.init's bundle when
+    # set), optional fixed reference, optimizer ------------------------------------------------
+    model, tokenizer = initial_model(contract.model)
     if contract.model.adapter == "lora":
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
     model.to(device)
@@ -353,28 +368,29 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
 # --- the pieces the loop calls ----------------------------------------------------------------
 
 
-def check_data(contract: ExperimentContract, env, train_tasks: list[TaskSpec],
-               eval_sets: dict[str, list[TaskSpec]]) -> None:
+def check_data(section: EnvSection, env, train_tasks: list[TaskSpec],
+               eval_sets: dict[str, list[TaskSpec]], max_prompt_tokens: int,
+               limit_key: str = "rollout.max_prompt_tokens") -> None:
     """What must hold before a run starts: non-empty splits, no evaluation task that is also a
     training task (``evals.splits.check_leakage``: same id, same normalised prompt or a near
-    duplicate), and a context budget below the prompt limit."""
-    empty = [name for name, tasks in {contract.env.split: train_tasks, **eval_sets}.items()
+    duplicate), and a context budget below the prompt limit (``limit_key`` names it)."""
+    empty = [name for name, tasks in {section.split: train_tasks, **eval_sets}.items()
              if not tasks]
     if empty:
-        raise ValueError(f"{contract.env.id}: empty split {empty} of a pool of "
-                         f"{contract.env.pool_size} tasks; enlarge env.pool_size")
+        raise ValueError(f"{section.id}: empty split {empty} of a pool of "
+                         f"{section.pool_size} tasks; enlarge env.pool_size")
     for name, tasks in eval_sets.items():
         try:
             check_leakage(train_tasks, tasks)
         except LeakageError as exc:
-            raise ValueError(f"eval.split {name!r} overlaps env.split {contract.env.split!r}: "
+            raise ValueError(f"eval.split {name!r} overlaps env.split {section.split!r}: "
                              f"{exc}") from None
     budget = getattr(env.unwrapped, "context_budget", None)
-    if budget is not None and budget >= contract.rollout.max_prompt_tokens:
+    if budget is not None and budget >= max_prompt_tokens:
         raise ValueError(
-            f"{contract.env.id} compresses at context_budget {budget} tokens, but "
-            f"rollout.max_prompt_tokens is {contract.rollout.max_prompt_tokens}: raise "
-            "rollout.max_prompt_tokens or lower env.kwargs.context_budget")
+            f"{section.id} compresses at context_budget {budget} tokens, but "
+            f"{limit_key} is {max_prompt_tokens}: raise {limit_key} or lower "
+            "env.kwargs.context_budget")
 
 
 def estimate_band(contract: ExperimentContract, policy, backend: Backend,
@@ -545,22 +561,6 @@ def device_batch(bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: 
     return {k: v.to(device) for k, v in collate_shared(bins, rendered, pad_id).items()}
 
 
-def micro_batches(bins: list[list[SharedRow]], max_tokens: int) -> list[list[list[SharedRow]]]:
-    """Consecutive bins (``render.pack``), as many per micro-batch as fit ``max_tokens`` once
-    padded to the longest (>= 1)."""
-    out: list[list[list[SharedRow]]] = []
-    for b in bins:
-        if out and (len(out[-1]) + 1) * max(bin_tokens(b), *map(bin_tokens, out[-1])) <= max_tokens:
-            out[-1].append(b)
-        else:
-            out.append([b])
-    return out
-
-
-def bin_tokens(rows: list[SharedRow]) -> int:
-    return sum(map(len, rows))
-
-
 def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The logits that predict every trained token of a shared batch: ``[N, V]``. The decoder
     runs over the rows; the vocabulary projection only at the predicting positions (the same
@@ -637,6 +637,19 @@ class TaskSampler:
         return out
 
 
+def initial_model(section: ModelSection):
+    """``(model, tokenizer)`` of ``model.id``, its weights replaced by those of the bundle
+    ``model.init`` names when set (``checkpoint.load_init``: verified, and refused unless
+    trained from these base files), before any adapter is added."""
+    model, tokenizer = load_model(section.id)
+    if section.init is not None:
+        try:
+            checkpoint.load_init(section.init, model, model_fingerprint(section.id))
+        except checkpoint.BundleError as exc:
+            raise checkpoint.BundleError(f"model.init: {exc}") from None
+    return model, tokenizer
+
+
 def add_lora(model, rank: int, alpha: int):
     try:
         from peft import LoraConfig, get_peft_model
@@ -651,9 +664,7 @@ def check_world(contract: ExperimentContract, world_size: int) -> None:
     """What several ranks need (WORLD_SIZE from the launcher), before anything is written."""
     if world_size == 1:
         return
-    if contract.backend.name != "deepspeed":
-        raise ValueError(f"WORLD_SIZE={world_size}: several ranks train through backend.name: "
-                         "deepspeed (backend torch is a world of one)")
+    check_world_size(contract.backend.name, world_size)
     if contract.rollout.tasks_per_step % world_size:
         raise ValueError(f"rollout.tasks_per_step={contract.rollout.tasks_per_step} does not "
                          f"split over WORLD_SIZE={world_size} ranks: make it a multiple of "

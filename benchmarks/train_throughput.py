@@ -36,9 +36,9 @@ from agent_rl.config import ExperimentContract
 from agent_rl.distributed import TorchBackend
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy
-from agent_rl.render import ROW_TOKENS, pack, share_prefixes
+from agent_rl.render import ROW_TOKENS, bin_tokens, micro_batches, pack, share_prefixes
 from agent_rl.rollout import rollout_batch
-from agent_rl.train import bin_tokens, micro_batches, policy_update
+from agent_rl.train import policy_update
 from envs.runner import Sampling
 
 ENV = "agent_rl/Relay-v0"

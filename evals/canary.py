@@ -4,7 +4,7 @@
 first gate that does not pass (``evals.gates.decide``: a ``fail`` *or* an ``inconclusive``
 decision stops it; inconclusive is never a pass):
 
-1. ``offline``: candidate and baseline are evaluated (``evals.run.evaluate``) on the plan's
+1. ``offline``: candidate and baseline are evaluated (``evals.run.run_eval``) on the plan's
    held-out tasks; ``decide(candidate, criteria, baseline)``. Not a pass: ``stopped`` (nothing
    was served, nothing to roll back).
 2. ``shadow``: both policies run the shadow tasks, each against its own deep copy of the live
@@ -78,7 +78,7 @@ from envs.core import TaskSpec
 from envs.registry import make
 from envs.runner import Policy, Sampling, run_episodes
 from evals.gates import Criterion, Decision, decide
-from evals.run import EvalRecord, evaluate
+from evals.run import EvalRecord, run_eval
 from trajectories import Episode
 from trajectories.hashing import canonical_hash
 
@@ -377,8 +377,9 @@ def canary_split(n: int, fraction: float, seed: int) -> list[bool]:
 
 def _offline(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> StageReport:
     env_id = plan.offline_env_id or plan.env_id
-    cand, base = (evaluate(who.policy, env_id, plan.offline_tasks, plan.sampling, plan.seed,
-                           plan.samples_per_task, plan.env_kwargs, who.name, who.bundle_hash)
+    cand, base = (run_eval(who.policy, env_id, plan.offline_tasks, plan.sampling, plan.seed,
+                           plan.samples_per_task, plan.env_kwargs, who.name,
+                           who.bundle_hash).records
                   for who in (candidate, baseline))
     decision = decide(cand, plan.criteria, base, plan.n_boot, plan.seed, plan.conf)
     return StageReport(stage="offline", status=decision.status, reasons=decision.reasons,

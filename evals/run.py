@@ -186,11 +186,6 @@ def run_eval(
     return EvalRun(records, episodes)
 
 
-def evaluate(*args: Any, **kwargs: Any) -> list[EvalRecord]:
-    """``run_eval(...).records`` (same arguments): one record per episode, in task order."""
-    return run_eval(*args, **kwargs).records
-
-
 def write_records(records: Iterable[EvalRecord], path: str | Path) -> Path:
     """Write records as JSONL (one record a line, sorted keys); returns the path."""
     path = Path(path)

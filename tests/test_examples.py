@@ -44,16 +44,18 @@ def test_example_configs_are_valid_contracts_with_their_splits(config):
     """Every shipped config validates, and its train and evaluation splits exist, are
     non-empty and do not leak into each other (what `agent-rl train` checks first)."""
     import envs
-    from agent_rl.config import ExperimentContract
+    from agent_rl.config import read_contract
     from agent_rl.train import check_data
     from evals.splits import default_splits
 
-    contract = ExperimentContract.from_yaml(config)
+    contract = read_contract(config)  # an RL contract, or a warm start's (examples/*_sft.yaml)
+    limits = getattr(contract, "rollout", None) or contract.limits
     env = envs.make(contract.env.id, **contract.env.kwargs)
     splits = default_splits(env, contract.env.pool_size, contract.env.pool_seed,
                             iid_fraction=contract.env.iid_fraction)
     eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
-    check_data(contract, env, list(splits[contract.env.split]), eval_sets)
+    check_data(contract.env, env, list(splits[contract.env.split]), eval_sets,
+               limits.max_prompt_tokens)
     assert all(len(tasks) == contract.eval.n for tasks in eval_sets.values())
 
 
@@ -188,3 +190,28 @@ def test_sandbox_overhead_runs_as_a_smoke(tmp_path):
             assert r["overhead_ms"] == pytest.approx(r["median_ms"] - s["baseline"]["median_ms"])
         else:
             assert r["why"]
+
+
+@pytest.mark.slow
+def test_transfer_runs_as_a_smoke(tmp_path):
+    """benchmarks/transfer.py at its tiny scale: the warm start, both GRPO arms and the four
+    policies' rewards on the same held-out atomic and composed tasks, paired by task."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "transfer.py"
+    result = subprocess.run([sys.executable, str(script), "--scale", "tiny", "--out",
+                             str(tmp_path / "runs")], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    s = json.loads(result.stdout.strip().splitlines()[-1])
+    assert s["scale"] == "tiny" and f"scale tiny: {json.dumps(s['config'])}" in result.stdout
+    assert [m["policy"] for m in s["means"]] == ["base", "sft", "grpo_atomic", "grpo_composed"]
+    assert s["sft_data"]["episodes_kept"] == s["config"]["sft_episodes"]
+    assert all(d["n"] == s["config"]["n_eval"] and d["lo"] <= d["mean"] <= d["hi"]
+               for d in s["paired"])
+    means = {m["policy"]: m for m in s["means"]}
+    for d in s["paired"]:
+        a, b = d["diff"].split(" - ")
+        assert d["mean"] == pytest.approx(means[a][d["kind"]] - means[b][d["kind"]], abs=2e-3)
+    for arm in ("atomic", "composed"):
+        assert (tmp_path / "runs" / arm / "checkpoints").is_dir()

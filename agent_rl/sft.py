@@ -1,0 +1,328 @@
+"""Supervised warm starts (``agent-rl sft``): train on episodes, write a bundle RL starts from.
+
+    contract -> run dir -> data (the same splits as ``train``) -> model -> episodes (the env's
+    scripted solver, or a RolloutStore filtered by reward) -> rendered sessions
+    -> evaluate before -> loop: epochs x batches of sessions -> NLL -> optimizer step -> log
+    -> bundle (full weights) -> evaluate after
+
+Sessions are rendered exactly as the trainer renders them (``render.render_session``): the
+loss covers the tokens the policy generates, in every session of the episode (compression
+summaries and branched sub-agents included), and nothing else. The solver's replies become
+"generated" turns by tokenizing their text as the policy would have sampled it (the reply's
+tokens, then the end-of-turn token): ``SolverPolicy``. The loss of one optimizer step is the
+mean negative log-likelihood over all trained tokens of its sessions, computed in
+micro-batches whose sums add up to it; sessions sharing a prefix (the system prompt with the
+tool schemas) compute it once (``render.share_prefixes``, ``pack``), as the RL trainer does.
+
+The bundle holds full weights (a LoRA adapter is merged first), so ``model.init: PATH`` in an
+experiment contract loads it onto ``model.id`` before that run's own adapter. Its meta names
+the base model's files (refused by ``load_init`` under another base), the contract hash, the
+episodes trained on and the held-out result. One process, CPU or one GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import envs
+from agent_rl import checkpoint
+from agent_rl.config import SFTContract
+from agent_rl.distributed import launched_world_size
+from agent_rl.grpo import picked_logprobs
+from agent_rl.models import model_fingerprint, resolve_device, rollout_copy
+from agent_rl.policy import HFPolicy
+from agent_rl.render import (
+    ROW_TOKENS,
+    Rendered,
+    end_of_turn_id,
+    micro_batches,
+    pack,
+    render_session,
+    share_prefixes,
+)
+from agent_rl.rollout import task_total
+from agent_rl.runlog import (
+    compare,
+    log_json,
+    peak_rss_mb,
+    pin_run_dir,
+    progress_bar,
+    summarize_eval,
+    write_file,
+)
+from agent_rl.train import (
+    add_lora,
+    check_data,
+    device_batch,
+    initial_model,
+    seed_everything,
+    trained_token_logits,
+)
+from envs.core import TaskSpec
+from envs.runner import Completion, Sampling, run_episodes
+from evals.run import run_eval, write_episodes, write_records
+from evals.splits import SPLIT_NAMES
+from trajectories import Episode, RolloutStore
+
+
+@dataclass
+class SFTResult:
+    run_dir: Path
+    bundle: Path | None
+    bundle_hash: str | None
+    steps: int
+    data: dict[str, Any]
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    comparison: dict[str, Any] | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def run(contract: SFTContract, progress: bool = True) -> SFTResult:
+    # --- 0. data: the splits `train` would use, checked (empty splits, leakage, prompt limit)
+    env = envs.make(contract.env.id, **contract.env.kwargs)
+    splits = contract.env.splits(env, require=[contract.env.split, *contract.eval.splits])
+    train_tasks = list(splits[contract.env.split])
+    eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
+    check_data(contract.env, env, train_tasks, eval_sets, contract.limits.max_prompt_tokens,
+               limit_key="limits.max_prompt_tokens")
+    if launched_world_size() > 1:
+        raise ValueError("agent-rl sft runs in one process (CPU or one GPU); run it without "
+                         "torchrun / deepspeed")
+    device = resolve_device(contract.model.device)
+
+    # --- 1. run directory: new or empty (a warm start is short; it is rerun, not resumed)
+    run_dir = contract.check_run_dir()
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        raise ValueError(f"run_dir {run_dir} is not empty: agent-rl sft writes a new run "
+                         "directory (choose another run_dir, or remove that one)")
+    contract_hash = contract.contract_hash()
+    base_model = {"model": model_fingerprint(contract.model.id)}
+    seed_everything(contract.optim.seed)
+
+    # --- 2. model (fp32 on the device, from model.init when set), optional LoRA, optimizer
+    model, tokenizer = initial_model(contract.model)
+    if contract.model.adapter == "lora":
+        model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
+    model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=contract.optim.lr,
+                                  weight_decay=contract.optim.weight_decay)
+    policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype)
+
+    # --- 3. episodes -> kept (reward filter, never a held-out task) -> rendered sessions ---
+    held_out = {t.task_id for name in SPLIT_NAMES if name != contract.env.split
+                for t in splits[name]}
+    if contract.data.source == "solver":
+        episodes = solver_episodes(contract.env.id, train_tasks, tokenizer,
+                                   contract.data.episodes_per_task, contract.env.kwargs,
+                                   seed=contract.optim.seed)
+    else:
+        episodes = store_episodes(contract.data.store)
+    kept, data = select_episodes(episodes, contract.env.id, held_out, contract.data.min_reward,
+                                 contract.data.max_episodes)
+    rendered = render_sessions(tokenizer, kept, contract.limits.max_prompt_tokens
+                               + contract.limits.max_response_tokens)
+    data |= {"sessions": len(rendered), "trained_tokens_per_epoch":
+             sum(r.num_trained for r in rendered), "tokens_per_epoch": sum(map(len, rendered))}
+    if not rendered:
+        raise ValueError(f"no session to train on: {json.dumps(data)}")
+    pin_run_dir(run_dir, contract, contract_hash, base_model)
+    write_file(run_dir / "data.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_episodes(kept, run_dir / "episodes.jsonl")  # what was trained on, for inspect
+
+    eval_sampling = Sampling(temperature=contract.eval.temperature, top_p=1.0,
+                             max_new_tokens=contract.limits.max_response_tokens,
+                             seed=contract.eval.seed,
+                             max_prompt_tokens=contract.limits.max_prompt_tokens)
+
+    def evaluate(tag: str) -> dict[str, Any]:  # hint-free, as `train` evaluates
+        model.eval()
+        records, episodes = [], []
+        for name, tasks in eval_sets.items():
+            part = run_eval(policy, contract.env.id, tasks, eval_sampling, seed=contract.eval.seed,
+                            env_kwargs=contract.env.kwargs, policy_name=tag, split=name)
+            records += part.records
+            episodes += part.episodes
+        write_records(records, run_dir / "evals" / f"{tag}.jsonl")
+        write_episodes(episodes, run_dir / "evals" / "episodes" / f"{tag}.jsonl")
+        summary = summarize_eval(records)
+        log_json(run_dir / "eval.jsonl", {"step": step, "tag": tag, **summary})
+        return summary
+
+    # --- 4. evaluate the starting policy ----------------------------------------------------
+    step = 0
+    before = evaluate("before")
+
+    # --- 5. the loop: epochs over the sessions, each in a seeded order ----------------------
+    result = SFTResult(run_dir, None, None, 0, data, before, None)
+    per_epoch = -(-len(rendered) // contract.optim.batch_sessions)
+    total_steps = contract.optim.epochs * per_epoch
+    pad_id = tokenizer.pad_token_id or 0
+    with progress_bar(progress, total_steps, 0, label="sft", status=lambda m: (
+            f"loss {m['loss/sft']:.4f}  token accuracy {m['token_accuracy']:.2f}")) as advance:
+        for epoch in range(contract.optim.epochs):
+            order = np.random.default_rng([contract.optim.seed, epoch]).permutation(len(rendered))
+            for start in range(0, len(order), contract.optim.batch_sessions):
+                t0 = time.perf_counter()
+                batch = [rendered[int(k)] for k in order[start:start + contract.optim.batch_sessions]]
+                metrics = sft_update(model, optimizer, params, batch, pad_id,
+                                     contract.optim.micro_batch_tokens, contract.optim.grad_clip,
+                                     device, contract.model.dtype)
+                step += 1
+                metrics |= {"step": step, "epoch": epoch + 1, "step/seconds":
+                            time.perf_counter() - t0, "memory/peak_rss_mb": peak_rss_mb()}
+                log_json(run_dir / "metrics.jsonl", metrics)
+                result.losses.append(metrics["loss/sft"])
+                advance(metrics)
+    result.steps = step
+
+    # --- 6. the bundle: full weights (a LoRA adapter merged), then evaluate the result ------
+    plain = rollout_copy(model, "float32") if contract.model.adapter == "lora" else model
+    after = evaluate("after")
+    result.after, result.comparison = after, compare(before, after)
+    result.bundle = checkpoint.save_bundle(
+        run_dir / "checkpoints", step, model=plain, trainable_only=False,
+        meta={"kind": "sft", "contract_hash": contract_hash, "base_model": base_model,
+              "template_hash": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+              "init": contract.model.init, "data": data, "before": strip(before),
+              "after": strip(after)})
+    result.bundle_hash = checkpoint.bundle_hash(result.bundle)
+    write_file(run_dir / "result.json", json.dumps(
+        {"before": before, "after": after, "comparison": result.comparison, "data": data,
+         "bundle": str(result.bundle), "bundle_hash": result.bundle_hash},
+        indent=2, sort_keys=True))
+    return result
+
+
+# --- the pieces the loop calls ----------------------------------------------------------------
+
+
+class SolverPolicy:
+    """The scripted solver of one environment (``reference_action``) as a policy: its next
+    action, tokenized as the policy would have sampled it (the text's tokens, then the
+    end-of-turn token), with no log-probs. Drives ``run_episodes`` over that one env."""
+
+    def __init__(self, env, tokenizer):
+        self.env = env
+        self.tokenizer = tokenizer
+        self.end = end_of_turn_id(tokenizer)
+
+    def generate(self, batch, sampling) -> list[Completion]:
+        if len(batch) != 1:
+            raise ValueError("SolverPolicy drives one environment: give run_episodes one env")
+        text = self.env.unwrapped.reference_action()
+        if text is None:
+            task = getattr(self.env.unwrapped, "task", None)
+            raise ValueError(f"{self.env.spec.id if self.env.spec else type(self.env).__name__}: "
+                             f"the scripted solver has no action for task "
+                             f"{getattr(task, 'task_id', '?')} (reference_action() is None)")
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end]
+        return [Completion(text=text, token_ids=ids, finish_reason="stop")]
+
+
+def solver_episodes(env_id: str, tasks: list[TaskSpec], tokenizer, per_task: int,
+                    env_kwargs: dict[str, Any], seed: int) -> list[Episode]:
+    """``per_task`` episodes of every task played by the env's scripted solver."""
+    env = envs.make(env_id, **env_kwargs)
+    try:
+        return run_episodes([env], tasks, SolverPolicy(env, tokenizer), Sampling(temperature=0.0),
+                            samples_per_task=per_task, seed=seed, group_prefix="sft/",
+                            hints=False)
+    finally:
+        env.close()
+
+
+def store_episodes(path: str) -> list[Episode]:
+    """Every episode of a RolloutStore file (verified: a corrupt line names its record)."""
+    if not Path(path).is_file():
+        raise ValueError(f"data.store: no file at {path}")
+    return list(RolloutStore(path).read())
+
+
+def select_episodes(episodes: list[Episode], env_id: str, held_out: set[str],
+                    min_reward: float | None, max_episodes: int | None
+                    ) -> tuple[list[Episode], dict[str, Any]]:
+    """The episodes trained on, and the count of every one that is not, by reason: another
+    environment, a held-out task (never trained on: it would leak into evaluation), a reward
+    total below ``min_reward`` (the task's reward: length shaping left out), an infrastructure
+    fault, beyond ``max_episodes``."""
+    kept, dropped = [], Counter()
+    for e in episodes:
+        reason = ("other_env" if e.env_id != env_id else
+                  "held_out_task" if e.task_id in held_out else
+                  "infra_fault" if e.reward.is_infrastructure_fault else
+                  "below_min_reward" if min_reward is not None and task_total(e.reward) < min_reward
+                  else "over_max_episodes" if max_episodes is not None and len(kept) >= max_episodes
+                  else None)
+        if reason is None:
+            kept.append(e)
+        else:
+            dropped[reason] += 1
+    rewards = [task_total(e.reward) for e in kept]
+    return kept, {"episodes_read": len(episodes), "episodes_kept": len(kept),
+                  "dropped": dict(dropped), "tasks": len({e.task_id for e in kept}),
+                  "reward_mean": float(np.mean(rewards)) if rewards else None}
+
+
+def render_sessions(tokenizer, episodes: list[Episode], max_tokens: int) -> list[Rendered]:
+    """Every session that generated a token, rendered as the RL trainer renders it; a longer
+    one than ``max_tokens`` is an error naming it (training on it would exceed what the policy
+    is ever shown)."""
+    out = []
+    for e in episodes:
+        for session in e.sessions:
+            if not any(t.generated for t in session.turns):
+                continue
+            r = render_session(tokenizer, session, require_logprobs=False)
+            if len(r) > max_tokens:
+                raise ValueError(f"episode {e.episode_id}, session {session.session_id}: {len(r)} "
+                                 f"tokens, more than limits.max_prompt_tokens + "
+                                 f"limits.max_response_tokens ({max_tokens})")
+            out.append(r)
+    return out
+
+
+def sft_update(model, optimizer, params, batch: list[Rendered], pad_id: int, micro_tokens: int,
+               grad_clip: float, device: torch.device, dtype: str) -> dict[str, float]:
+    """One optimizer step: the mean negative log-likelihood of the batch's trained tokens,
+    over micro-batches each weighted by its share of them; gradients clipped to
+    ``grad_clip``; a non-finite loss or gradient skips the step (counted)."""
+    from agent_rl.models import autocast
+
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total = sum(r.num_trained for r in batch)
+    nll_sum, correct = 0.0, 0
+    micro = micro_batches(pack(share_prefixes(batch), min(micro_tokens, ROW_TOKENS)), micro_tokens)
+    for bins in micro:
+        tensors = device_batch(bins, batch, pad_id, device)
+        with autocast(device, dtype):
+            logits = trained_token_logits(model, tensors)  # [N, V]
+        logprobs = picked_logprobs(logits.float(), tensors["target"])  # [N]
+        loss = -logprobs.sum() / max(total, 1)
+        loss.backward()
+        nll_sum += float(-logprobs.detach().sum())
+        correct += int((logits.detach().argmax(-1) == tensors["target"]).sum())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    finite = np.isfinite(grad_norm) and np.isfinite(nll_sum)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss/sft": nll_sum / max(total, 1), "tokens": total, "sessions": len(batch),
+            "token_accuracy": correct / max(total, 1), "optim/grad_norm": grad_norm,
+            "optim/skipped": 0.0 if finite else 1.0, "micro_batches": len(micro)}
+
+
+def strip(summary: dict[str, Any]) -> dict[str, Any]:
+    """A held-out summary without its per-task lists (the bundle's meta keeps the headline)."""
+    return {k: v for k, v in summary.items() if k not in ("rewards", "task_ids", "keys", "splits")}

@@ -1,0 +1,266 @@
+"""agent-rl sft: solver episodes rendered with RL's masks, the NLL by hand, the bundle, model.init."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import envs
+from agent_rl import checkpoint, sft
+from agent_rl.config import ContractError, ExperimentContract, SFTContract, read_contract
+from agent_rl.grpo import picked_logprobs
+from agent_rl.models import load_model, model_fingerprint
+from agent_rl.render import end_of_turn_id
+from agent_rl.train import initial_model
+from trajectories import RewardBreakdown, RolloutStore
+
+RECORDS = "agent_rl/Records-v0"
+
+
+def contract(tmp_path, **over) -> SFTContract:
+    data = {"name": "t", "env": {"id": RECORDS, "pool_size": 64, "pool_seed": 0},
+            "eval": {"split": "holdout", "n": 2, "seed": 1, "temperature": 0.0},
+            "model": {"id": "tiny", "adapter": "none"},
+            "data": {"source": "solver", "max_episodes": 6},
+            "optim": {"lr": 1e-3, "epochs": 2, "batch_sessions": 3, "micro_batch_tokens": 2048},
+            "limits": {"max_prompt_tokens": 2048, "max_response_tokens": 16},
+            "run_dir": str(tmp_path / "sft")}
+    for key, value in over.items():
+        section, _, leaf = key.partition("__")
+        if leaf:
+            data[section][leaf] = value
+        else:
+            data[section] = value
+    return SFTContract.from_dict(data)
+
+
+def records_tasks(n: int):
+    return envs.make(RECORDS).unwrapped.task_pool(n, seed=0)[:n]
+
+
+def test_solver_episodes_train_exactly_the_solvers_replies():
+    _, tokenizer = load_model("tiny")
+    tasks = records_tasks(3)
+    episodes = sft.solver_episodes(RECORDS, tasks, tokenizer, 1, {}, seed=0)
+    assert [e.task_id for e in episodes] == [t.task_id for t in tasks]
+    assert all(e.reward.total == pytest.approx(1.0) for e in episodes)  # the solver solves
+    rendered = sft.render_sessions(tokenizer, episodes, 10_000)
+    eot = end_of_turn_id(tokenizer)
+    for e, r in zip(episodes, rendered, strict=True):
+        replies = [t.content for t in e.sessions[0].turns if t.role == "assistant"]
+        expected = [i for text in replies
+                    for i in tokenizer.encode(text, add_special_tokens=False) + [eot]]
+        assert r.input_ids[r.loss_mask].tolist() == expected  # nothing else is trained
+        assert r.num_trained == sum(len(tokenizer.encode(t, add_special_tokens=False)) + 1
+                                    for t in replies)
+
+
+def test_sft_update_is_the_mean_nll_of_the_trained_tokens():
+    model, tokenizer = load_model("tiny")
+    episodes = sft.solver_episodes(RECORDS, records_tasks(3), tokenizer, 1, {}, seed=0)
+    batch = sft.render_sessions(tokenizer, episodes, 10_000)
+    # by hand: each sequence on its own, log p(token t | tokens < t) at the trained positions
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for r in batch:
+            logits = model(input_ids=r.input_ids[None]).logits[0, :-1]  # predicts tokens 1..T-1
+            lp = picked_logprobs(logits, r.input_ids[1:])
+            nll -= float(lp[r.loss_mask[1:]].sum())
+            count += int(r.loss_mask[1:].sum())
+    assert count == sum(r.num_trained for r in batch)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # the weights stay; the loss is read
+    # micro-batches of 700 tokens: the sessions spread over several, their sums add up
+    m = sft.sft_update(model, optimizer, params, batch, 0, 700, 1.0, torch.device("cpu"), "float32")
+    assert m["micro_batches"] > 1
+    assert m["tokens"] == count
+    assert m["loss/sft"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_select_episodes_counts_every_dropped_episode(tmp_path):
+    _, tokenizer = load_model("tiny")
+    tasks = records_tasks(4)
+    episodes = sft.solver_episodes(RECORDS, tasks, tokenizer, 1, {}, seed=0)
+    r = episodes[1].reward
+    low = episodes[1].evolve(reward=RewardBreakdown.from_components(
+        {"answer": 0.0, "state": 1.0}, r.weights, "wrong", r.verifier))  # total 0.3
+    other = episodes[2].evolve(env_id="agent_rl/Arithmetic-v0")
+    mixed = [episodes[0], low, other, episodes[3], episodes[0]]
+    kept, data = sft.select_episodes(mixed, RECORDS, held_out={tasks[3].task_id}, min_reward=1.0,
+                                     max_episodes=1)
+    assert [e.task_id for e in kept] == [tasks[0].task_id]
+    assert data["dropped"] == {"below_min_reward": 1, "other_env": 1, "held_out_task": 1,
+                               "over_max_episodes": 1}
+    assert data["episodes_read"] == 5 and data["episodes_kept"] == 1
+
+
+def test_sft_run_writes_a_full_weight_bundle_that_train_starts_from(tmp_path):
+    c = contract(tmp_path)
+    result = sft.run(c, progress=False)
+    assert result.steps == 2 * 2  # 6 sessions in batches of 3, two epochs
+    assert result.losses[-1] < result.losses[0]  # it learns the solver's replies
+    assert result.data["episodes_kept"] == 6 and result.data["dropped"]["over_max_episodes"] > 0
+    meta = json.loads((result.bundle / checkpoint.META_FILE).read_text())
+    assert meta["kind"] == "sft" and meta["trainable_only"] is False
+    assert meta["base_model"]["model"] == model_fingerprint("tiny")
+    assert checkpoint.verify_bundle(result.bundle) == result.bundle_hash
+    for name in ("contract.yaml", "data.json", "metrics.jsonl", "eval.jsonl", "result.json",
+                 "episodes.jsonl", "evals/before.jsonl", "evals/after.jsonl"):
+        assert (result.run_dir / name).is_file(), name
+    assert len(list(RolloutStore(result.run_dir / "episodes.jsonl").read())) == 6
+    assert isinstance(read_contract(result.run_dir / "contract.yaml"), SFTContract)
+
+    # model.init: the trained weights replace the base's, whether named as bundle or run dir
+    trained = checkpoint.safetensors.torch.load_file(result.bundle / checkpoint.MODEL_FILE)
+    for where in (result.bundle, result.run_dir):
+        rl = ExperimentContract.from_dict({"model": {"id": "tiny", "init": str(where)}})
+        model, _ = initial_model(rl.model)
+        state = model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in trained.items())
+        base, _ = load_model("tiny")
+        assert not torch.equal(base.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                               state["model.layers.0.mlp.up_proj.weight"])
+    pinned = rl.hashed_fields()["model"]["init"]
+    assert pinned == {"path": str(result.run_dir), "bundle": result.bundle_hash}
+
+    # a second sft run into the same folder is refused, the first one left whole
+    with pytest.raises(ValueError, match="is not empty"):
+        sft.run(c, progress=False)
+    assert checkpoint.verify_bundle(result.bundle) == result.bundle_hash
+
+
+def test_lora_sft_merges_its_adapter_into_the_bundle(tmp_path):
+    c = contract(tmp_path, model={"id": "tiny", "adapter": "lora", "lora_rank": 4},
+                 optim={"lr": 5e-2, "epochs": 1, "batch_sessions": 6})
+    result = sft.run(c, progress=False)
+    names = json.loads((result.bundle / checkpoint.META_FILE).read_text())["parameter_names"]
+    assert not any("lora_" in n for n in names)  # plain names: it loads onto the base model
+    model, _ = initial_model(ExperimentContract.from_dict(
+        {"model": {"id": "tiny", "init": str(result.bundle)}}).model)
+    base, _ = load_model("tiny")
+    moved = [k for k, v in base.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
+    assert any("q_proj" in k for k in moved)  # the merged adapter changed the attention weights
+    assert not any("embed_tokens" in k for k in moved)  # all-linear LoRA leaves embeddings alone
+
+
+def test_model_init_errors_name_the_key(tmp_path):
+    bad = ExperimentContract.from_dict({"model": {"id": "tiny", "init": str(tmp_path / "nope")}})
+    with pytest.raises(ContractError, match="model.init: no checkpoint bundle"):
+        bad.contract_hash()
+    # null leaves the hash as it was before model.init existed
+    assert "init" not in ExperimentContract.from_dict({}).hashed_fields()["model"]
+
+    model, _ = load_model("tiny")
+    full = checkpoint.save_bundle(tmp_path / "ck2", 1, model=model, trainable_only=False,
+                                  meta={"base_model": {"model": {"id": "x", "weights": {"w": "1"},
+                                                                 "tokenizer": {}}}})
+    with pytest.raises(checkpoint.BundleError, match="trained from 'x'"):
+        checkpoint.load_init(full, model, model_fingerprint("tiny"))
+
+
+def test_lora_training_checkpoint_is_refused_as_init(tmp_path):
+    from agent_rl.train import add_lora
+
+    model, _ = load_model("tiny")
+    peft_model = add_lora(model, 4, 8)
+    bundle = checkpoint.save_bundle(tmp_path / "ck", 3, model=peft_model, meta={})
+    plain, _ = load_model("tiny")
+    with pytest.raises(checkpoint.BundleError, match="LoRA adapters only"):
+        checkpoint.load_init(bundle, plain)
+
+
+def test_store_source_needs_a_store_and_pins_its_content(tmp_path):
+    with pytest.raises(ContractError, match="data.store"):
+        contract(tmp_path, data={"source": "store"})
+    _, tokenizer = load_model("tiny")
+    store = RolloutStore(tmp_path / "rollouts.jsonl")
+    store.append(sft.solver_episodes(RECORDS, records_tasks(2), tokenizer, 1, {}, seed=0))
+    c = contract(tmp_path, data={"source": "store", "store": str(store.path), "min_reward": 1.0})
+    first = c.contract_hash()
+    assert c.hashed_fields()["data"]["store"]["path"] == str(store.path)
+    store.append(sft.solver_episodes(RECORDS, records_tasks(3)[2:], tokenizer, 1, {}, seed=5))
+    assert c.contract_hash() != first  # new episodes in the file: another contract
+
+
+def test_store_source_drops_held_out_tasks(tmp_path):
+    c = contract(tmp_path)
+    splits = c.env.splits(envs.make(RECORDS))
+    _, tokenizer = load_model("tiny")
+    train_task, held_task = splits["train"][0], splits["holdout"][0]
+    store = RolloutStore(tmp_path / "rollouts.jsonl")
+    store.append(sft.solver_episodes(RECORDS, [train_task, held_task], tokenizer, 1, {}, seed=0))
+    c = contract(tmp_path, data={"source": "store", "store": str(store.path)},
+                 optim={"epochs": 1, "batch_sessions": 4})
+    result = sft.run(c, progress=False)
+    assert result.data["episodes_kept"] == 1
+    assert result.data["dropped"] == {"held_out_task": 1}
+
+
+def test_cli_sft_refuses_a_broken_contract_before_any_work(tmp_path, capsys):
+    from agent_rl.cli import main
+
+    config = tmp_path / "sft.yaml"
+    config.write_text("model: {id: tiny}\noptim: {epochs: -1}\nrun_dir: " + str(tmp_path / "r"))
+    assert main(["sft", str(config)]) == 2
+    assert "optim.epochs" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_train_from_an_sft_bundle_pins_it(tmp_path):
+    from agent_rl import train
+    from agent_rl.cli import load_bundle_policy
+
+    warm = sft.run(contract(tmp_path, optim={"epochs": 1, "batch_sessions": 6}), progress=False)
+    loaded = load_bundle_policy(warm.run_dir, None, "cpu")  # `agent-rl eval --policy SFT_RUN`
+    assert loaded.bundle == warm.bundle
+    rl = ExperimentContract.from_yaml("examples/tiny_records.yaml", [
+        f"model.init={warm.run_dir}", f"run_dir={tmp_path / 'rl'}", "optim.max_steps=1"])
+    result = train.run(rl, progress=False)
+    assert result.steps == 1
+    pinned = (tmp_path / "rl" / "contract.sha256").read_text().strip()
+    assert pinned == rl.contract_hash()
+    # the run dir's newest bundle changes (a second warm start into it): another contract
+    plain, _ = load_model("tiny")
+    checkpoint.save_bundle(warm.run_dir / "checkpoints", 99, model=plain, trainable_only=False,
+                           meta={})
+    assert rl.contract_hash() != pinned
+    with pytest.raises(ValueError, match="belongs to another contract"):
+        train.run(rl.model_copy(update={"optim": rl.optim.model_copy(update={"max_steps": 2})}),
+                  resume=True, progress=False)
+
+
+def test_contract_hash_pins_the_contents_of_task_and_dataset_files(tmp_path):
+    ids = tmp_path / "held.txt"
+    ids.write_text("records-0-1\n")
+    c = ExperimentContract.from_dict({"env": {"id": RECORDS, "holdout": {
+        "task_ids_file": str(ids)}}, "eval": {"split": "holdout_iid"}})
+    first = c.contract_hash()
+    ids.write_text("records-0-2\n")
+    assert c.contract_hash() != first
+    ids.unlink()
+    with pytest.raises(ContractError, match="env.holdout.task_ids_file: cannot read"):
+        c.contract_hash()
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
+    d = ExperimentContract.from_dict({"env": {"id": "agent_rl/Dataset-v0", "kwargs": {
+        "path": str(data)}, "iid_fraction": 0.5}, "eval": {"split": "holdout_iid"}})
+    before = d.contract_hash()
+    assert d.hashed_fields()["env"]["kwargs"]["path"]["path"] == str(data)
+    data.write_text('{"prompt": "1+1?", "answer": "3"}\n{"prompt": "2+2?", "answer": "4"}\n')
+    assert d.contract_hash() != before
+
+
+def test_cli_sft_prints_the_bundle_and_the_train_command(tmp_path, capsys):
+    from agent_rl.cli import main
+
+    run_dir = tmp_path / "warm"
+    assert main(["sft", "examples/tiny_sft.yaml", "--no-progress", "--set", f"run_dir={run_dir}",
+                 "--set", "data.max_episodes=4", "--set", "eval.n=2"]) == 0
+    out = capsys.readouterr().out
+    bundle = checkpoint.resolve_bundle(run_dir)
+    assert "trained on 4 sessions of 4 episodes" in out
+    assert f"agent-rl train CONFIG --set model.init={bundle}\n" in out  # whole, to be copied
+    assert main(["sft", "examples/tiny_sft.yaml", "--set", f"run_dir={run_dir}"]) == 2  # not empty
