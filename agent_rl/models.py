@@ -16,14 +16,17 @@ tokenizer): a run pins it at its start and refuses to resume on other files.
 Both built-in tokenizers speak ChatML (``<|im_start|>role\\n...<|im_end|>\\n``) with the same
 chat template, and ``<|im_end|>`` is their EOS: the token a policy samples to end its turn.
 
-Load time. Parsing the GGUF is slow (~5 s for the tokenizer, ~11 s for the weights on an idle
-CPU core: transformers reads the whole file, vocabulary included, several times). So the
-tokenizer is parsed once per process (``smollm2_tokenizer``; shared: deep-copy it before
-changing it) and so is the de-quantized float32 model (``load_smollm2`` hands out deep
-copies, ~1 s; ``clear_model_cache`` frees it). With ``AGENT_RL_MODEL_CACHE`` set to a folder,
-the converted tokenizer and model are written there once (``save_pretrained`` format,
-~540 MB, keyed by the GGUF's sha256) and every later load, in any process, reads them
-(well under a second) instead of the GGUF.
+Load time and memory. Parsing the GGUF is slow (~5 s for the tokenizer, ~11 s for the
+weights on an idle CPU core: transformers reads the whole file, vocabulary included, several
+times). So the tokenizer is parsed once per process (``smollm2_tokenizer``; shared: deep-copy
+it before changing it) and so is the de-quantized float32 model: converted once, written in
+``save_pretrained`` format (~540 MB) to a cache folder, and every load (a fresh model, well
+under a second) reads that folder. The folder is ``$AGENT_RL_MODEL_CACHE/smollm2-135m-<key>``
+when that variable names one (keyed by the GGUF's sha256, kept across processes, the tokenizer
+written there too), else a private temporary folder removed when the process exits
+(``clear_model_cache`` removes it sooner). On disk rather than in memory: a resident master
+copy to deep-copy from would add 540 MB to every process that loads the model once, as
+``agent-rl train`` does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,26 +148,34 @@ def _load_gguf_model() -> PreTrainedModel:
     return _make_saveable(model).eval()
 
 
-_smollm2_float32 = functools.lru_cache(maxsize=1)(_load_gguf_model)
-
-
 def load_smollm2(dtype: torch.dtype | str = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct (a fresh, saveable, trainable copy) and its shared tokenizer."""
     dtype = as_dtype(dtype)
-    folder = _disk_cache_folder("model")
-    if folder is None:
-        model = copy.deepcopy(_smollm2_float32()).to(dtype)
-    else:
-        if not folder.is_dir():
-            _write_disk_cache(folder, _load_gguf_model())
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    folder = _disk_cache_folder("model") or _process_cache_folder() / "model"
+    if not folder.is_dir():
+        _write_disk_cache(folder, _load_gguf_model())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval(), smollm2_tokenizer()
 
 
 def clear_model_cache() -> None:
-    """Forget the per-process SmolLM2 copies (frees ~540 MB)."""
-    _smollm2_float32.cache_clear()
+    """Forget the per-process SmolLM2 conversions (the tokenizer, the temporary model folder)."""
+    global _process_cache
     smollm2_tokenizer.cache_clear()
+    if _process_cache is not None:
+        _process_cache.cleanup()
+        _process_cache = None
+
+
+_process_cache: tempfile.TemporaryDirectory | None = None
+
+
+def _process_cache_folder() -> Path:
+    """This process's private cache folder, made on first use, removed at exit."""
+    global _process_cache
+    if _process_cache is None:
+        _process_cache = tempfile.TemporaryDirectory(prefix="agent-rl-smollm2-")
+    return Path(_process_cache.name)
 
 
 def _disk_cache_folder(part: str) -> Path | None:
@@ -446,8 +458,16 @@ def named_weights_for_push(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 def rollout_copy(model: Any, dtype: str | torch.dtype = "float32") -> Any:
     """A frozen copy of the trained weights for a rollout policy: a peft LoRA model's adapters
     merged into a plain model (no adapter work per token), in ``dtype``; ``model`` untouched.
-    Its names are those of ``named_weights_for_push(model)``."""
-    out = copy.deepcopy(model)
+    Its names are those of ``named_weights_for_push(model)``.
+
+    Only what can change is copied: the parameters the optimizer trains and the base weights
+    of the layers adapters are merged into. Every other parameter of ``model`` (frozen: under
+    LoRA the embeddings, the head tied to them and the norms, 113 MB of SmolLM2's 538 MB) keeps
+    its storage, shared by both models while ``dtype`` is its dtype (else converted, a copy)."""
+    shared = {id(p): torch.nn.Parameter(p.detach(), requires_grad=False)  # same storage
+              for name, p in model.named_parameters()
+              if not p.requires_grad and ".base_layer." not in name}
+    out = copy.deepcopy(model, memo=shared)  # a shared parameter's copy is its memo entry
     if hasattr(out, "merge_and_unload"):
-        out = out.merge_and_unload()
+        out = out.merge_and_unload()  # adds B A * scale into the copied base weights in place
     return out.to(as_dtype(dtype)).requires_grad_(False).eval()

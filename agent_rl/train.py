@@ -140,6 +140,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     model, tokenizer = initial_model(contract.model)
     if contract.model.adapter == "lora":
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
+    if contract.optim.activation_checkpointing:  # layers recomputed in backward: less memory
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     reference = load_reference(contract, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -707,10 +709,13 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
                                        seed=contract.optim.seed)
     else:
         # LoRA merged, in rollout.dtype (autocast as the trainer when that is unset); its own
-        # tokenizer too: a fast tokenizer is not safe to share across threads
+        # tokenizer too: a fast tokenizer is not safe to share across threads. The copy holds
+        # the weights a push would send now (merged the same way): only their revision is set
         engine = HFPolicy(rollout_copy(model, rollout.dtype or "float32"), copy.deepcopy(tokenizer),
                           device=policy.device,
                           compute_dtype="float32" if rollout.dtype else contract.model.dtype)
+        engine.revision = policy.revision
+        return SyncedPolicy(engine)
     synced = SyncedPolicy(engine)
     synced.push(synced.weights_to_push(model), policy.revision)
     return synced

@@ -13,8 +13,12 @@ Every stage goes through the product (``sft.run``, ``train.run`` with ``env.hold
 evaluation of ``agent-rl eval``), under contracts written to ``--out``. The base model's rewards
 on A and C are the warm start's "before" evaluation (same tasks, same greedy sampling).
 
-    python benchmarks/transfer.py                 # SmolLM2-135M at the CPU scale (~40 min)
+    python benchmarks/transfer.py                 # SmolLM2-135M at the CPU scale (~60 min)
     python benchmarks/transfer.py --scale tiny    # the tiny random Llama: a smoke run
+
+``--out DIR`` of an earlier invocation reuses its warm start when that run finished (its
+``result.json``, its bundle intact) under the same contract (its ``contract.yaml``); the GRPO
+arms always run anew.
 
 The scale that ran is printed with the table; the last line is one JSON object.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +45,7 @@ SCALES: dict[str, dict[str, Any]] = {
              "sft_lr": 1e-3, "steps": 1, "tasks": 2, "group": 2, "lr": 1e-4,
              "max_prompt": 2048, "max_response": 48, "adapter": "none"},
     "cpu": {"model": "smollm2-135m", "pool": 256, "n_eval": 16, "sft_episodes": 64,
-            "sft_epochs": 3, "sft_lr": 1e-3, "steps": 6, "tasks": 4, "group": 4, "lr": 2e-4,
+            "sft_epochs": 3, "sft_lr": 1e-3, "steps": 4, "tasks": 2, "group": 4, "lr": 2e-4,
             "max_prompt": 1024, "max_response": 64, "adapter": "lora"},
     "full": {"model": "smollm2-135m", "pool": 512, "n_eval": 48, "sft_episodes": 256,
              "sft_epochs": 3, "sft_lr": 1e-3, "steps": 40, "tasks": 8, "group": 8, "lr": 2e-4,
@@ -113,6 +118,27 @@ def evaluate(path: Path, tasks: dict[str, list], scale: dict[str, Any]) -> dict[
     return out
 
 
+def finished_warm_start(contract):
+    """The ``SFTResult`` of a warm start already in ``contract``'s run dir under this contract
+    (read back from its ``result.json``), else None."""
+    from agent_rl import checkpoint
+    from agent_rl.config import SFTContract
+    from agent_rl.sft import SFTResult
+
+    run_dir = contract.resolved_run_dir
+    done = run_dir / "result.json"
+    if not (done.is_file() and SFTContract.from_yaml(run_dir / "contract.yaml") == contract):
+        return None
+    r = json.loads(done.read_text())
+    bundle = Path(r["bundle"])
+    if checkpoint.verify_bundle(bundle) != r["bundle_hash"]:
+        return None
+    losses = [json.loads(line)["loss/sft"] for line in (run_dir / "metrics.jsonl").open()]
+    print(f"reusing the warm start in {run_dir} (bundle {r['bundle_hash'][:12]})")
+    return SFTResult(run_dir, bundle, r["bundle_hash"], len(losses), r["data"], r["before"],
+                     r["after"], r["comparison"], losses)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
@@ -132,7 +158,8 @@ def main() -> None:
     ids_file.write_text("\n".join(held_out_atomic(scale)) + "\n")
 
     # 1. the warm start (its before/after evaluation: the base model and the bundle on A and C)
-    warm = sft.run(sft_contract(scale, ids_file, out), progress=True)
+    warm = finished_warm_start(sft_contract(scale, ids_file, out)) or sft.run(
+        sft_contract(scale, ids_file, out), progress=True)
     splits = sft_contract(scale, ids_file, out).env.splits(envs.make(ENV))
     tasks = {"atomic": list(splits["holdout_iid"])[: scale["n_eval"]],
              "composed": list(splits["holdout_structure"])[: scale["n_eval"]]}
@@ -152,6 +179,7 @@ def main() -> None:
         contract = grpo_contract(scale, arm, held_out, eval_split, ids_file, warm.bundle, out)
         trained = {t.meta.structure for t in contract.env.splits(envs.make(ENV))["train"]}
         assert trained <= set(ATOMIC if arm == "atomic" else TRAIN_COMPOSED), trained
+        shutil.rmtree(contract.resolved_run_dir, ignore_errors=True)  # this benchmark's own run
         result = train.run(contract, progress=True)
         rewards[f"grpo_{arm}"] = evaluate(result.run_dir, tasks, scale)
         seconds[f"grpo_{arm}"] = time.perf_counter() - t1

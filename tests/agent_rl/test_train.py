@@ -705,3 +705,21 @@ def test_several_ranks_are_checked_before_anything_is_written(tmp_path, monkeypa
         with pytest.raises(ValueError, match=message):
             train.run(make_contract(tmp_path / "run", *overrides), progress=False)
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_activation_checkpointing_changes_memory_not_numbers(tmp_path, adapter):
+    """optim.activation_checkpointing recomputes the layers in backward: every step's loss and
+    gradient norm, and the trained weights, are those of the run that keeps activations."""
+    runs = {}
+    for flag in ("false", "true"):
+        run_dir = tmp_path / flag
+        train.run(make_contract(run_dir, f"optim.activation_checkpointing={flag}",
+                                f"model.adapter={adapter}", "model.lora_rank=4",
+                                "optim.max_steps=2", "eval.every=0", "eval.n=2"), progress=False)
+        runs[flag] = (read_jsonl(run_dir / "metrics.jsonl"), bundle_params_hash(run_dir))
+    (off, off_weights), (on, on_weights) = runs["false"], runs["true"]
+    assert [m["loss/policy"] for m in on] == [m["loss/policy"] for m in off]
+    assert [m["optim/grad_norm"] for m in on] == [m["optim/grad_norm"] for m in off]
+    assert all(m["optim/grad_norm"] > 0 for m in off)  # a real update was compared
+    assert on_weights == off_weights
