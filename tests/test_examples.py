@@ -145,8 +145,10 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
         assert p["packed_padded_tokens"] <= p["unpacked_padded_tokens"]
     for dtype in ("float32", "bfloat16"):
         d = s[dtype]
+        # achieved is printed to 0.1 GFLOP/s and of_peak to 1e-4: tiny figures round coarsely
         assert d["step_s"] > 0 and d["of_peak"] == pytest.approx(
-            d["achieved_gflop_s"] / d["matmul_peak_gflop_s"], rel=0.02)
+            d["achieved_gflop_s"] / d["matmul_peak_gflop_s"],
+            rel=0.02, abs=0.05 / d["matmul_peak_gflop_s"] + 5e-5)
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from agent_rl.config import UNHASHED, ContractError, ExperimentContract
@@ -390,9 +392,12 @@ def test_reward_shaping_length_is_a_contract_key(design_file):
 # --- env.holdout: what the trainer holds out ----------------------------------------------------
 
 
-def test_env_holdout_is_a_contract_key(design_file, tmp_path):
+def test_env_holdout_is_a_contract_key(design_file, tmp_path, monkeypatch):
     from agent_rl.config import HoldoutSection
 
+    monkeypatch.chdir(tmp_path)  # task_ids_file is read from the working directory
+    (tmp_path / "ids.txt").write_text("t-1\n")
+    digest = hashlib.sha256(b"t-1\n").hexdigest()
     base = ExperimentContract.from_yaml(design_file)
     assert base.env.holdout is None  # null: chosen from the pool's metadata
     held = ExperimentContract.from_yaml(
@@ -400,8 +405,9 @@ def test_env_holdout_is_a_contract_key(design_file, tmp_path):
     assert held.env.holdout == HoldoutSection(structures=["a>b"], min_length=3,
                                               task_ids_file="ids.txt")
     assert held.contract_hash() != base.contract_hash()
-    assert held.hashed_fields()["env"]["holdout"] == {
-        "structures": ["a>b"], "entity_groups": [], "min_length": 3, "task_ids_file": "ids.txt"}
+    assert held.hashed_fields()["env"]["holdout"] == {  # the file pinned by its content
+        "structures": ["a>b"], "entity_groups": [], "min_length": 3,
+        "task_ids_file": {"path": "ids.txt", "sha256": digest}}
     assert held.changes_from(base) == [
         "env.holdout: None -> {'structures': ['a>b'], 'min_length': 3, 'task_ids_file': 'ids.txt'}"]
     assert base.changes_from(held)[0].endswith("-> None")
