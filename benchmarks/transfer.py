@@ -97,7 +97,10 @@ def grpo_contract(scale: dict[str, Any], arm: str, held_out: list[str], eval_spl
                     "dynamic_sampling": False},
         "optim": {"lr": scale["lr"], "max_steps": scale["steps"], "seed": 0},
         "checkpoint": {"every": 0, "keep": 1},
-        "guards": {"max_truncated_frac": 1.5, "min_entropy": 0.0},
+        # a warm-started policy is peaked (the solver's replies at ~0.01 nats a token): its
+        # entropy is near 0 and a LoRA step at this lr moves it by up to ~1 nat, so the
+        # entropy and KL bounds are loosened; every stop a guard still makes is reported
+        "guards": {"max_truncated_frac": 1.5, "min_entropy": 0.0, "max_kl": 5.0},
         "run_dir": str(out / arm)})
 
 
@@ -173,7 +176,7 @@ def main() -> None:
     # composed tasks only (the atoms and the two evaluated compositions held out)
     arms = {"atomic": (TRAIN_COMPOSED + HELD_COMPOSED, "holdout_iid"),
             "composed": (ATOMIC + HELD_COMPOSED, "holdout_structure")}
-    seconds = {"sft": time.perf_counter() - t0}
+    seconds, trained_steps = {"sft": time.perf_counter() - t0}, {}
     for arm, (held_out, eval_split) in arms.items():
         t1 = time.perf_counter()
         contract = grpo_contract(scale, arm, held_out, eval_split, ids_file, warm.bundle, out)
@@ -183,6 +186,8 @@ def main() -> None:
         result = train.run(contract, progress=True)
         rewards[f"grpo_{arm}"] = evaluate(result.run_dir, tasks, scale)
         seconds[f"grpo_{arm}"] = time.perf_counter() - t1
+        trained_steps[arm] = {"steps": result.steps, "stopped_by": result.stopped.rule
+                              if result.stopped else None}
 
     # 3. the table: mean reward per policy and kind, paired differences with 95% intervals
     def mean(xs: list[float]) -> float:
@@ -199,6 +204,7 @@ def main() -> None:
             diffs.append({"diff": f"{a} - {b}", "kind": kind, "mean": round(d, 3),
                           "lo": round(lo, 3), "hi": round(hi, 3), "n": len(rewards[a][kind])})
     print(f"\nscale {args.scale}: {json.dumps(scale)}")
+    print(f"GRPO steps trained: {json.dumps(trained_steps)}")
     print(f"{'policy':<15} {'held-out atomic':>16} {'held-out composed':>18}")
     for row in rows:
         print(f"{row['policy']:<15} {row['atomic']:>16.3f} {row['composed']:>18.3f}")

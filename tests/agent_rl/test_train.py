@@ -723,3 +723,30 @@ def test_activation_checkpointing_changes_memory_not_numbers(tmp_path, adapter):
     assert [m["optim/grad_norm"] for m in on] == [m["optim/grad_norm"] for m in off]
     assert all(m["optim/grad_norm"] > 0 for m in off)  # a real update was compared
     assert on_weights == off_weights
+
+
+def test_kl_update_measures_the_update_not_the_rollout_mismatch(tmp_path):
+    """kl/update compares the trainer's log-probs after the update with its own before it: a
+    step that moves no weight (lr 0) reads 0.0 even when the rollout's log-probs are off by
+    0.5 nats on every trained token (what rollout/logprob_diff_* reports)."""
+    import dataclasses
+
+    from agent_rl.distributed import TorchBackend
+    from agent_rl.policy import HFPolicy
+    from agent_rl.rollout import rollout_batch
+    from envs.runner import Sampling
+
+    contract = make_contract(tmp_path / "r")
+    model, tokenizer = tiny_model(0)
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+                          envs.make(toy_env.ENV_ID).unwrapped.task_pool(2, seed=0),
+                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
+                          dynamic_sampling=False, truncation="keep")
+    off = [dataclasses.replace(q, advantage=1.0, rendered=dataclasses.replace(
+        q.rendered, old_logprobs=q.rendered.old_logprobs - 0.5 * q.rendered.loss_mask))
+        for q in batch.sequences]
+    params = [p for p in model.parameters() if p.requires_grad]
+    backend = TorchBackend(model, torch.optim.SGD(params, lr=0.0), grad_clip=1.0)
+    m = train.policy_update(backend, None, off, contract, pad_id=0, prox={})
+    assert m["rollout/logprob_diff_max"] == pytest.approx(0.5, abs=1e-4)
+    assert m["kl/update"] == pytest.approx(0.0, abs=1e-9)
