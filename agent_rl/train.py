@@ -519,9 +519,10 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     stepped = backend.step()
     grad_norm, finite = stepped.grad_norm, stepped.stepped and math.isfinite(loss_sum)
     if finite:
-        # rank 0 trains micro-batch 0, so it holds its prox; rank 0's metrics are the ones logged
-        sums["kl/update"] = (update_kl(model, micro[0], rendered, pad_id, temperature, prox[0],
-                                       dtype) if 0 in prox else 0.0)
+        # every rank runs the forward (ZeRO-3 gathers weights collectively); rank 0 trained
+        # micro-batch 0, so it holds its pre-update log-probs, and its value is everyone's
+        kl = update_kl(model, micro[0], rendered, pad_id, temperature, prox.get(0), dtype)
+        sums["kl/update"] = backend.all_gather_object(kl)[0]
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
             "optim/skipped": 0.0 if finite else 1.0}
@@ -545,18 +546,21 @@ def sum_over_ranks(parts: list[tuple[float, dict[str, float]]]) -> tuple[float, 
 
 @torch.no_grad()
 def update_kl(model, bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,
-              temperature: float, old: torch.Tensor, dtype: str = "float32") -> float:
+              temperature: float, old: torch.Tensor | None, dtype: str = "float32") -> float:
     """How far the update moved the policy on (a micro-batch of) its own batch: the k3
     estimate of KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d,
     d = old - new, where ``old`` are the trainer's own log-probs of these tokens before the
     first update on the batch (``prox``), not the rollout's: a rollout/trainer mismatch
     (``rollout/logprob_diff_*``) is no movement of the policy. One forward pass over the first
     micro-batch keeps it cheap. (``kl/approx`` is measured before the step, so it is ~0
-    whenever the batch is fresh.)"""
+    whenever the batch is fresh.) ``old`` None (a rank that did not train this micro-batch):
+    the forward runs, for the collectives, and the result is NaN."""
     device = next(model.parameters()).device
     batch = device_batch(bins, rendered, pad_id, device)
     with autocast(device, dtype):
         logits = trained_token_logits(model, batch)  # [N, V]
+    if old is None:
+        return math.nan
     new = picked_logprobs(logits, batch["target"], temperature)  # [N]
     d = old - new  # [N]
     return float((torch.exp(d) - 1 - d).mean())
