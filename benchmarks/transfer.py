@@ -213,7 +213,7 @@ def main() -> None:
         print(f"{d['diff']:<30} {d['kind']:<9} {d['mean']:>+7.3f}  [{d['lo']:+.3f}, {d['hi']:+.3f}]")
     print(json.dumps({"benchmark": "transfer", "scale": args.scale, "config": scale,
                       "sft_data": warm.data, "sft_loss": [warm.losses[0], warm.losses[-1]]
-                      if warm.losses else None, "means": rows, "paired": diffs,
+                      if warm.losses else None, "means": rows, "paired": diffs, "grpo": trained_steps,
                       "seconds": {k: round(v, 1) for k, v in seconds.items()},
                       "out": str(out)}))
 
