@@ -36,7 +36,7 @@ import torch
 import envs
 from agent_rl import checkpoint
 from agent_rl.config import SFTContract
-from agent_rl.distributed import launched_world_size
+from agent_rl.distributed import TorchBackend, launched_world_size
 from agent_rl.grpo import picked_logprobs
 from agent_rl.models import model_fingerprint, resolve_device, rollout_copy
 from agent_rl.policy import HFPolicy
@@ -115,8 +115,9 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=contract.optim.lr,
-                                  weight_decay=contract.optim.weight_decay)
+    backend = TorchBackend(model, torch.optim.AdamW(params, lr=contract.optim.lr,
+                                                    weight_decay=contract.optim.weight_decay),
+                           contract.optim.grad_clip)  # clip, skip a non-finite step, as train
     policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype)
 
     # --- 3. episodes -> kept (reward filter, never a held-out task) -> rendered sessions ---
@@ -175,8 +176,7 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
             for start in range(0, len(order), contract.optim.batch_sessions):
                 t0 = time.perf_counter()
                 batch = [rendered[int(k)] for k in order[start:start + contract.optim.batch_sessions]]
-                metrics = sft_update(model, optimizer, params, batch, pad_id,
-                                     contract.optim.micro_batch_tokens, contract.optim.grad_clip,
+                metrics = sft_update(backend, batch, pad_id, contract.optim.micro_batch_tokens,
                                      device, contract.model.dtype)
                 step += 1
                 metrics |= {"step": step, "epoch": epoch + 1, "step/seconds":
@@ -292,15 +292,16 @@ def render_sessions(tokenizer, episodes: list[Episode], max_tokens: int) -> list
     return out
 
 
-def sft_update(model, optimizer, params, batch: list[Rendered], pad_id: int, micro_tokens: int,
-               grad_clip: float, device: torch.device, dtype: str) -> dict[str, float]:
+def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_tokens: int,
+               device: torch.device, dtype: str) -> dict[str, float]:
     """One optimizer step: the mean negative log-likelihood of the batch's trained tokens,
-    over micro-batches each weighted by its share of them; gradients clipped to
-    ``grad_clip``; a non-finite loss or gradient skips the step (counted)."""
+    over micro-batches each weighted by its share of them; ``backend.step`` clips the
+    gradients and skips a non-finite step (counted)."""
     from agent_rl.models import autocast
 
+    model = backend.module
     model.train()
-    optimizer.zero_grad(set_to_none=True)
+    backend.zero_grad()
     total = sum(r.num_trained for r in batch)
     nll_sum, correct = 0.0, 0
     micro = micro_batches(pack(share_prefixes(batch), min(micro_tokens, ROW_TOKENS)), micro_tokens)
@@ -309,17 +310,13 @@ def sft_update(model, optimizer, params, batch: list[Rendered], pad_id: int, mic
         with autocast(device, dtype):
             logits = trained_token_logits(model, tensors)  # [N, V]
         logprobs = picked_logprobs(logits.float(), tensors["target"])  # [N]
-        loss = -logprobs.sum() / max(total, 1)
-        loss.backward()
+        backend.backward(-logprobs.sum() / max(total, 1))
         nll_sum += float(-logprobs.detach().sum())
         correct += int((logits.detach().argmax(-1) == tensors["target"]).sum())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
-    finite = np.isfinite(grad_norm) and np.isfinite(nll_sum)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    stepped = backend.step()
+    finite = stepped.stepped and np.isfinite(nll_sum)
     return {"loss/sft": nll_sum / max(total, 1), "tokens": total, "sessions": len(batch),
-            "token_accuracy": correct / max(total, 1), "optim/grad_norm": grad_norm,
+            "token_accuracy": correct / max(total, 1), "optim/grad_norm": stepped.grad_norm,
             "optim/skipped": 0.0 if finite else 1.0, "micro_batches": len(micro)}
 
 

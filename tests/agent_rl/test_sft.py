@@ -10,6 +10,7 @@ import torch
 import envs
 from agent_rl import checkpoint, sft
 from agent_rl.config import ContractError, ExperimentContract, SFTContract, read_contract
+from agent_rl.distributed import TorchBackend
 from agent_rl.grpo import picked_logprobs
 from agent_rl.models import load_model, model_fingerprint
 from agent_rl.render import end_of_turn_id
@@ -71,9 +72,9 @@ def test_sft_update_is_the_mean_nll_of_the_trained_tokens():
             count += int(r.loss_mask[1:].sum())
     assert count == sum(r.num_trained for r in batch)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.0)  # the weights stay; the loss is read
+    backend = TorchBackend(model, torch.optim.SGD(params, lr=0.0))  # the weights stay
     # micro-batches of 700 tokens: the sessions spread over several, their sums add up
-    m = sft.sft_update(model, optimizer, params, batch, 0, 700, 1.0, torch.device("cpu"), "float32")
+    m = sft.sft_update(backend, batch, 0, 700, torch.device("cpu"), "float32")
     assert m["micro_batches"] > 1
     assert m["tokens"] == count
     assert m["loss/sft"] == pytest.approx(nll / count, rel=1e-5)
