@@ -424,12 +424,7 @@ class ExperimentContract(_Contract):
             raise ValueError(
                 f"reference: {self.reference!r} is the model being trained; with full fine-tuning "
                 "the rollout policy would be its own reference (use a separate frozen copy's path)")
-        from evals.splits import SPLIT_NAMES
-
-        for key, names in (("env.split", [self.env.split]), ("eval.split", self.eval.splits)):
-            unknown = [n for n in names if n not in SPLIT_NAMES]
-            if unknown:
-                raise ValueError(f"{key}: no split {unknown[0]!r}; splits are {list(SPLIT_NAMES)}")
+        check_split_names(self.env, self.eval)
         if not self.eval.splits or len(set(self.eval.splits)) != len(self.eval.splits):
             raise ValueError(f"eval.split: name each split once, got {self.eval.split!r}")
         held = self.env.holdout  # explicit holdouts: the splits they leave empty are known now
@@ -523,6 +518,16 @@ def _nonfinite(value: Any, key: str):
             yield from _nonfinite(v, f"{key}.{k}")
 
 
+def check_split_names(env: EnvSection, eval_: EvalSection) -> None:
+    """``env.split`` and every ``eval.split`` name a split ``evals.splits`` builds."""
+    from evals.splits import SPLIT_NAMES
+
+    for key, names in (("env.split", [env.split]), ("eval.split", eval_.splits)):
+        unknown = [n for n in names if n not in SPLIT_NAMES]
+        if unknown:
+            raise ValueError(f"{key}: no split {unknown[0]!r}; splits are {list(SPLIT_NAMES)}")
+
+
 def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
     """``env.id`` is registered and its constructor takes every ``env.kwargs`` name, without
     building the environment (``envs.accepted_kwargs``)."""
@@ -590,12 +595,7 @@ class SFTContract(_Contract):
 
     @model_validator(mode="after")
     def _check(self) -> SFTContract:
-        from evals.splits import SPLIT_NAMES
-
-        for key, names in (("env.split", [self.env.split]), ("eval.split", self.eval.splits)):
-            unknown = [n for n in names if n not in SPLIT_NAMES]
-            if unknown:
-                raise ValueError(f"{key}: no split {unknown[0]!r}; splits are {list(SPLIT_NAMES)}")
+        check_split_names(self.env, self.eval)
         if self.env.split in self.eval.splits:
             raise ValueError(f"eval.split {self.env.split!r} is the training split (env.split)")
         bad = next(_nonfinite(self.env.kwargs, "env.kwargs"), None)
