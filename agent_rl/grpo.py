@@ -85,7 +85,10 @@ token); ``clip/low_frac`` and ``clip/high_frac`` the share of tokens whose ratio
 sequence: their sequence's s_b) was clipped at the lower / upper bound: for ppo_clip only where
 the clip binds (A < 0 below 1 - clip_low, A > 0 above 1 + clip_high: the tokens without a
 gradient), for cispo wherever the weight was bounded, whatever the sign of A; ``kl/approx``
-is k3 on the token log-ratios (KL(old || new)) in every mode.
+estimates KL(old || new) from the old policy's own samples in every mode: k3 on d = logp -
+old_logp, r_bt - 1 - log r_bt (>= 0; unbiased since E_old[r] = 1; a token whose probability
+falls adds about -log r, not the 1/r that k3 on old_logp - logp, the estimator for samples of
+the *new* policy, would add).
 
 Rollout/trainer mismatch (``behaviour_correction``). The rollout engine (vLLM, a bf16 or a
 lagging weight copy) samples token t with log-prob mu_t; the trainer, before its update, gives
@@ -326,7 +329,7 @@ def policy_loss(
             "ratio/min": float(r.min()) if n else 1.0,
             "ratio/mean": float(r.mean()) if n else 1.0,
             "ratio/max": float(r.max()) if n else 1.0,
-            "kl/approx": float(KL_ESTIMATORS["k3"](-log_ratio[valid]).sum()) / denom,
+            "kl/approx": float(KL_ESTIMATORS["k3"](log_ratio[valid]).sum()) / denom,
             "tokens": float(n),
         }
         if ref_logprobs is not None:

@@ -49,7 +49,7 @@ from transformers import DynamicCache
 from agent_rl.grpo import scaled_log_softmax, token_logprobs
 from agent_rl.models import autocast, named_weights_for_push
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
-from agent_rl.render import chat_ids, stop_token_ids
+from agent_rl.render import conversation_ids, stop_token_ids
 from envs.core import PROMPT_TOO_LONG
 from envs.runner import Completion, Sampling, stream_seed
 
@@ -131,10 +131,11 @@ def row_uniforms(sampling: Sampling, base: int, rows: Sequence[int]) -> torch.Te
 
 
 def chat_prompts(tokenizer: Any, batch: Sequence[list[dict[str, Any]]], sampling: Sampling,
-                 revision: int, max_len: int | None = None
+                 revision: int, max_len: int | None = None, memo: dict | None = None
                  ) -> tuple[list[list[int]], list[int], dict[int, Completion], int]:
     """What every policy backend does first: check ``sampling``, render each conversation with
-    the chat template (generation header included), and split off the prompts over
+    the chat template (generation header included; earlier sampled turns as the token ids
+    sampled: ``render.conversation_ids``), and split off the prompts over
     ``sampling.max_prompt_tokens`` (or ``max_len``, an engine's own limit), which get an empty
     ``PROMPT_TOO_LONG`` completion. Returns (prompts, rows to generate for, those completions,
     the base seed: ``sampling.seed``, or a fresh random one when unseeded)."""
@@ -142,7 +143,7 @@ def chat_prompts(tokenizer: Any, batch: Sequence[list[dict[str, Any]]], sampling
         raise ValueError(f"invalid sampling {sampling}: need temperature >= 0, 0 < top_p <= 1")
     sampling.check_batch(len(batch))
     base = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-    prompts = [chat_ids(tokenizer, messages, add_generation_prompt=True) for messages in batch]
+    prompts = [conversation_ids(tokenizer, messages, memo) for messages in batch]
     limit = sampling.max_prompt_tokens
     fits = [(limit is None or len(p) <= limit) and (max_len is None or len(p) < max_len)
             for p in prompts]
@@ -174,16 +175,18 @@ class HFPolicy:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.revision = 0  # optimizer steps applied to these weights; the trainer bumps it
+        self.prompt_memo: dict = {}  # render.conversation_ids' layouts of generated turns
 
     def count_tokens(self, messages: Sequence[dict[str, Any]]) -> int:
         """Prompt tokens of a conversation as this policy sees it (chat template, generation
         header included): what env context budgets are counted in."""
-        return len(chat_ids(self.tokenizer, messages, add_generation_prompt=True))
+        return len(conversation_ids(self.tokenizer, messages, self.prompt_memo))
 
     # --- rollout -------------------------------------------------------------------------
     def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
         """One completion per conversation, in order. Reproducible for a given ``sampling.seed``."""
-        prompts, rows, completions, base = chat_prompts(self.tokenizer, batch, sampling, self.revision)
+        prompts, rows, completions, base = chat_prompts(self.tokenizer, batch, sampling, self.revision,
+                                                        memo=self.prompt_memo)
         was_training = self.model.training
         self.model.eval()
         try:

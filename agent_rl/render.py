@@ -48,6 +48,8 @@ micro-batches of at most so many tokens, padding included.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +63,7 @@ from trajectories import Episode, Session, Turn
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 ROW_TOKENS = 1024  # attention over a row costs its length squared: rows stay within this
 TEXT_MATCH_RATIO = 0.9
+MEMO_ENTRIES = 4096  # conversation_ids: generated-turn layouts a policy keeps
 
 # Span kinds: "system" | "user" | "tool" | "assistant" (hand-written, untrained)
 # | "prompt" (the generation header before a generated turn) | "generated" (sampled, trained)
@@ -223,24 +226,10 @@ def render_session(tokenizer: Any, session: Session, require_logprobs: bool = Tr
             raise ValueError(f"{where}: a generated turn without logprobs cannot be trained on")
         _check_text(tokenizer, turn, where)
 
-        prompt = chat_ids(tokenizer, messages, add_generation_prompt=True)
-        _check_extends(template, prompt, where, tokenizer)
-        add("prompt", prompt[len(template):], i)
+        header, closing, rendered = _generated_turn(tokenizer, template, messages, message,
+                                                    sampled, where, eot, stops)
+        add("prompt", header, i)
         add("generated", sampled, i, turn.logprobs if turn.logprobs is not None else [0.0] * len(sampled))
-
-        rendered = chat_ids(tokenizer, messages + [message], add_generation_prompt=False)
-        _check_extends(template, rendered, where, tokenizer)
-        # The template's own tokens for this turn. Not compared with prompt + sampled: text
-        # starting with whitespace can merge with the header's newline when re-tokenized.
-        own = rendered[len(template):]
-        if eot not in own:
-            raise ValueError(
-                f"{where}: the chat template closes an assistant turn without the end-of-turn "
-                f"token {tokenizer.convert_ids_to_tokens(eot)!r}; cannot tell where it ends"
-            )
-        closing = own[len(own) - 1 - own[::-1].index(eot):]  # from the last end-of-turn token on
-        if sampled[-1] in stops:  # the policy sampled its end of turn: trained above
-            closing = closing[1:]
         add("end", closing, i)
         template = rendered
         messages.append(message)
@@ -260,6 +249,78 @@ def render_session(tokenizer: Any, session: Session, require_logprobs: bool = Tr
         episode_id=session.episode_id,
     )
 
+
+def _generated_turn(tokenizer: Any, template: list[int], messages: list[dict[str, Any]],
+                    message: dict[str, Any], sampled: list[int], where: str, eot: int,
+                    stops: frozenset[int]) -> tuple[list[int], list[int], list[int]]:
+    """A generated assistant turn after ``messages`` (whose template rendering is
+    ``template``): ``(header, closing, rendering)``. header: the template's tokens from
+    ``template`` up to the generation header included (the messages in between and
+    ``<|im_start|>assistant\\n``); closing: its tokens from the turn's last end-of-turn token
+    on, without the end-of-turn token when the policy sampled it (it ends ``sampled``);
+    rendering: the template's own rendering of ``messages + [message]`` (module docstring)."""
+    prompt = chat_ids(tokenizer, messages, add_generation_prompt=True)
+    _check_extends(template, prompt, where, tokenizer)
+    rendered = chat_ids(tokenizer, messages + [message], add_generation_prompt=False)
+    _check_extends(template, rendered, where, tokenizer)
+    # The template's own tokens for this turn. Not compared with prompt + sampled: text
+    # starting with whitespace can merge with the header's newline when re-tokenized.
+    own = rendered[len(template):]
+    if eot not in own:
+        raise ValueError(
+            f"{where}: the chat template closes an assistant turn without the end-of-turn "
+            f"token {tokenizer.convert_ids_to_tokens(eot)!r}; cannot tell where it ends"
+        )
+    closing = own[len(own) - 1 - own[::-1].index(eot):]  # from the last end-of-turn token on
+    if sampled and sampled[-1] in stops:  # the policy sampled its end of turn: trained above
+        closing = closing[1:]
+    return prompt[len(template):], closing, rendered
+
+
+def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                     memo: dict[str, tuple[list[int], list[int]]] | None = None) -> list[int]:
+    """The prompt a policy is shown for ``messages``, generation header included: the chat
+    template's rendering, except that an assistant message carrying ``token_ids`` (what the
+    policy sampled for it; environments' observations carry them) is laid out as
+    ``render_session`` lays out a generated turn: header, exactly those ids, closing. Every
+    later turn is then sampled in the very context the trainer scores it in. Re-rendering the
+    text instead re-tokenizes it, and a non-canonical sampled tokenization ("4" + "2" for
+    "42") shifts every later token's context (measured on warm-started Records-v0 rollouts
+    at T=1: 7 of 177 generated turns saw another context than the trainer's, their log-probs
+    up to 6 nats off).
+
+    ``memo`` (a policy's own dict) keeps the layout through each generated turn, keyed by a
+    hash of the messages up to it: a conversation that grows by a turn renders only what is
+    new (at most ``MEMO_ENTRIES`` kept, the oldest dropped)."""
+    plain = [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
+    sampled = [list(m.get("token_ids") or []) if m.get("role") == "assistant" else []
+               for m in messages]
+    if not any(sampled):
+        return chat_ids(tokenizer, plain, add_generation_prompt=True)
+    eot, stops = end_of_turn_id(tokenizer), stop_token_ids(tokenizer)
+    ids: list[int] = []
+    template: list[int] = []  # the template's rendering through the last generated turn
+    digest, keys = hashlib.sha256(), {}
+    for i, message in enumerate(messages):  # the key of every prefix ending in a generated turn
+        digest.update(json.dumps(message, sort_keys=True, default=str).encode())
+        if sampled[i]:
+            keys[i] = digest.copy().hexdigest()
+    done = max((i for i, key in keys.items() if memo is not None and key in memo), default=-1)
+    if done >= 0:
+        ids, template = (list(x) for x in memo[keys[done]])
+    for i in keys:
+        if i > done:
+            header, closing, template = _generated_turn(
+                tokenizer, template, plain[:i], plain[i], sampled[i],
+                f"conversation message {i} (assistant)", eot, stops)
+            ids += header + sampled[i] + closing
+            if memo is not None:
+                memo[keys[i]] = (list(ids), list(template))
+                while len(memo) > MEMO_ENTRIES:
+                    memo.pop(next(iter(memo)))
+    prompt = chat_ids(tokenizer, plain, add_generation_prompt=True)
+    _check_extends(template, prompt, "the conversation's generation prompt", tokenizer)
+    return ids + prompt[len(template):]
 
 def render_episode(tokenizer: Any, episode: Episode, require_logprobs: bool = True) -> list[Rendered]:
     """One ``Rendered`` per session, in ``episode.sessions`` order."""

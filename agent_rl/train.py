@@ -57,7 +57,13 @@ from agent_rl.distributed import (
     make_backend,
     write_bundle,
 )
-from agent_rl.grpo import behaviour_correction, picked_entropy, picked_logprobs, policy_loss
+from agent_rl.grpo import (
+    KL_ESTIMATORS,
+    behaviour_correction,
+    picked_entropy,
+    picked_logprobs,
+    policy_loss,
+)
 from agent_rl.guards import Guards, GuardTrip, holdout_train_reward
 from agent_rl.models import autocast, load_model, model_fingerprint, resolve_device, rollout_copy
 from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
@@ -548,9 +554,10 @@ def sum_over_ranks(parts: list[tuple[float, dict[str, float]]]) -> tuple[float, 
 def update_kl(model, bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,
               temperature: float, old: torch.Tensor | None, dtype: str = "float32") -> float:
     """How far the update moved the policy on (a micro-batch of) its own batch: the k3
-    estimate of KL(pi_new || pi_old) averaged over trained tokens, k3 = exp(d) - 1 - d,
-    d = old - new, where ``old`` are the trainer's own log-probs of these tokens before the
-    first update on the batch (``prox``), not the rollout's: a rollout/trainer mismatch
+    estimate of KL(pi_old || pi_new) averaged over trained tokens, k3 = exp(d) - 1 - d,
+    d = new - old (the tokens are the old policy's samples: ``grpo`` module docstring), where
+    ``old`` are the trainer's own log-probs of these tokens before the first update on the
+    batch (``prox``), not the rollout's: a rollout/trainer mismatch
     (``rollout/logprob_diff_*``) is no movement of the policy. One forward pass over the first
     micro-batch keeps it cheap. (``kl/approx`` is measured before the step, so it is ~0
     whenever the batch is fresh.) ``old`` None (a rank that did not train this micro-batch):
@@ -562,8 +569,7 @@ def update_kl(model, bins: list[list[SharedRow]], rendered: list[Rendered], pad_
     if old is None:
         return math.nan
     new = picked_logprobs(logits, batch["target"], temperature)  # [N]
-    d = old - new  # [N]
-    return float((torch.exp(d) - 1 - d).mean())
+    return float(KL_ESTIMATORS["k3"](new - old).mean())
 
 
 def device_batch(bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,

@@ -3,8 +3,9 @@ with the trained weights pushed into the running engine after every update.
 
 The contract is ``HFPolicy``'s, token for token:
 
-    prompt_b   = agent_rl.render.chat_ids(tokenizer, messages_b, add_generation_prompt=True),
-                 handed to vLLM as token ids (vLLM never tokenizes or applies a template)
+    prompt_b   = agent_rl.render.conversation_ids(tokenizer, messages_b) (the chat template,
+                 earlier sampled turns as their token ids), handed to vLLM as token ids (vLLM
+                 never tokenizes or applies a template)
     step s:    x_s ~ softmax(logits_s / T), top-p truncated;  argmax when T == 0
                logp_s = log_softmax(logits_s / T')[x_s]      T' = scoring_temperature(T)
     stop:      after sampling a token of ``render.stop_token_ids(tokenizer)`` (kept in the token
@@ -257,6 +258,7 @@ class VLLMPolicy:
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer)
         self.revision = 0  # optimizer steps applied to the engine's weights; load_weights sets it
+        self.prompt_memo: dict = {}  # render.conversation_ids' layouts of generated turns
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, folder: str | Path, **kwargs: Any) -> VLLMPolicy:
@@ -276,7 +278,8 @@ class VLLMPolicy:
                 "renormalised over the top-p nucleus, not under the full softmax(logits / T) the "
                 "trainer recomputes. Use top_p: 1.0, or rollout.backend: hf")
         prompts, rows, completions, base = chat_prompts(self.tokenizer, batch, sampling,
-                                                        self.revision, self.max_model_len)
+                                                        self.revision, self.max_model_len,
+                                                        memo=self.prompt_memo)
         requests, params = [], []
         for b in rows:
             budget = min(sampling.max_new_tokens, self.max_model_len - len(prompts[b]))

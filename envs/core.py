@@ -133,7 +133,8 @@ _WORDS = ("search", "record", "answer", "summary", "tool", "value", "the", "of",
 
 
 class ChatSpace(gymnasium.Space):
-    """Observations: a list of chat messages ``{"role": ..., "content": str, ...}``."""
+    """Observations: a list of chat messages ``{"role": ..., "content": str, ...}``; an
+    assistant message the policy sampled also carries its ``"token_ids"``."""
 
     def __init__(self, max_messages: int = 10_000, seed: int | None = None):
         super().__init__(shape=None, dtype=None, seed=seed)

@@ -189,8 +189,11 @@ class SessionRecorder:
         return list(self._drafts[self.active].turns)
 
     def messages(self) -> list[dict[str, Any]]:
-        """The active session's chat messages (copies: callers may change them)."""
-        return copy.deepcopy([t.message() for t in self._drafts[self.active].turns])
+        """The active session's chat messages (copies: callers may change them). An assistant
+        message the policy sampled also carries its ``token_ids``, so that a chat-template
+        policy shows it those very tokens again (``agent_rl.render.conversation_ids``)."""
+        return copy.deepcopy([t.message() | ({"token_ids": t.token_ids} if t.generated else {})
+                              for t in self._drafts[self.active].turns])
 
     # --- changes ---------------------------------------------------------------------------
     def add(self, turn: Turn, policy_revision: int | None = None) -> None:

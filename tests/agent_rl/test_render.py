@@ -332,3 +332,99 @@ def test_shared_prefix_rows_give_the_unpacked_log_probs_and_gradients(attn):
     torch.stack([g.sum() for g in alone]).sum().backward()
     torch.testing.assert_close(grad_packed, weight.grad, atol=1e-5, rtol=1e-4)
 
+
+
+def _with_ids(turns):
+    """The messages an environment shows the policy: sampled turns carry their token ids."""
+    return [t.message() | ({"token_ids": t.token_ids} if t.generated else {}) for t in turns]
+
+
+def _non_canonical(tok, text):
+    """``text`` sampled one character at a time, then the end of turn: a tokenization the
+    template would not produce from the text (asserted)."""
+    ids = [i for c in text for i in tok.encode(c, add_special_tokens=False)]
+    assert ids != tok.encode(text, add_special_tokens=False)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    return Turn(role="assistant", content=text, token_ids=ids + [eot],
+                logprobs=[-1.0] * (len(ids) + 1), finish_reason="stop")
+
+
+def test_conversation_ids_show_the_policy_the_context_the_trainer_scores(tok):
+    """The prompt of every generated turn (what the rollout policy is shown) is, token for
+    token, the trainer's rendering up to that turn's first sampled token, with a
+    non-canonically sampled earlier turn and one that starts with whitespace; re-rendering
+    the text (the chat template alone) would show another context."""
+    from agent_rl.render import chat_ids, conversation_ids
+
+    s = Session(session_id="s", episode_id="e", turns=[
+        Turn(role="system", content="You can call tools."),
+        Turn(role="user", content="What is the record value?"),
+        _non_canonical(tok, "the record value"),
+        Turn(role="tool", name="get", content="42"),
+        _sampled(tok, "  The answer is 42."),
+        Turn(role="user", content="sure?"),
+        _sampled(tok, "yes")])
+    r = render_session(tok, s)
+    starts = {sp.turn: sp.start for sp in r.spans if sp.kind == "generated"}
+    assert sorted(starts) == [2, 4, 6]
+    for i, start in starts.items():
+        shown = conversation_ids(tok, _with_ids(s.turns[:i]))
+        assert shown == r.input_ids[:start].tolist(), i
+    # without the sampled ids the later turns see the re-tokenized text: another context
+    text_only = chat_ids(tok, s.messages()[:6], add_generation_prompt=True)
+    assert text_only != r.input_ids[:starts[6]].tolist()
+    # a conversation with no sampled turn is the chat template's rendering
+    assert conversation_ids(tok, _with_ids(s.turns[:2])) == chat_ids(tok, s.messages()[:2], True)
+
+
+def test_rollout_log_probs_match_the_trainer_after_a_non_canonical_turn():
+    """HFPolicy sampling the next turn of a conversation whose earlier reply was sampled as a
+    non-canonical tokenization: the trainer's log-probs of the new tokens, scored on
+    render_session's sequence, equal the rollout's (they differ by far more when the policy
+    is shown the re-tokenized text)."""
+    from agent_rl.policy import HFPolicy
+    from envs.runner import Sampling
+
+    model, tok = tiny_model(0)
+    turns = [Turn(role="user", content="What is the record value?"),
+             _non_canonical(tok, "the record value"), Turn(role="user", content="sure?")]
+    policy = HFPolicy(model, tok)
+    sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=0)
+
+    def next_turn(messages):
+        c = policy.generate([messages], sampling)[0]
+        return Turn(role="assistant", content=c.text, token_ids=c.token_ids, logprobs=c.logprobs,
+                    finish_reason=c.finish_reason)
+
+    def gap(reply):
+        r = render_session(tok, Session(session_id="s", episode_id="e", turns=turns + [reply]))
+        with torch.no_grad():
+            lp = sequence_logprobs(model, r.input_ids[None])[0]
+        (last,) = [sp for sp in r.spans if sp.kind == "generated" and sp.turn == 3]
+        return float((lp[last.start:last.end] - r.old_logprobs[last.start:last.end]).abs().max())
+
+    assert gap(next_turn(_with_ids(turns))) < 1e-4
+    assert gap(next_turn([t.message() for t in turns])) > 1e-2  # the text re-tokenized
+
+
+def test_conversation_ids_memo_renders_only_the_new_turns(tok, monkeypatch):
+    """With a memo, a conversation that grew by a generated turn renders that turn (two
+    template calls) and the generation prompt (one), not every earlier turn again, and gives
+    the same ids as without it."""
+    from agent_rl import render
+
+    s = Session(session_id="s", episode_id="e", turns=[
+        Turn(role="user", content="What is the record value?"), _non_canonical(tok, "the record value"),
+        Turn(role="user", content="and?"), _sampled(tok, "42"),
+        Turn(role="user", content="sure?"), _sampled(tok, "yes"), Turn(role="user", content="ok")])
+    calls = []
+    real = render.chat_ids
+    monkeypatch.setattr(render, "chat_ids", lambda *a, **k: calls.append(1) or real(*a, **k))
+    memo = {}
+    render.conversation_ids(tok, _with_ids(s.turns[:5]), memo)
+    assert len(calls) == 2 * 2 + 1 and len(memo) == 2
+    calls.clear()
+    grown = render.conversation_ids(tok, _with_ids(s.turns), memo)
+    assert len(calls) == 2 + 1 and len(memo) == 3
+    calls.clear()
+    assert grown == render.conversation_ids(tok, _with_ids(s.turns)) and len(calls) == 3 * 2 + 1

@@ -8,6 +8,7 @@ real SIGKILL) must reproduce it bit for bit; guards stop runs on injected faults
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -750,3 +751,29 @@ def test_kl_update_measures_the_update_not_the_rollout_mismatch(tmp_path):
     m = train.policy_update(backend, None, off, contract, pad_id=0, prox={})
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.5, abs=1e-4)
     assert m["kl/update"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_update_kl_is_k3_of_old_policy_samples(tmp_path):
+    """kl/update estimates KL(old || new) on the old policy's samples: k3(new - old) =
+    r - 1 - ln r. With the "old" log-probs 5 nats above the model's own on every token
+    (a token whose probability fell by e^5), r = e^-5: 0.006738 - 1 + 5 = 4.006738 (the
+    estimator for the new policy's samples, exp(old - new) - 1 - (old - new), would read
+    e^5 - 6 = 142.41)."""
+    from agent_rl.policy import HFPolicy
+    from agent_rl.rollout import rollout_batch
+    from envs.runner import Sampling
+
+    model, tokenizer = tiny_model(0)
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+                          envs.make(toy_env.ENV_ID).unwrapped.task_pool(2, seed=0),
+                          group_size=2, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
+                          dynamic_sampling=False, truncation="keep")
+    rendered = [q.rendered for q in batch.sequences]
+    bins = train.micro_batches(train.pack(train.share_prefixes(rendered)), 512)[0]
+    kl = functools.partial(train.update_kl, model, bins, rendered, 0, 1.0)
+    tensors = train.device_batch(bins, rendered, 0, torch.device("cpu"))
+    with torch.no_grad():
+        own = train.picked_logprobs(train.trained_token_logits(model, tensors), tensors["target"], 1.0)
+    assert kl(own) == pytest.approx(0.0, abs=1e-6)
+    assert kl(own + 5.0) == pytest.approx(math.exp(-5) - 1 + 5, rel=1e-4)
+    assert kl(own - 5.0) == pytest.approx(math.exp(5) - 1 - 5, rel=1e-4)  # probability rose
