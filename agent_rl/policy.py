@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from agent_rl import decode
+from agent_rl.decode import StaticDecoder
 from agent_rl.grpo import scaled_log_softmax, token_logprobs
 from agent_rl.models import autocast, named_weights_for_push
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
@@ -176,6 +178,8 @@ class HFPolicy:
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.revision = 0  # optimizer steps applied to these weights; the trainer bumps it
         self.prompt_memo: dict = {}  # render.conversation_ids' layouts of generated turns
+        # decode steps on a preallocated KV cache (agent_rl.decode) where the model allows
+        self.static_cache = decode.supports(model)
 
     def count_tokens(self, messages: Sequence[dict[str, Any]]) -> int:
         """Prompt tokens of a conversation as this policy sees it (chat template, generation
@@ -226,7 +230,9 @@ class HFPolicy:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
         logits = out.logits[:, -1].index_select(0, which)  # [B, V]
-        cache.reorder_cache(which)  # [U, ...] -> [B, ...] in place
+        static = StaticDecoder(self.model, cache, which, sampling.max_new_tokens) if self.static_cache else None
+        if static is None:
+            cache.reorder_cache(which)  # [U, ...] -> [B, ...] in place
         attention_mask = attention_mask.index_select(0, which)  # [B, L]
         next_pos = position_ids.index_select(0, which)[:, -1:]  # [B, 1]
         if uniforms is not None:
@@ -242,16 +248,21 @@ class HFPolicy:
             if len(going) == 0 or step == sampling.max_new_tokens - 1:
                 break
             if len(going) < len(rows):  # drop finished rows from the cache and the inputs
-                cache.batch_select_indices(going)
+                if static is None:
+                    cache.batch_select_indices(going)
+                else:
+                    static.select(going)
                 token, attention_mask, next_pos = token[going], attention_mask[going], next_pos[going]
                 rows = rows[going]
             next_pos = next_pos + 1  # [A, 1]
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], -1)
-            out = self.model(
-                input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_pos,
-                use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
-            )  # the cache is updated in place
-            logits = out.logits[:, -1]  # [A, V]
+            if static is not None:
+                logits = static.step(token, next_pos, attention_mask)  # [A, V]
+            else:
+                logits = self.model(
+                    input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_pos,
+                    use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
+                ).logits[:, -1]  # [A, V]; the cache is updated in place
 
         return [
             Completion(

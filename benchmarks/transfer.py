@@ -45,7 +45,7 @@ SCALES: dict[str, dict[str, Any]] = {
              "sft_lr": 1e-3, "steps": 1, "tasks": 2, "group": 2, "lr": 1e-4,
              "max_prompt": 2048, "max_response": 48, "adapter": "none"},
     "cpu": {"model": "smollm2-135m", "pool": 256, "n_eval": 16, "sft_episodes": 64,
-            "sft_epochs": 3, "sft_lr": 1e-3, "steps": 4, "tasks": 2, "group": 4, "lr": 2e-4,
+            "sft_epochs": 3, "sft_lr": 1e-3, "steps": 8, "tasks": 2, "group": 4, "lr": 2e-4,
             "max_prompt": 1024, "max_response": 64, "adapter": "lora"},
     "full": {"model": "smollm2-135m", "pool": 512, "n_eval": 48, "sft_episodes": 256,
              "sft_epochs": 3, "sft_lr": 1e-3, "steps": 40, "tasks": 8, "group": 8, "lr": 2e-4,

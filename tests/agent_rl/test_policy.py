@@ -315,3 +315,61 @@ def test_a_merged_rollout_copy_takes_the_adapters_weights():
         policy.load_weights(pushed, revision=1)
         torch.testing.assert_close(copy_(ids).logits, lora(ids).logits, atol=1e-5, rtol=0)
     assert policy.revision == 1
+
+
+def tiny_qwen2(seed=0):
+    """A random 2-layer Qwen2 (q/k/v biases, 4 query heads over 2 KV heads), tiny tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agent_rl.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        for module in model.modules():  # random biases: a zero bias would test nothing
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.normal_(module.bias, std=0.5)
+    return model.eval(), tok
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_cache_decoding_equals_the_models_own_forward(kind, temperature):
+    """agent_rl.decode's preallocated-cache loop against the model's forward with
+    transformers' cache, on the same batch: prompts of three lengths (left padding), groups of
+    four sharing a prompt, rows ending at different steps (llama: a biased end-of-turn token)
+    and leaving the batch: the same tokens, log-probs within 1e-5."""
+    model, tok = stop_biased(bias=3.0) if kind == "llama" else tiny_qwen2()
+    policy = HFPolicy(model, tok)
+    assert policy.static_cache
+    sampling = Sampling(temperature=temperature, max_new_tokens=12, seed=0)
+    fast = policy.generate(CONVS * 4, sampling)
+    policy.static_cache = False
+    slow = policy.generate(CONVS * 4, sampling)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in slow]
+    assert max(abs(a - b) for f, s in zip(fast, slow, strict=True)
+               for a, b in zip(f.logprobs, s.logprobs, strict=True)) < 1e-5
+    if kind == "llama" and temperature > 0:
+        lengths = {len(c.token_ids) for c in fast}
+        assert len(lengths) > 2 and {c.finish_reason for c in fast} == {"stop", "length"}
+
+
+def test_static_cache_only_for_models_it_knows():
+    """A peft wrapper (LoRA unmerged) and another architecture decode through their own
+    forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from agent_rl import decode
+
+    model, _ = tiny_model(0)
+    assert decode.supports(model)
+    lora = get_peft_model(tiny_model(0)[0], LoraConfig(r=2, target_modules="all-linear"))
+    assert not decode.supports(lora)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
+    assert not decode.supports(gpt2)
