@@ -15,7 +15,6 @@ back to the checkpoint (``rewind_logs``: later lines move to ``<file>.rewound``)
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -38,26 +37,6 @@ from evals.stats import paired_bootstrap
 LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl", "curriculum.jsonl")
 RUN_FILES = (*LOG_FILES, "checkpoints")
 BASE_MODEL_FILE = "base_model.json"
-
-
-MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's own initial value, kept fixed
-
-
-def release_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Make glibc map every allocation of at least ``threshold`` bytes on its own and give it
-    back to the system when freed (``mallopt`` M_MMAP_THRESHOLD and M_TRIM_THRESHOLD), for
-    the rest of the process. By default glibc raises that threshold as large blocks are freed
-    (up to 32 MB), after which a training step's activations come from the heap, and freed
-    ones stay resident as fragments later allocations of other sizes do not fit: on two steps
-    of ``make demo``'s job the peak resident memory fell from 3613 to 2394 MB with it.
-    ``train.run`` and ``sft.run`` call it. Returns whether it took effect (False where the C
-    library is not glibc)."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, threshold))
 
 
 def peak_rss_mb() -> float:

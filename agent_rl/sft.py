@@ -56,7 +56,6 @@ from agent_rl.runlog import (
     peak_rss_mb,
     pin_run_dir,
     progress_bar,
-    release_freed_memory,
     summarize_eval,
     write_file,
 )
@@ -111,7 +110,6 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
     seed_everything(contract.optim.seed)
 
     # --- 2. model (fp32 on the device, from model.init when set), optional LoRA, optimizer
-    release_freed_memory()  # as train.run
     model, tokenizer = initial_model(contract.model)
     if contract.model.adapter == "lora":
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)

@@ -94,7 +94,6 @@ from agent_rl.runlog import (
     logged_eval,
     pin_run_dir,
     progress_bar,
-    release_freed_memory,
     rewind_logs,
     step_metrics,
     summarize_eval,
@@ -144,7 +143,6 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
 
     # --- 2. model (fp32 master weights on the device; started from model.init's bundle when
     # set), optional fixed reference, optimizer ------------------------------------------------
-    release_freed_memory()  # freed activations go back to the system, not into heap fragments
     model, tokenizer = initial_model(contract.model)
     if contract.model.adapter == "lora":
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)

@@ -179,34 +179,3 @@ def test_log_lines_are_fsynced(tmp_path, monkeypatch):
     runlog.log_json(tmp_path / "metrics.jsonl", {"step": 1})
     assert len(synced) == 1
 
-
-_FRAGMENTS = """
-import sys, torch
-from agent_rl.runlog import release_freed_memory
-def rss_mb():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-if sys.argv[1] == "on":
-    assert release_freed_memory()
-big = torch.ones(64 * 2**20 // 4); del big  # a freed 64 MB block raises glibc's mmap threshold
-base = rss_mb()
-parts = [torch.ones(2**20 // 4) for _ in range(256)]  # 256 tensors of 1 MB
-del parts[:-1]  # all but the last are freed: the heap below it cannot be trimmed
-print(round(rss_mb() - base))
-"""
-
-
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
-def test_release_freed_memory_gives_freed_tensors_back(tmp_path):
-    """With glibc's defaults, 255 freed 1 MB tensors stay resident behind the one still alive
-    (after a freed 64 MB block raised the mmap threshold); after ``release_freed_memory`` each
-    was mapped on its own and went back to the system when freed. Own processes: the setting
-    is process-wide."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "fragments.py"
-    script.write_text(_FRAGMENTS)
-    held = {mode: int(subprocess.run([sys.executable, str(script), mode], capture_output=True,
-                                     text=True, check=True).stdout)
-            for mode in ("off", "on")}
-    assert held["off"] >= 200 and held["on"] <= 8, held
