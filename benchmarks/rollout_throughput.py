@@ -75,6 +75,7 @@ class GeneratePolicy:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.stops = sorted(stop_token_ids(tokenizer))
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+        self.prompt_memo: dict = {}  # for count_tokens (render.conversation_ids)
 
     count_tokens = HFPolicy.count_tokens  # context budgets counted as HFPolicy counts them
 
