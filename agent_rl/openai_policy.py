@@ -36,8 +36,13 @@ passes, so a server that sends one byte a second cannot stall evaluation; the er
 and the deadline. Redirects (3xx) are refused, never followed, so the ``Authorization`` header
 never reaches another origin and a POST never turns into a GET; the error names the status and
 the Location's origin. Replies over ``MAX_REPLY_BYTES`` are refused. The API key is redacted
-(``***``) from every error message and from ``repr``; proxy environment variables are not used
-(the request goes straight to the URL's host).
+(``***``) from every error message and from ``repr``.
+
+Proxies: as ``urllib`` reads them from the environment (``http_proxy`` / ``https_proxy`` /
+``all_proxy``, skipped for the hosts ``no_proxy`` names), fixed when the policy is made. An
+``http://`` endpoint is asked through the proxy with the absolute URL, an ``https://`` one
+through a ``CONNECT`` tunnel (TLS end to end); a ``user:password@`` in the proxy URL becomes
+a ``Proxy-Authorization: Basic`` header, kept out of every message. Only ``http://`` proxies.
 
 Messages: the environments call tools in the text (``<tool_call>...</tool_call>``), so there are
 no OpenAI tool-call ids; a ``tool`` turn is sent as a ``user`` message holding
@@ -47,6 +52,7 @@ tool instructions follow) and assistant turns are sent as their text.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import json
@@ -56,6 +62,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -114,6 +121,26 @@ def chat_url(base_url: str) -> str:
     if url.endswith("/chat/completions"):
         return url
     return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
+
+
+def proxy_for(url: str) -> urllib.parse.SplitResult | None:
+    """The proxy the environment names for ``url`` (module docstring), or None."""
+    parts = urllib.parse.urlsplit(url)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    if "://" not in proxy:
+        proxy = "http://" + proxy
+    try:
+        out = urllib.parse.urlsplit(proxy)
+        out.port  # noqa: B018  (raises ValueError on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"bad proxy URL {redact(proxy)!r} in the environment: {exc}") from None
+    if out.scheme != "http" or not out.hostname:
+        raise ValueError(f"proxy {redact(proxy)!r} from the environment: only http://HOST[:PORT] "
+                         "proxies are supported (unset it, or name the endpoint in no_proxy)")
+    return out
 
 
 def to_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
@@ -188,6 +215,7 @@ class OpenAIPolicy:
         self.logprobs = logprobs
         self.extra_body = dict(extra_body or {})
         self.backoff_s = backoff_s
+        self.proxy = proxy_for(self.url)
 
     def __repr__(self) -> str:
         key = "***" if self._api_key else None
@@ -230,11 +258,15 @@ class OpenAIPolicy:
             raise self._error(f"malformed chat-completions reply ({exc}): "
                               f"{self._quote(raw)}") from None
 
+    def _redact(self, text: str) -> str:  # the key, and a proxy's password
+        password = self.proxy.password if self.proxy is not None else None
+        return redact(redact(text, self._api_key), password and urllib.parse.unquote(password))
+
     def _error(self, problem: str, kind=OpenAIPolicyError) -> OpenAIPolicyError:
-        return kind(redact(f"{self.url}: {problem}", self._api_key))
+        return kind(self._redact(f"{self.url}: {problem}"))
 
     def _quote(self, text: str) -> str:  # redacted before it is cut, so no part of a key shows
-        return repr(redact(text, self._api_key)[:300])
+        return repr(self._redact(text)[:300])
 
     def _post(self, payload: dict[str, Any]) -> str:
         """POST with bounded retries, all within ``timeout`` seconds; the 200 reply's text."""
@@ -255,7 +287,8 @@ class OpenAIPolicy:
                 status, location, text = self._attempt(data, headers, deadline)
             except (OSError, http.client.HTTPException, ValueError) as exc:  # refused, reset, cut
                 if time.monotonic() < deadline:
-                    problem = f"connection failed: {exc!r}"
+                    via = f" via the proxy {origin(self.proxy.geturl())}" if self.proxy else ""
+                    problem = f"connection failed{via}: {exc!r}"
                 continue
             if status == 200:
                 return text
@@ -277,16 +310,28 @@ class OpenAIPolicy:
 
     def _attempt(self, data: bytes, headers: dict, deadline: float) -> tuple[int, str, str]:
         """One POST, cut off at ``deadline``: (status, Location header, reply text)."""
-        parts = urllib.parse.urlsplit(self.url)
+        parts, proxy = urllib.parse.urlsplit(self.url), self.proxy
         kind = {"https": http.client.HTTPSConnection}.get(parts.scheme, http.client.HTTPConnection)
-        conn = kind(parts.hostname, parts.port, timeout=max(deadline - time.monotonic(), 1e-3))
+        left = max(deadline - time.monotonic(), 1e-3)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        if proxy is None:
+            conn = kind(parts.hostname, parts.port, timeout=left)
+        else:
+            auth = {}
+            if proxy.username is not None:
+                pair = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
+                auth = {"Proxy-Authorization": "Basic " + base64.b64encode(pair.encode()).decode()}
+            conn = kind(proxy.hostname, proxy.port or 80, timeout=left)
+            if parts.scheme == "https":
+                conn.set_tunnel(parts.hostname, parts.port, headers=auth)
+            else:
+                path, headers = self.url, {**headers, **auth}  # the absolute URL, to the proxy
         try:
             conn.connect()  # bounded by the socket timeout, which is the time left
             timer = threading.Timer(deadline - time.monotonic(), _cut, (conn.sock,))
             timer.daemon = True
             timer.start()
             try:
-                path = parts.path + (f"?{parts.query}" if parts.query else "")
                 conn.request("POST", path, body=data, headers=headers)
                 response = conn.getresponse()
                 body = response.read(MAX_REPLY_BYTES + 1)

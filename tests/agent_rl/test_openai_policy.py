@@ -4,13 +4,16 @@ servers (redirects, one byte a second, echoed credentials) cannot leak the key o
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import http.client
 import json
 import math
 import re
 import socket
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -113,8 +116,8 @@ class StubHandler(BaseHTTPRequestHandler):
             self.send(404, b'{"error": "not found"}')
 
 
-def serve(request) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
+def serve(request, handler=StubHandler) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     server.lock = threading.Lock()
     server.log = []
@@ -343,3 +346,84 @@ def test_cli_timeout_reaches_the_policy_and_bounds_eval(stub, tmp_path, monkeypa
     err = capsys.readouterr().err
     assert code == 2 and "within the 1 s deadline" in err  # an error line, not a traceback
     assert time.monotonic() - start < 20 and SECRET not in err and "Traceback" not in err
+
+
+class ProxyHandler(BaseHTTPRequestHandler):
+    """A forwarding HTTP proxy on 127.0.0.1: a POST to an absolute ``http://`` URL goes on to
+    that URL without the Proxy-Authorization header; a CONNECT is refused (403). Both are
+    logged as (method, target, Proxy-Authorization)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        with self.server.lock:
+            self.server.log.append(("POST", self.path, self.headers.get("Proxy-Authorization")))
+        target = urllib.parse.urlsplit(self.path)
+        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=10)
+        conn.request("POST", target.path, body=body, headers={
+            k: v for k, v in self.headers.items() if k.lower() != "proxy-authorization"})
+        reply = conn.getresponse()
+        data = reply.read()
+        self.send_response(reply.status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_CONNECT(self):
+        with self.server.lock:
+            self.server.log.append(("CONNECT", self.path, self.headers.get("Proxy-Authorization")))
+        self.send_response(403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.fixture
+def proxy(request, monkeypatch):
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    return serve(request, ProxyHandler)
+
+
+ASK = [[{"role": "user", "content": "What is 2 + 3?"}]]
+
+
+def test_requests_go_through_the_environments_proxy(stub, proxy, monkeypatch):
+    """http_proxy with credentials: the request reaches the endpoint through the proxy, with
+    the absolute URL and a Basic Proxy-Authorization of the (unquoted) user and password;
+    no_proxy naming the host sends it straight there."""
+    port = proxy.server_address[1]
+    monkeypatch.setenv("http_proxy", f"http://user:p%40ss@127.0.0.1:{port}")
+    (c,) = OpenAIPolicy(stub.base, "m").generate(ASK, Sampling(max_new_tokens=8, seed=0))
+    assert c.text == "4"
+    basic = "Basic " + base64.b64encode(b"user:p@ss").decode()
+    assert proxy.log == [("POST", stub.base + "/v1/chat/completions", basic)]
+    assert len(stub.log) == 1 and "Proxy-Authorization" not in stub.log[0][2]
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    (c,) = OpenAIPolicy(stub.base, "m").generate(ASK, Sampling(max_new_tokens=8, seed=0))
+    assert c.text == "4" and len(proxy.log) == 1 and len(stub.log) == 2
+
+
+def test_https_goes_through_a_connect_tunnel_and_a_refusal_names_the_proxy(proxy, monkeypatch):
+    """https_proxy: the policy asks the proxy for a CONNECT tunnel to the endpoint's host and
+    port (with its credentials); the proxy's refusal is an error naming the URL and the proxy,
+    never its password."""
+    port = proxy.server_address[1]
+    monkeypatch.setenv("https_proxy", f"http://user:hunter2@127.0.0.1:{port}")
+    policy = OpenAIPolicy("https://127.0.0.1:9/v1", "m", max_retries=0, timeout=10)
+    with pytest.raises(OpenAIPolicyError) as err:
+        policy.generate(ASK, Sampling(max_new_tokens=8, seed=0))
+    message = str(err.value)
+    assert f"via the proxy http://127.0.0.1:{port}" in message and "403" in message
+    assert "hunter2" not in message and "hunter2" not in repr(policy)
+    basic = "Basic " + base64.b64encode(b"user:hunter2").decode()
+    assert proxy.log == [("CONNECT", "127.0.0.1:9", basic)]
+
+
+def test_a_proxy_of_another_scheme_is_refused_at_once(monkeypatch):
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("https_proxy", "socks5://127.0.0.1:1080")
+    with pytest.raises(ValueError, match="only http://HOST"):
+        OpenAIPolicy("https://127.0.0.1:9/v1", "m")
