@@ -2,18 +2,18 @@
 models, without transformers' per-step cache growth.
 
 transformers' ``DynamicCache`` concatenates every layer's keys and values with the new token
-on every decode step (a copy of the whole cache, per layer, per token), and its attention
-repeats the keys and values of each KV head for its query heads. ``StaticDecoder`` takes the
-prefill's cache once into buffers sized for the whole completion, ``[B, kv_heads, prompt +
-max_new_tokens, head_dim]`` per layer, writes each new key and value in place, and runs the
-decoder layers directly:
+on every decode step (a copy of the whole cache, per layer, per token), holds the prompt's
+once per row, and its attention repeats the keys and values of each KV head for its query
+heads. ``StaticDecoder`` keeps the prefill's prompt keys and values once per unique prompt,
+writes each generated key and value in place into buffers sized for the whole completion,
+and runs the decoder layers directly:
 
     x = embed(token)
     per layer:  h = input_norm(x);  q, k, v = q_proj(h), k_proj(h), v_proj(h)
                 rotate q and k (the model's own rotary embedding at each row's position)
-                cache[:, :, t] = k, v
-                each KV head's group of queries: softmax(q K^T * scaling, padding masked) V,
-                reading the cache slice in place
+                generated[:, :, s] = k, v
+                each KV head's group of queries: softmax(q K^T * scaling, padding masked) V
+                over [the row's prompt, its generated positions so far], read in place
                 x = x + o_proj(attention);  x = x + mlp(post_norm(x))
     logits = lm_head(norm(x))
 
@@ -34,6 +34,10 @@ from typing import Any
 import torch
 
 SUPPORTED_TYPES = ("llama", "qwen2")
+# A prompt's keys and values are held once for the rows sharing it when that spares more than
+# this many bytes of reads per layer and step per prompt: each prompt costs a few small
+# matrix products more per layer, about as long as reading 1 MB here (2 cores)
+SHARED_MIN_BYTES = 1 << 20
 
 
 def supports(model: Any) -> bool:
@@ -48,38 +52,87 @@ def supports(model: Any) -> bool:
 
 class StaticDecoder:
     """The decode steps after one prefill. ``cache``: the prefill's ``DynamicCache`` over the
-    U unique prompts (left-padded to length L); ``which`` [B]: each row's prompt; the buffers
-    hold L + ``max_new_tokens`` positions."""
+    U unique prompts (left-padded to length L); ``which`` [B]: each row's prompt.
+
+    The prompt's keys and values stay as the prefill left them, once per unique prompt, when
+    rows share prompts (a GRPO group's samples) and that spares reading more than
+    ``SHARED_MIN_BYTES`` per prompt, layer and step: every group's queries attend to their
+    prompt as one matrix product, so a step reads each prompt once instead of once per row
+    (for 8 samples of a 400-token prompt that is most of a step's memory traffic besides the
+    weights). Otherwise (short prompts, one row per prompt) they are laid out per row. The generated positions have a
+    buffer of their own, ``[B, kv_heads, max_new_tokens, head_dim]`` per layer, written in
+    place."""
 
     def __init__(self, model: Any, cache: Any, which: torch.Tensor, max_new_tokens: int):
         inner = model.model
         self.layers = list(inner.layers[: model.config.num_hidden_layers])
         self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
         self.head = model.get_output_embeddings()
-        first = cache.layers[0].keys  # [U, kv_heads, L, d]
-        self.length = first.shape[2]  # positions filled
-        size = self.length + max_new_tokens
-        self.keys, self.values = [], []
-        for layer in cache.layers[: len(self.layers)]:
-            for src, out in ((layer.keys, self.keys), (layer.values, self.values)):
-                buf = src.new_empty((len(which), src.shape[1], size, src.shape[3]))  # [B, kvh, S, d]
-                buf[:, :, : self.length] = src.index_select(0, which)
-                out.append(buf)
+        prompt = cache.layers[: len(self.layers)]
+        U, kvh, L, d = prompt[0].keys.shape
+        self.prompt_length, self.generated = L, 0
+        saved = (len(which) - U) * L * kvh * d * prompt[0].keys.element_size() * 2  # per layer
+        self.shared = saved > U * SHARED_MIN_BYTES
+        self.which = which  # [A] each active row's prompt
+        if self.shared:
+            self.prompt_keys = [layer.keys for layer in prompt]  # [U, kvh, L, d]
+            self.prompt_values = [layer.values for layer in prompt]
+        else:
+            self.prompt_keys = [layer.keys.index_select(0, which) for layer in prompt]  # [B, kvh, L, d]
+            self.prompt_values = [layer.values.index_select(0, which) for layer in prompt]
+        self.keys = [k.new_empty((len(which), kvh, max_new_tokens, d)) for k in self.prompt_keys]
+        self.values = [v.new_empty((len(which), kvh, max_new_tokens, d)) for v in self.prompt_values]
+        self._groups()
+
+    def _groups(self) -> None:
+        """Each prompt's active rows, for the shared layout."""
+        self.groups = [(u, (self.which == u).nonzero().flatten()) for u in self.which.unique().tolist()]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the current batch): finished rows leave."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
+        self.which = self.which.index_select(0, rows)
+        if self.shared:
+            self._groups()
+        else:
+            self.prompt_keys = [k.index_select(0, rows) for k in self.prompt_keys]
+            self.prompt_values = [v.index_select(0, rows) for v in self.prompt_values]
+
+    def _prompt_scores(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [A, kvh, g, d] against the prompt's keys: ``[A, kvh, g, L]``."""
+        if not self.shared:
+            return torch.matmul(q, keys.transpose(-1, -2))
+        A, kvh, g, d = q.shape
+        out = q.new_empty((A, kvh, g, keys.shape[2]))
+        for u, rows in self.groups:  # the group's rows as one [kvh, rows * g, d] query block
+            block = q.index_select(0, rows).permute(1, 0, 2, 3).reshape(kvh, -1, d)
+            scores = torch.matmul(block, keys[u].transpose(-1, -2))  # [kvh, rows * g, L]
+            out.index_copy_(0, rows, scores.view(kvh, len(rows), g, -1).permute(1, 0, 2, 3))
+        return out
+
+    def _prompt_mix(self, p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Attention weights p [A, kvh, g, L] over the prompt's values: ``[A, kvh, g, d]``."""
+        if not self.shared:
+            return torch.matmul(p, values)
+        A, kvh, g, L = p.shape
+        out = p.new_empty((A, kvh, g, values.shape[3]))
+        for u, rows in self.groups:
+            block = p.index_select(0, rows).permute(1, 0, 2, 3).reshape(kvh, -1, L)
+            mixed = torch.matmul(block, values[u])  # [kvh, rows * g, d]
+            out.index_copy_(0, rows, mixed.view(kvh, len(rows), g, -1).permute(1, 0, 2, 3))
+        return out
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor, position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[A, V]`` after feeding ``token`` [A] at ``position`` [A, 1]; ``mask``
-        [A, t + 1] (1: attend) covers every filled position and this one."""
-        t = self.length
+        [A, L + s + 1] (1: attend): the prompt's padding, then the s generated positions and
+        this one."""
+        L, s = self.prompt_length, self.generated
         x = self.embed(token.unsqueeze(-1))  # [A, 1, H]
         cos, sin = self.rotary(x, position)  # [A, 1, d]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [A, 1, 1, d]
-        attend = mask.bool()[:, None, None, :]  # [A, 1, 1, t + 1]
+        padding = ~mask[:, :L].bool()[:, None, None, :]  # [A, 1, 1, L]
         A = x.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -89,19 +142,20 @@ class StaticDecoder:
             k = attn.k_proj(h).view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
             v = attn.v_proj(h).view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            self.keys[i][:, :, t] = k[:, :, 0]
-            self.values[i][:, :, t] = v[:, :, 0]
-            # one query per row: each KV head's query group attends as one matrix product,
-            # reading the cache slice in place (no repeat of the keys, no contiguous copy)
-            kvh = k.shape[1]
-            qg = q.view(A, kvh, -1, d)  # [A, kvh, g, d]
-            scores = torch.matmul(qg, self.keys[i][:, :, : t + 1].transpose(-1, -2)) * attn.scaling
-            scores = scores.masked_fill(~attend, float("-inf"))  # [A, kvh, g, t + 1]
-            o = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype),
-                             self.values[i][:, :, : t + 1])  # [A, kvh, g, d]
+            self.keys[i][:, :, s] = k[:, :, 0]
+            self.values[i][:, :, s] = v[:, :, 0]
+            # one query per row; each KV head's query group [A, kvh, g, d] attends to the
+            # prompt (shared or per row) and to the row's generated positions
+            q = q.reshape(A, k.shape[1], -1, d)
+            scores = torch.cat([
+                self._prompt_scores(q, self.prompt_keys[i]).masked_fill(padding, float("-inf")),
+                torch.matmul(q, self.keys[i][:, :, : s + 1].transpose(-1, -2))], -1) * attn.scaling
+            p = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # [A, kvh, g, L + s + 1]
+            o = (self._prompt_mix(p[..., :L], self.prompt_values[i])
+                 + torch.matmul(p[..., L:], self.values[i][:, :, : s + 1]))  # [A, kvh, g, d]
             x = x + attn.o_proj(o.reshape(A, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.length = t + 1
+        self.generated = s + 1
         return self.head(self.norm(x)[:, -1])  # [A, V]
 
 

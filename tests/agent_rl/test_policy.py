@@ -339,18 +339,24 @@ def tiny_qwen2(seed=0):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_static_cache_decoding_equals_the_models_own_forward(kind, temperature):
+@pytest.mark.parametrize("share", [True, False])
+def test_static_cache_decoding_equals_the_models_own_forward(kind, temperature, share, monkeypatch):
     """agent_rl.decode's preallocated-cache loop against the model's forward with
-    transformers' cache, on the same batch: prompts of three lengths (left padding), groups of
-    four sharing a prompt, rows ending at different steps (llama: a biased end-of-turn token)
-    and leaving the batch: the same tokens, log-probs within 1e-5."""
+    transformers' cache, on the same batch: prompts of three lengths (left padding), in groups
+    of four sharing a prompt and one row each, with the prompts' keys and values held once
+    per prompt (share) or per row, rows ending at different steps (llama: a biased end-of-turn token) and leaving the
+    batch: the same tokens, log-probs within 1e-5."""
+    from agent_rl import decode
+
+    monkeypatch.setattr(decode, "SHARED_MIN_BYTES", 0 if share else 1 << 60)
     model, tok = stop_biased(bias=3.0) if kind == "llama" else tiny_qwen2()
     policy = HFPolicy(model, tok)
     assert policy.static_cache
     sampling = Sampling(temperature=temperature, max_new_tokens=12, seed=0)
-    fast = policy.generate(CONVS * 4, sampling)
+    batch = CONVS * 4 + [[{"role": "user", "content": f"say {n}"}] for n in range(3)]
+    fast = policy.generate(batch, sampling) + policy.generate(CONVS, sampling)
     policy.static_cache = False
-    slow = policy.generate(CONVS * 4, sampling)
+    slow = policy.generate(batch, sampling) + policy.generate(CONVS, sampling)
     assert [c.token_ids for c in fast] == [c.token_ids for c in slow]
     assert max(abs(a - b) for f, s in zip(fast, slow, strict=True)
                for a, b in zip(f.logprobs, s.logprobs, strict=True)) < 1e-5
