@@ -13,7 +13,7 @@ Every stage goes through the product (``sft.run``, ``train.run`` with ``env.hold
 evaluation of ``agent-rl eval``), under contracts written to ``--out``. The base model's rewards
 on A and C are the warm start's "before" evaluation (same tasks, same greedy sampling).
 
-    python benchmarks/transfer.py                 # SmolLM2-135M at the CPU scale (~60 min)
+    python benchmarks/transfer.py                 # SmolLM2-135M at the CPU scale (~1.5-2.5 h)
     python benchmarks/transfer.py --scale tiny    # the tiny random Llama: a smoke run
 
 ``--out DIR`` of an earlier invocation reuses its warm start when that run finished (its
