@@ -99,28 +99,18 @@ class StaticDecoder:
             self.prompt_keys = [k.index_select(0, rows) for k in self.prompt_keys]
             self.prompt_values = [v.index_select(0, rows) for v in self.prompt_values]
 
-    def _prompt_scores(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """q [A, kvh, g, d] against the prompt's keys: ``[A, kvh, g, L]``."""
+    def _prompt_matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a`` [A, kvh, g, m] times the prompt's ``b`` (its keys transposed, [., kvh, d, L],
+        or its values, [., kvh, L, d]; one per prompt when shared, else per row):
+        ``[A, kvh, g, n]``."""
         if not self.shared:
-            return torch.matmul(q, keys.transpose(-1, -2))
-        A, kvh, g, d = q.shape
-        out = q.new_empty((A, kvh, g, keys.shape[2]))
-        for u, rows in self.groups:  # the group's rows as one [kvh, rows * g, d] query block
-            block = q.index_select(0, rows).permute(1, 0, 2, 3).reshape(kvh, -1, d)
-            scores = torch.matmul(block, keys[u].transpose(-1, -2))  # [kvh, rows * g, L]
-            out.index_copy_(0, rows, scores.view(kvh, len(rows), g, -1).permute(1, 0, 2, 3))
-        return out
-
-    def _prompt_mix(self, p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Attention weights p [A, kvh, g, L] over the prompt's values: ``[A, kvh, g, d]``."""
-        if not self.shared:
-            return torch.matmul(p, values)
-        A, kvh, g, L = p.shape
-        out = p.new_empty((A, kvh, g, values.shape[3]))
-        for u, rows in self.groups:
-            block = p.index_select(0, rows).permute(1, 0, 2, 3).reshape(kvh, -1, L)
-            mixed = torch.matmul(block, values[u])  # [kvh, rows * g, d]
-            out.index_copy_(0, rows, mixed.view(kvh, len(rows), g, -1).permute(1, 0, 2, 3))
+            return torch.matmul(a, b)
+        A, kvh, g, m = a.shape
+        out = a.new_empty((A, kvh, g, b.shape[-1]))
+        for u, rows in self.groups:  # the group's rows as one [kvh, rows * g, m] block
+            block = a.index_select(0, rows).permute(1, 0, 2, 3).reshape(kvh, -1, m)
+            product = torch.matmul(block, b[u])  # [kvh, rows * g, n]
+            out.index_copy_(0, rows, product.view(kvh, len(rows), g, -1).permute(1, 0, 2, 3))
         return out
 
     @torch.inference_mode()
@@ -148,10 +138,11 @@ class StaticDecoder:
             # prompt (shared or per row) and to the row's generated positions
             q = q.reshape(A, k.shape[1], -1, d)
             scores = torch.cat([
-                self._prompt_scores(q, self.prompt_keys[i]).masked_fill(padding, float("-inf")),
+                self._prompt_matmul(q, self.prompt_keys[i].transpose(-1, -2)).masked_fill(
+                    padding, float("-inf")),
                 torch.matmul(q, self.keys[i][:, :, : s + 1].transpose(-1, -2))], -1) * attn.scaling
             p = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # [A, kvh, g, L + s + 1]
-            o = (self._prompt_mix(p[..., :L], self.prompt_values[i])
+            o = (self._prompt_matmul(p[..., :L], self.prompt_values[i])
                  + torch.matmul(p[..., L:], self.values[i][:, :, : s + 1]))  # [A, kvh, g, d]
             x = x + attn.o_proj(o.reshape(A, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

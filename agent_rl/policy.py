@@ -47,7 +47,6 @@ import torch
 from transformers import DynamicCache
 
 from agent_rl import decode
-from agent_rl.decode import StaticDecoder
 from agent_rl.grpo import scaled_log_softmax, token_logprobs
 from agent_rl.models import autocast, named_weights_for_push
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
@@ -230,7 +229,7 @@ class HFPolicy:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
         logits = out.logits[:, -1].index_select(0, which)  # [B, V]
-        static = StaticDecoder(self.model, cache, which, sampling.max_new_tokens) if self.static_cache else None
+        static = decode.StaticDecoder(self.model, cache, which, sampling.max_new_tokens) if self.static_cache else None
         if static is None:
             cache.reorder_cache(which)  # [U, ...] -> [B, ...] in place
         attention_mask = attention_mask.index_select(0, which)  # [B, L]

@@ -322,6 +322,7 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     _check_extends(template, prompt, "the conversation's generation prompt", tokenizer)
     return ids + prompt[len(template):]
 
+
 def render_episode(tokenizer: Any, episode: Episode, require_logprobs: bool = True) -> list[Rendered]:
     """One ``Rendered`` per session, in ``episode.sessions`` order."""
     return [render_session(tokenizer, s, require_logprobs) for s in episode.sessions]
