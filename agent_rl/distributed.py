@@ -61,6 +61,7 @@ model BEFORE `make_backend` (ZeRO-3 partitions what it wraps), then `backend.loa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
@@ -253,6 +254,16 @@ def init_distributed(device: str | torch.device = "cpu") -> None:
         # collectives go through gloo, so mark the op unavailable instead.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    atexit.register(leave_process_group)
+
+
+def leave_process_group() -> None:
+    """Destroy the process group (registered at exit by ``init_distributed``). Left to the
+    interpreter's teardown, gloo's worker threads can still hold finished work whose tensors
+    reference Python objects; destroying those then aborts the process ("terminate called
+    without an active exception", SIGABRT, after a run that succeeded)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def deepspeed_config(zero_stage: int, offload: str, grad_clip: float,

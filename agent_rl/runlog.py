@@ -367,6 +367,12 @@ class TensorBoardLog:
                 self.writer.add_scalar(key, value, metrics["step"])
         self.writer.flush()
 
+    def close(self) -> None:
+        """Stop the writer's background thread (a run's end)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
 
 def log_json(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line, fsynced: a logged step survives a crash as its checkpoint does."""

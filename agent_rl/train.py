@@ -355,6 +355,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
                 save(step)
     if rollout_policy is not policy:
         rollout_policy.close()
+    tensorboard.close()
 
     # --- 6. evaluate the trained policy on the same held-out tasks, same seeds (once: a
     # finished run resumed again re-reports what it logged) ----------------------------------

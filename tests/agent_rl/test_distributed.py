@@ -338,3 +338,21 @@ def test_deepspeed_config():
         distributed.deepspeed_config(0, "cpu", 1.0, bf16=False)
     with pytest.raises(ValueError, match="zero_stage must be"):
         distributed.deepspeed_config(4, "none", 1.0, bf16=False)
+
+
+def test_the_process_group_is_destroyed_before_the_interpreter_tears_down():
+    """init_distributed leaves the process group at exit (gloo's threads left to the
+    teardown abort a finished run, seen on two ranks): a check registered before it, so run
+    after it, finds no process group any more."""
+    script = ("import atexit, torch.distributed as dist\n"
+              "atexit.register(lambda: print('at exit, initialized:', dist.is_initialized()))\n"
+              "from agent_rl.distributed import init_distributed\n"
+              "init_distributed()\n"
+              "print('running, initialized:', dist.is_initialized())\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "running, initialized: True" in proc.stdout
+    assert "at exit, initialized: False" in proc.stdout
