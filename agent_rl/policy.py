@@ -48,7 +48,7 @@ from transformers import DynamicCache
 
 from agent_rl import decode
 from agent_rl.grpo import scaled_log_softmax, token_logprobs
-from agent_rl.models import autocast, named_weights_for_push
+from agent_rl.models import as_dtype, autocast, named_weights_for_push
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
 from agent_rl.render import conversation_ids, stop_token_ids
 from envs.core import PROMPT_TOO_LONG
@@ -159,7 +159,8 @@ class HFPolicy:
     ``compute_dtype`` bfloat16 runs its forward passes under autocast (weights stay as they are)."""
 
     def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu",
-                 batch_size: int = 32, compute_dtype: str | torch.dtype = "float32"):
+                 batch_size: int = 32, compute_dtype: str | torch.dtype = "float32",
+                 pack_weights: bool = False):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         self.device = torch.device(device)
@@ -179,6 +180,11 @@ class HFPolicy:
         self.prompt_memo: dict = {}  # render.conversation_ids' layouts of generated turns
         # decode steps on a preallocated KV cache (agent_rl.decode) where the model allows
         self.static_cache = decode.supports(model)
+        # pack_weights: the model is a frozen rollout copy (never trained through this policy);
+        # its projections and head take oneDNN's layout where they can, float32 compute only
+        # (autocast does not reach the packed products)
+        self.packed = (decode.pack_linears(self.model)
+                       if pack_weights and as_dtype(compute_dtype) == torch.float32 else {})
 
     def count_tokens(self, messages: Sequence[dict[str, Any]]) -> int:
         """Prompt tokens of a conversation as this policy sees it (chat template, generation
@@ -292,9 +298,15 @@ class HFPolicy:
         model and take their revision. Every name must exist; shapes must match."""
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
+            if name in self.packed:  # a packed projection: reordered from the new weight
+                self.packed[name].load(tensor)
+                continue
             if name not in params:
                 raise KeyError(f"load_weights: the rollout model has no parameter {name!r}")
             params[name].copy_(tensor)
+            for packed in self.packed.values():  # a packed head tied to these embeddings
+                if packed.tied is params[name]:
+                    packed.reload()
         self.revision = revision
 
     # --- training ------------------------------------------------------------------------

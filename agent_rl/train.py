@@ -729,7 +729,8 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
         # the weights a push would send now (merged the same way): only their revision is set
         engine = HFPolicy(rollout_copy(model, rollout.dtype or "float32"), copy.deepcopy(tokenizer),
                           device=policy.device,
-                          compute_dtype="float32" if rollout.dtype else contract.model.dtype)
+                          compute_dtype="float32" if rollout.dtype else contract.model.dtype,
+                          pack_weights=True)
         engine.revision = policy.revision
         return SyncedPolicy(engine)
     synced = SyncedPolicy(engine)

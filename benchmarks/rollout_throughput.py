@@ -1,8 +1,11 @@
 """Rollout throughput: HFPolicy against a plain ``model.generate`` loop, side by side in one run,
 and steady-state decode against this machine's roofline, measured in the same run.
 
-Workloads (both policies, same model, same dtype, same sampling; alternated, best of
-``--repeats`` each after a warm-up):
+Workloads (every policy, same weights, same dtype, same sampling; alternated, best of
+``--repeats`` each after a warm-up). HFPolicy runs on the model itself, as synchronous full
+fine-tuning samples, and on a rollout copy with its projections and head packed into oneDNN's
+layout (``pack_weights``; what ``train.run`` samples with whenever rollouts run on a copy:
+LoRA merged, ``max_policy_lag`` > 0, ``rollout.dtype``):
 
     grpo      4 prompts x 8 samples (a group shares its prompt), T = 1, completions of
               varied length ending at the end-of-turn token (at most --max-new-tokens)
@@ -20,7 +23,7 @@ decodes N tokens), the time per decode step from (t(N2) - t(N1)) / (N2 - N1), ag
 
     roofline step = max(weight bytes / bandwidth, decode FLOPs / matmul peak)
 
-with the bandwidth measured by copying a 512 MiB tensor into an already allocated one
+(each for HFPolicy on the model and on a packed rollout copy), with the bandwidth measured by copying a 512 MiB tensor into an already allocated one
 (read + write bytes / time) and the matmul peak by a 2048^3 matmul in the model's dtype;
 decode FLOPs = 2 * batch * (parameters, the tied output head counted once more).
 
@@ -43,7 +46,7 @@ import torch
 from limits import copy_bandwidth, matmul_peak
 
 import envs
-from agent_rl.models import as_dtype, load_model
+from agent_rl.models import as_dtype, load_model, rollout_copy
 from agent_rl.policy import HFPolicy, chat_prompts
 from agent_rl.render import stop_token_ids
 from envs.runner import Completion, Sampling, run_episodes
@@ -175,15 +178,22 @@ def main() -> None:
     dtype = as_dtype(args.dtype)
     model, tokenizer = load_model(args.model)
     model = model.to(dtype).eval().requires_grad_(False)
-    ours, plain = HFPolicy(model, tokenizer), GeneratePolicy(model, tokenizer)
+    # HFPolicy on the model itself (synchronous full fine-tuning samples the trained model)
+    # and on a packed rollout copy (what train.run samples with when rollouts run on a copy:
+    # LoRA merged, max_policy_lag > 0, rollout.dtype)
+    policies = {"HFPolicy": HFPolicy(model, tokenizer),
+                "HFPolicy packed copy": HFPolicy(rollout_copy(model, dtype), tokenizer, pack_weights=True),
+                "model.generate": GeneratePolicy(model, tokenizer)}
     result: dict[str, Any] = {"model": args.model, "dtype": args.dtype,
-                              "threads": torch.get_num_threads(), "quick": args.quick}
+                              "threads": torch.get_num_threads(), "quick": args.quick,
+                              "packed_layers": len(policies["HFPolicy packed copy"].packed)}
 
     for name, run in workloads(args).items():
-        run(ours), run(plain)  # warm-up
-        best = {"HFPolicy": (0, float("inf")), "model.generate": (0, float("inf"))}
+        for policy in policies.values():  # warm-up
+            run(policy)
+        best = {label: (0, float("inf")) for label in policies}
         for _ in range(args.repeats):  # alternated
-            for label, policy in (("HFPolicy", ours), ("model.generate", plain)):
+            for label, policy in policies.items():
                 tokens, seconds = timed(run, policy)
                 if seconds < best[label][1]:
                     best[label] = (tokens, seconds)
@@ -191,13 +201,18 @@ def main() -> None:
             raise SystemExit(f"{name}: a policy generated no tokens ({best}); prompts over "
                              "max_prompt_tokens are not generated for")
         tps = {label: tokens / seconds for label, (tokens, seconds) in best.items()}
+        base = tps["model.generate"]
         result[name] = {"hfpolicy_tok_s": round(tps["HFPolicy"], 1),
-                        "generate_tok_s": round(tps["model.generate"], 1),
+                        "packed_tok_s": round(tps["HFPolicy packed copy"], 1),
+                        "generate_tok_s": round(base, 1),
                         "hfpolicy_tokens": best["HFPolicy"][0],
+                        "packed_tokens": best["HFPolicy packed copy"][0],
                         "generate_tokens": best["model.generate"][0],
-                        "ratio": round(tps["HFPolicy"] / tps["model.generate"], 3)}
-        print(f"{name:<8} HFPolicy {tps['HFPolicy']:7.1f} tok/s   model.generate "
-              f"{tps['model.generate']:7.1f} tok/s   ratio {result[name]['ratio']:.2f}x", flush=True)
+                        "ratio": round(tps["HFPolicy"] / base, 3),
+                        "packed_ratio": round(tps["HFPolicy packed copy"] / base, 3)}
+        print(f"{name:<8} HFPolicy {tps['HFPolicy']:7.1f} tok/s ({result[name]['ratio']:.2f}x)   "
+              f"packed copy {tps['HFPolicy packed copy']:7.1f} tok/s ({result[name]['packed_ratio']:.2f}x)   "
+              f"model.generate {base:7.1f} tok/s", flush=True)
 
     bandwidth, peak = copy_bandwidth() / 1e9, matmul_peak("cpu", dtype) / 1e9
     params = sum(p.numel() for p in model.parameters())
@@ -209,13 +224,14 @@ def main() -> None:
                          "weight_mb": round(weight_bytes / 1e6, 1)}
     n1, n2 = (4, 24) if args.quick else (16, 48)
     for batch in (1, 8, 32):
-        step = decode_step_s(ours, batch, n1, n2, args.repeats)
         bound = max(weight_bytes / (bandwidth * 1e9), batch * flops_per_row / (peak * 1e9))
-        result[f"decode_b{batch}"] = {"step_ms": round(step * 1e3, 4), "roofline_ms": round(bound * 1e3, 4),
-                                      "of_roofline": round(bound / step, 4),
-                                      "tok_s": round(batch / step, 1)}
-        print(f"decode batch {batch:>2}: {step * 1e3:7.2f} ms/step, roofline {bound * 1e3:6.2f} ms "
-              f"({bound / step:.0%}), {batch / step:7.1f} tok/s", flush=True)
+        for key, label in (("decode", "HFPolicy"), ("decode_packed", "HFPolicy packed copy")):
+            step = decode_step_s(policies[label], batch, n1, n2, args.repeats)
+            result[f"{key}_b{batch}"] = {"step_ms": round(step * 1e3, 4), "roofline_ms": round(bound * 1e3, 4),
+                                         "of_roofline": round(bound / step, 4),
+                                         "tok_s": round(batch / step, 1)}
+            print(f"decode batch {batch:>2}, {label:<20}: {step * 1e3:7.2f} ms/step, roofline "
+                  f"{bound * 1e3:6.2f} ms ({bound / step:.0%}), {batch / step:7.1f} tok/s", flush=True)
     print(f"machine: copy bandwidth {bandwidth:.1f} GB/s, {args.dtype} matmul {peak:.0f} GFLOP/s, "
           f"weights {weight_bytes / 1e6:.0f} MB")
     print(json.dumps(result))

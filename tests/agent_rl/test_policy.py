@@ -379,3 +379,45 @@ def test_static_cache_only_for_models_it_knows():
     assert not decode.supports(lora)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
     assert not decode.supports(gpt2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_packed_rollout_copy_samples_like_the_model_and_takes_pushes(kind, monkeypatch):
+    """HFPolicy(pack_weights=True) on a rollout copy: every decoder projection and the head
+    hold only oneDNN's layout (the llama head tied to the embeddings, the qwen2 one not, with
+    biases); it samples the model's tokens with log-probs within 1e-4 (summation order), and
+    after an update, the pushed weights (embeddings included, so the tied head re-reads them)
+    give the trained model's logits again. Under bf16 autocast nothing is packed."""
+    from agent_rl import decode
+    from agent_rl.models import rollout_copy
+
+    monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)  # the tiny models' layers are small
+    model, tok = tiny_model(seed=0) if kind == "llama" else tiny_qwen2()
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    packed = HFPolicy(rollout_copy(model), tok, pack_weights=True)
+    assert packed.packed.keys() == linears and len(linears) == 2 * 7 + 1
+    assert not [m for m in packed.model.modules() if isinstance(m, torch.nn.Linear)]
+    head = packed.model.get_output_embeddings()
+    assert isinstance(head, decode.PackedLinear) and (head.tied is not None) == (kind == "llama")
+    plain = HFPolicy(model, tok)
+    batch = CONVS * 2
+    for temperature in (0.0, 1.0):
+        sampling = Sampling(temperature=temperature, max_new_tokens=10, seed=3)
+        ours, theirs = packed.generate(batch, sampling), plain.generate(batch, sampling)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        assert max(abs(a - b) for o, t in zip(ours, theirs, strict=True)
+                   for a, b in zip(o.logprobs, t.logprobs, strict=True)) < 1e-4
+
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # an "update" of every weight
+        assert (packed.model(ids).logits - model(ids).logits).abs().max() > 1e-2
+        packed.load_weights(packed.weights_to_push(model), revision=1)
+        torch.testing.assert_close(packed.model(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="shape"):
+        head.load(torch.zeros(3, 3))
+    assert HFPolicy(rollout_copy(model), tok, pack_weights=True, compute_dtype="bfloat16").packed == {}
+    monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 64 * 128)  # only the MLP's and the head
+    assert {n.split(".")[-2] for n in decode.pack_linears(rollout_copy(model))} == {
+        "gate_proj", "up_proj", "down_proj", "lm_head"}
