@@ -6,6 +6,7 @@ rank runs it (tests/Digits-v0 registered first, as the test process registers it
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -17,6 +18,7 @@ from agent_rl.config import ExperimentContract
 from tests.agent_rl import toy_env
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a rank that aborts prints where each thread was (test output)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     toy_env.register()
