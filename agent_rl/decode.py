@@ -47,8 +47,8 @@ SHARED_MIN_BYTES = 1 << 20
 # the row count oneDNN's weight layout is chosen for (any count runs): a GRPO group's samples
 PACK_ROWS = 8
 # smaller weights stay plain: oneDNN's per-call cost outweighs its gain below ~1 MB of fp32
-# (on 2 cores, 8 rows: 192 x 576 1.3x faster, 64 x 640 1.7x slower; 576 x 576 1.6x, the
-# 49152 x 576 head 3.4x faster)
+# (on 2 cores: 64 x 640 1.7x slower at 8 rows, 192 x 576 1.3x faster at 8 rows but 1.2x
+# slower at 32; 576 x 576 1.6x and the 49152 x 576 head 3.4x faster at 8 rows)
 PACK_MIN_ELEMENTS = 1 << 18
 
 
@@ -167,8 +167,8 @@ class PackedLinear(torch.nn.Module):
     once (``torch.ops.mkldnn._reorder_linear_weight``; the same bytes as the plain weight).
 
     MKL's ``F.linear`` on a plain fp32 weight runs far below the memory bound at the few rows
-    of a decode step (SmolLM2's 49152 x 576 head: ~20 ms for 8 rows where reading its 113 MB
-    takes ~6); on the reordered weight oneDNN streams it. Used by rollout copies
+    of a decode step (SmolLM2's 49152 x 576 head: ~16 ms for 8 rows where reading its 113 MB
+    takes ~4); on the reordered weight oneDNN streams it (4.8 ms). Used by rollout copies
     (``pack_linears``), never by a trained model: there is no plain ``weight`` to train.
     ``load(weight)`` takes new weights (a push); ``tied``: the plain parameter the weight is
     (a head tied to the embeddings), re-read by ``reload()`` after that parameter changed."""

@@ -297,6 +297,7 @@ class HFPolicy:
         """Copy pushed weights (names as in ``model.named_parameters()``) into this policy's
         model and take their revision. Every name must exist; shapes must match."""
         params = dict(self.model.named_parameters())
+        tied = {id(p.tied): p for p in self.packed.values() if p.tied is not None}  # packed heads
         for name, tensor in named_tensors:
             if name in self.packed:  # a packed projection: reordered from the new weight
                 self.packed[name].load(tensor)
@@ -304,9 +305,8 @@ class HFPolicy:
             if name not in params:
                 raise KeyError(f"load_weights: the rollout model has no parameter {name!r}")
             params[name].copy_(tensor)
-            for packed in self.packed.values():  # a packed head tied to these embeddings
-                if packed.tied is params[name]:
-                    packed.reload()
+            if id(params[name]) in tied:  # a packed head tied to these embeddings re-reads them
+                tied[id(params[name])].reload()
         self.revision = revision
 
     # --- training ------------------------------------------------------------------------

@@ -23,8 +23,8 @@ decodes N tokens), the time per decode step from (t(N2) - t(N1)) / (N2 - N1), ag
 
     roofline step = max(weight bytes / bandwidth, decode FLOPs / matmul peak)
 
-(each for HFPolicy on the model and on a packed rollout copy), with the bandwidth measured by copying a 512 MiB tensor into an already allocated one
-(read + write bytes / time) and the matmul peak by a 2048^3 matmul in the model's dtype;
+(each for HFPolicy on the model and on a packed rollout copy), with the bandwidth measured
+by copying a 512 MiB tensor into an already allocated one (read + write bytes / time) and the matmul peak by a 2048^3 matmul in the model's dtype;
 decode FLOPs = 2 * batch * (parameters, the tied output head counted once more).
 
     python benchmarks/rollout_throughput.py                       # SmolLM2-135M, float32
