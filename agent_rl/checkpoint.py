@@ -616,14 +616,18 @@ def apply_retention(root: str | os.PathLike, keep: int) -> list[Path]:
         if step >= kept[-1]:
             continue
         # Renamed to a temp name first: a crash mid-delete leaves a .tmp-* folder, never a
-        # half-deleted step folder.
+        # half-deleted step folder. An interrupt (Ctrl-C, SIGTERM as KeyboardInterrupt)
+        # arriving mid-delete finishes the delete before it goes on, leaving no .tmp-* folder.
         doomed = root / f".tmp-del-{path.name}-{_host()}-{os.getpid()}"
         try:
             os.rename(path, doomed)
+            _fsync_dir(root)
+            _discard(doomed)
         except FileNotFoundError:
             continue
-        _fsync_dir(root)
-        _discard(doomed)
+        except BaseException:
+            _discard(doomed)
+            raise
         deleted.append(path)
 
     host = _host()

@@ -302,6 +302,34 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def test_an_interrupt_mid_retention_finishes_the_delete_first(tmp_path, monkeypatch):
+    """SIGTERM reaches a run as KeyboardInterrupt, possibly while retention removes an old
+    bundle (it did in CI: a `.tmp-del-step-000003-*` folder was left). The interrupted delete
+    is completed before the interrupt goes on: no .tmp-* folder stays, the kept bundles
+    verify, and the bundle not yet reached is untouched."""
+    model, _, _ = _setup()
+    for step in range(4):
+        _save(tmp_path, step, model)
+    discard = checkpoint._discard
+    calls = []
+
+    def interrupted(path):
+        calls.append(path.name)
+        if len(calls) == 1:  # half of the first doomed bundle gone, then the signal
+            next(p for p in path.iterdir() if p.is_file()).unlink()
+            raise KeyboardInterrupt("signal 15")
+        discard(path)
+
+    monkeypatch.setattr(checkpoint, "_discard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        apply_retention(tmp_path, keep=2)
+    assert calls[0].startswith(".tmp-del-step-000001-") and calls[1] == calls[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000", "step-000002",
+                                                          "step-000003"]
+    for step in (0, 2, 3):
+        verify_bundle(tmp_path / f"step-{step:06d}")
+
+
 def test_retention_keeps_the_newest_and_cleans_stale_temp_folders(tmp_path):
     model, _, _ = _setup()
     for step in range(5):
