@@ -9,7 +9,8 @@ writes each generated key and value in place into buffers sized for the whole co
 and runs the decoder layers directly:
 
     x = embed(token)
-    per layer:  h = input_norm(x);  q, k, v = q_proj(h), k_proj(h), v_proj(h)
+    per layer:  h = input_norm(x);  q, k, v = q_proj(h), k_proj(h), v_proj(h)  (one product
+                for the three on a packed copy: ``PackedGroup``; the same for gate and up)
                 rotate q and k (the model's own rotary embedding at each row's position)
                 generated[:, :, s] = k, v
                 each KV head's group of queries: softmax(q K^T * scaling, padding masked) V
@@ -23,10 +24,11 @@ the same tokens, log-probs within 1e-5); the prefill stays the model's forward. 
 copy of any weight.
 
 A rollout copy (a model only sampled from, never trained) can also hold its larger
-projections and head in oneDNN's weight layout (``pack_linears``, ``PackedLinear``): the
-model's forward (the prefill) and these steps then run oneDNN's matrix products instead of
-MKL's, which at a decode step's few rows read a plain fp32 weight far below the memory
-bandwidth. Same bytes, no second copy; the numbers move by float summation order (1e-4).
+projections and head in panels of 32 output columns (``pack_linears``, ``PackedLinear``): the
+model's forward (the prefill) and these steps then run our kernel (``agent_rl.kernels``)
+instead of MKL's matrix products, which at a decode step's few rows read a plain fp32 weight
+far below the memory bandwidth. Same bytes, no second copy; the numbers move by float
+summation order (1e-4).
 
 Supported (``supports``): ``model_type`` llama or qwen2 (SmolLM2 is llama) without
 sliding-window attention, as a plain transformers model (not a peft wrapper: LoRA rollouts
@@ -39,17 +41,17 @@ from typing import Any
 
 import torch
 
+from agent_rl import kernels
+
 SUPPORTED_TYPES = ("llama", "qwen2")
 # A prompt's keys and values are held once for the rows sharing it when that spares more than
 # this many bytes of reads per layer and step per prompt: each prompt costs a few small
 # matrix products more per layer, about as long as reading 1 MB here (2 cores)
 SHARED_MIN_BYTES = 1 << 20
-# the row count oneDNN's weight layout is chosen for (any count runs): a GRPO group's samples
-PACK_ROWS = 8
-# smaller weights stay plain: oneDNN's per-call cost outweighs its gain below ~1 MB of fp32
-# (on 2 cores: 64 x 640 1.7x slower at 8 rows, 192 x 576 1.3x faster at 8 rows but 1.2x
-# slower at 32; 576 x 576 1.6x and the 49152 x 576 head 3.4x faster at 8 rows)
-PACK_MIN_ELEMENTS = 1 << 18
+# smaller weights stay plain: the kernel's per-call cost (~15 us) outweighs its gain below
+# this (on 2 cores, at 8 / 32 rows: 256 x 128 0.8x / 0.8x the speed of F.linear, 192 x 576
+# 1.1-1.2x / 1.1x, 576 x 576 1.6x / 1.2-1.4x, 1536 x 576 1.5-1.7x / 1.3x)
+PACK_MIN_ELEMENTS = 1 << 16
 
 
 def supports(model: Any) -> bool:
@@ -71,9 +73,11 @@ class StaticDecoder:
     ``SHARED_MIN_BYTES`` per prompt, layer and step: every group's queries attend to their
     prompt as one matrix product, so a step reads each prompt once instead of once per row
     (for 8 samples of a 400-token prompt that is most of a step's memory traffic besides the
-    weights). Otherwise (short prompts, one row per prompt) they are laid out per row. The generated positions have a
-    buffer of their own, ``[B, kv_heads, max_new_tokens, head_dim]`` per layer, written in
-    place."""
+    weights); the generated positions then have a buffer of their own, ``[B, kv_heads,
+    max_new_tokens, head_dim]`` per layer. Otherwise (short prompts, one row per prompt) each
+    row holds its prompt and its generated positions in one buffer, ``[B, kv_heads, L +
+    max_new_tokens, head_dim]`` per layer, and a step attends with one fused call
+    (``F.scaled_dot_product_attention``). Generated keys and values are written in place."""
 
     def __init__(self, model: Any, cache: Any, which: torch.Tensor, max_new_tokens: int):
         inner = model.model
@@ -86,37 +90,40 @@ class StaticDecoder:
         saved = (len(which) - U) * L * kvh * d * prompt[0].keys.element_size() * 2  # per layer
         self.shared = saved > U * SHARED_MIN_BYTES
         self.which = which  # [A] each active row's prompt
+        B = len(which)
         if self.shared:
             self.prompt_keys = [layer.keys for layer in prompt]  # [U, kvh, L, d]
             self.prompt_values = [layer.values for layer in prompt]
-        else:
-            self.prompt_keys = [layer.keys.index_select(0, which) for layer in prompt]  # [B, kvh, L, d]
-            self.prompt_values = [layer.values.index_select(0, which) for layer in prompt]
-        self.keys = [k.new_empty((len(which), kvh, max_new_tokens, d)) for k in self.prompt_keys]
-        self.values = [v.new_empty((len(which), kvh, max_new_tokens, d)) for v in self.prompt_values]
-        self._groups()
+            self.keys = [k.new_empty((B, kvh, max_new_tokens, d)) for k in self.prompt_keys]
+            self.values = [v.new_empty((B, kvh, max_new_tokens, d)) for v in self.prompt_values]
+        else:  # [B, kvh, L + max_new_tokens, d]: the row's prompt, then its generated positions
+            self.keys, self.values = [], []
+            for layer in prompt:
+                for held, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
+                    buffer = held.new_empty((B, kvh, L + max_new_tokens, d))
+                    buffer[:, :, :L] = held.index_select(0, which)
+                    buffers.append(buffer)
+        if self.shared:
+            self._groups()
 
     def _groups(self) -> None:
         """Each prompt's active rows, for the shared layout."""
         self.groups = [(u, (self.which == u).nonzero().flatten()) for u in self.which.unique().tolist()]
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices into the current batch): finished rows leave."""
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
+        """Keep only ``rows`` (indices into the current batch, ascending): finished rows
+        leave. The kept rows move to the front of the buffers they are in, in place, and only
+        the generated positions written so far are moved (not the whole completion's room)."""
+        used = self.generated if self.shared else self.prompt_length + self.generated
+        self.keys = [_keep_rows(k, rows, used) for k in self.keys]
+        self.values = [_keep_rows(v, rows, used) for v in self.values]
         self.which = self.which.index_select(0, rows)
         if self.shared:
             self._groups()
-        else:
-            self.prompt_keys = [k.index_select(0, rows) for k in self.prompt_keys]
-            self.prompt_values = [v.index_select(0, rows) for v in self.prompt_values]
 
     def _prompt_matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a`` [A, kvh, g, m] times the prompt's ``b`` (its keys transposed, [., kvh, d, L],
-        or its values, [., kvh, L, d]; one per prompt when shared, else per row):
-        ``[A, kvh, g, n]``."""
-        if not self.shared:
-            return torch.matmul(a, b)
+        """``a`` [A, kvh, g, m] times the shared prompt's ``b`` (its keys transposed, [U, kvh,
+        d, L], or its values, [U, kvh, L, d]), each row by its own prompt's: ``[A, kvh, g, n]``."""
         A, kvh, g, m = a.shape
         out = a.new_empty((A, kvh, g, b.shape[-1]))
         for u, rows in self.groups:  # the group's rows as one [kvh, rows * g, m] block
@@ -134,92 +141,156 @@ class StaticDecoder:
         x = self.embed(token.unsqueeze(-1))  # [A, 1, H]
         cos, sin = self.rotary(x, position)  # [A, 1, d]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [A, 1, 1, d]
-        padding = ~mask[:, :L].bool()[:, None, None, :]  # [A, 1, 1, L]
+        attend = mask.bool()[:, None, None, :]  # [A, 1, 1, L + s + 1]
+        padding = ~attend[..., :L]  # [A, 1, 1, L]
         A = x.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)  # [A, 1, H]
+            h = _rms_norm(layer.input_layernorm, x)  # [A, 1, H]
             d = attn.head_dim
-            q = attn.q_proj(h).view(A, 1, -1, d).transpose(1, 2)  # [A, nh, 1, d]
-            k = attn.k_proj(h).view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
-            v = attn.v_proj(h).view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
+            q, k, v = (attn.packed_qkv(h) if hasattr(attn, "packed_qkv")
+                       else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)))
+            q = q.view(A, 1, -1, d).transpose(1, 2)  # [A, nh, 1, d]
+            k = k.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
+            v = v.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            self.keys[i][:, :, s] = k[:, :, 0]
-            self.values[i][:, :, s] = v[:, :, 0]
             # one query per row; each KV head's query group [A, kvh, g, d] attends to the
-            # prompt (shared or per row) and to the row's generated positions
+            # prompt (shared or in the row's buffer) and to the row's generated positions
             q = q.reshape(A, k.shape[1], -1, d)
-            scores = torch.cat([
-                self._prompt_matmul(q, self.prompt_keys[i].transpose(-1, -2)).masked_fill(
-                    padding, float("-inf")),
-                torch.matmul(q, self.keys[i][:, :, : s + 1].transpose(-1, -2))], -1) * attn.scaling
-            p = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # [A, kvh, g, L + s + 1]
-            o = (self._prompt_matmul(p[..., :L], self.prompt_values[i])
-                 + torch.matmul(p[..., L:], self.values[i][:, :, : s + 1]))  # [A, kvh, g, d]
+            if self.shared:
+                self.keys[i][:, :, s] = k[:, :, 0]
+                self.values[i][:, :, s] = v[:, :, 0]
+                scores = torch.cat([
+                    self._prompt_matmul(q, self.prompt_keys[i].transpose(-1, -2)).masked_fill(
+                        padding, float("-inf")),
+                    torch.matmul(q, self.keys[i][:, :, : s + 1].transpose(-1, -2))], -1) * attn.scaling
+                p = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # [A, kvh, g, L + s + 1]
+                o = (self._prompt_matmul(p[..., :L], self.prompt_values[i])
+                     + torch.matmul(p[..., L:], self.values[i][:, :, : s + 1]))  # [A, kvh, g, d]
+            else:
+                self.keys[i][:, :, L + s] = k[:, :, 0]
+                self.values[i][:, :, L + s] = v[:, :, 0]
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q, self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1],
+                    attn_mask=attend, scale=attn.scaling)  # [A, kvh, g, d]
             x = x + attn.o_proj(o.reshape(A, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = _rms_norm(layer.post_attention_layernorm, x)  # [A, 1, H]
+            mlp = layer.mlp
+            if hasattr(mlp, "packed_gate_up"):  # the model's MLP: down(act(gate(h)) * up(h))
+                gate, up = mlp.packed_gate_up(h)
+                x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+            else:
+                x = x + mlp(h)
         self.generated = s + 1
-        return self.head(self.norm(x)[:, -1])  # [A, V]
+        return self.head(_rms_norm(self.norm, x)[:, -1])  # [A, V]
 
 
 class PackedLinear(torch.nn.Module):
-    """A frozen ``nn.Linear`` whose weight is held only in oneDNN's blocked layout, reordered
-    once (``torch.ops.mkldnn._reorder_linear_weight``; the same bytes as the plain weight).
+    """A frozen ``nn.Linear`` whose weight is held only in panels of 32 output columns
+    (``kernels.to_panels``: the same bytes as the plain weight, padded to a multiple of 32
+    rows) and multiplied by our kernel (``kernels.blocked_linear``).
 
-    MKL's ``F.linear`` on a plain fp32 weight runs far below the memory bound at the few rows
-    of a decode step (SmolLM2's 49152 x 576 head: ~16 ms for 8 rows where reading its 113 MB
-    takes ~4); on the reordered weight oneDNN streams it (4.8 ms). Used by rollout copies
-    (``pack_linears``), never by a trained model: there is no plain ``weight`` to train.
-    ``load(weight)`` takes new weights (a push); ``tied``: the plain parameter the weight is
-    (a head tied to the embeddings), re-read by ``reload()`` after that parameter changed."""
+    MKL's ``F.linear`` on a plain fp32 weight, and oneDNN's on its own reordered layout, run
+    far below the memory bound at the few rows of a decode step (SmolLM2's 1536 x 576
+    projection at 8 rows: ~420 and ~250 us where reading its 3.5 MB takes ~150); the kernel
+    streams it (~170 us). Used by rollout copies (``pack_linears``), never by a trained
+    model: there is no plain ``weight`` to train. ``load(weight)`` takes new weights (a push,
+    written into the same panels); ``tied``: the plain parameter the weight is (a head tied
+    to the embeddings), re-read by ``reload()`` after that parameter changed."""
 
-    def __init__(self, linear: torch.nn.Linear, tied: torch.nn.Parameter | None = None):
+    def __init__(self, linear: torch.nn.Linear, tied: torch.nn.Parameter | None = None,
+                 panels: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.tied = tied
-        self.load(linear.weight)
+        # [P, K, 32]; ``panels``: where to hold them (a PackedGroup's share)
+        self.panels = kernels.to_panels(linear.weight.detach(), out=panels)
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"PackedLinear: a weight of shape {tuple(weight.shape)} for a "
                              f"{self.in_features} -> {self.out_features} layer")
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+        kernels.to_panels(weight.detach().to(self.panels.dtype), out=self.panels)
 
     def reload(self) -> None:
         if self.tied is not None:
             self.load(self.tied)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return kernels.blocked_linear(x, self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class PackedGroup(torch.nn.Module):
+    """Linears of one input (a decoder layer's q, k and v projections; its MLP's gate and up)
+    packed side by side in one panel tensor: each part is a ``PackedLinear`` on its own slice
+    of the panels (what the model's forward, the prefill, calls), and ``forward`` runs one
+    kernel call for all of them (what ``StaticDecoder`` calls): fewer, longer weight streams
+    per decode step. Returns each part's output, a view of the one product (+ its bias)."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        super().__init__()
+        counts = [-(-linear.out_features // kernels.PANEL) for linear in linears]
+        first = linears[0].weight
+        self.panels = first.new_zeros((sum(counts), first.shape[1], kernels.PANEL))  # [P, K, 32]
+        starts = [sum(counts[:j]) for j in range(len(counts))]
+        self.parts = [PackedLinear(linear, panels=self.panels[start:start + count])
+                      for linear, start, count in zip(linears, starts, counts, strict=True)]
+        self.columns = [(start * kernels.PANEL, linear.out_features)
+                        for start, linear in zip(starts, linears, strict=True)]
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        y = kernels.blocked_linear(x, self.panels, None, self.panels.shape[0] * kernels.PANEL)
+        return [y[..., c:c + n] if part.bias is None else y[..., c:c + n] + part.bias
+                for part, (c, n) in zip(self.parts, self.columns, strict=True)]
+
+
+# the linears of one input that pack_linears groups: {module attribute: (parts, group name)}
+GROUPS = {"self_attn": (("q_proj", "k_proj", "v_proj"), "packed_qkv"),
+          "mlp": (("gate_proj", "up_proj"), "packed_gate_up")}
+
+
 def can_pack(model: Any) -> bool:
     """Would ``pack_linears`` take this model: a supported layout (``supports``) with float32
-    or bfloat16 weights on the CPU, and oneDNN in this torch."""
-    if not (supports(model) and torch.backends.mkldnn.is_available()):
+    or bfloat16 weights on the CPU, and our kernel built here (``kernels.load``)."""
+    if not supports(model):
         return False
     weights = {(p.device.type, p.dtype) for p in model.parameters()}
-    return weights <= {("cpu", torch.float32), ("cpu", torch.bfloat16)} and len(weights) == 1
+    return (weights <= {("cpu", torch.float32), ("cpu", torch.bfloat16)} and len(weights) == 1
+            and kernels.load())
 
 
 @torch.no_grad()
 def pack_linears(model: Any) -> dict[str, PackedLinear]:
     """Swap the decoder layers' projections and the head of a frozen rollout copy, those
     with at least ``PACK_MIN_ELEMENTS`` weights, for ``PackedLinear`` (in place; the plain
-    weights are freed, a head tied to the embeddings keeps them as the embeddings'). Returns
-    {weight name, as in the unpacked model's ``named_parameters()``: the module now holding
-    it}; {} when ``can_pack`` says no."""
+    weights are freed, a head tied to the embeddings keeps them as the embeddings'). A
+    layer's q/k/v and gate/up projections, when all of them qualify, share one
+    ``PackedGroup`` (``GROUPS``; set on the attention or MLP module as ``packed_qkv`` /
+    ``packed_gate_up``). Returns {weight name, as in the unpacked model's
+    ``named_parameters()``: the module now holding it}; {} when ``can_pack`` says no."""
     if not can_pack(model):
         return {}
     embed = model.get_input_embeddings().weight
     head_name = next(name for name, module in model.named_modules()
                      if module is model.get_output_embeddings())
     out: dict[str, PackedLinear] = {}
+    for layer_name, layer in list(model.named_modules()):
+        for attr, (names, group_name) in GROUPS.items():
+            owner = getattr(layer, attr, None) if ".layers." in f".{layer_name}." else None
+            linears = [getattr(owner, n, None) for n in names]
+            if not all(isinstance(m, torch.nn.Linear) and m.weight.numel() >= PACK_MIN_ELEMENTS
+                       for m in linears):
+                continue
+            group = PackedGroup(linears)
+            setattr(owner, group_name, group)
+            for n, part in zip(names, group.parts, strict=True):
+                setattr(owner, n, part)
+                out[f"{layer_name}.{attr}.{n}.weight"] = part
     for name, module in list(model.named_modules()):
         if (not isinstance(module, torch.nn.Linear) or module.weight.numel() < PACK_MIN_ELEMENTS
                 or not (name == head_name or ".layers." in f".{name}")):
@@ -230,6 +301,23 @@ def pack_linears(model: Any) -> dict[str, PackedLinear]:
         setattr(model.get_submodule(parent) if parent else model, attr, packed)
         out[f"{name}.weight"] = packed
     return out
+
+
+def _keep_rows(buffer: torch.Tensor, rows: torch.Tensor, used: int | None = None) -> torch.Tensor:
+    """``buffer`` [B, kvh, S, d] with its rows ``rows`` moved to the front in place (of dim 2,
+    only the first ``used`` positions, all when None): the view ``[len(rows), kvh, S, d]``."""
+    part = buffer if used is None else buffer[:, :, :used]
+    part[: len(rows)].copy_(part.index_select(0, rows))
+    return buffer[: len(rows)]
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Llama/Qwen2 RMSNorm as one fused op (``F.rms_norm``: x / sqrt(mean(x^2) + eps) *
+    weight, the module's formula) instead of its seven; any other norm module as itself."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
+        return norm(x)
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

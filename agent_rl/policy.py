@@ -181,8 +181,8 @@ class HFPolicy:
         # decode steps on a preallocated KV cache (agent_rl.decode) where the model allows
         self.static_cache = decode.supports(model)
         # pack_weights: the model is a frozen rollout copy (never trained through this policy);
-        # its projections and head take oneDNN's layout where they can, float32 compute only
-        # (autocast does not reach the packed products)
+        # its projections and head are held in panels for our kernel (agent_rl.kernels) where
+        # they can, float32 compute only (autocast does not reach the packed products)
         self.packed = (decode.pack_linears(self.model)
                        if pack_weights and as_dtype(compute_dtype) == torch.float32 else {})
 

@@ -384,8 +384,8 @@ def test_static_cache_only_for_models_it_knows():
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_packed_rollout_copy_samples_like_the_model_and_takes_pushes(kind, monkeypatch):
     """HFPolicy(pack_weights=True) on a rollout copy: every decoder projection and the head
-    hold only oneDNN's layout (the llama head tied to the embeddings, the qwen2 one not, with
-    biases); it samples the model's tokens with log-probs within 1e-4 (summation order), and
+    hold only the kernel's panels, each layer's q/k/v and gate/up sharing one panel tensor
+    (the llama head tied to the embeddings, the qwen2 one not, with biases); it samples the model's tokens with log-probs within 1e-4 (summation order), and
     after an update, the pushed weights (embeddings included, so the tied head re-reads them)
     give the trained model's logits again. Under bf16 autocast nothing is packed."""
     from agent_rl import decode
@@ -397,6 +397,12 @@ def test_a_packed_rollout_copy_samples_like_the_model_and_takes_pushes(kind, mon
     packed = HFPolicy(rollout_copy(model), tok, pack_weights=True)
     assert packed.packed.keys() == linears and len(linears) == 2 * 7 + 1
     assert not [m for m in packed.model.modules() if isinstance(m, torch.nn.Linear)]
+    for layer in packed.model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+        assert [p.panels.untyped_storage().data_ptr() for p in parts] == (
+            [attn.packed_qkv.panels.untyped_storage().data_ptr()] * 3
+            + [mlp.packed_gate_up.panels.untyped_storage().data_ptr()] * 2)
     head = packed.model.get_output_embeddings()
     assert isinstance(head, decode.PackedLinear) and (head.tied is not None) == (kind == "llama")
     plain = HFPolicy(model, tok)

@@ -1,0 +1,103 @@
+"""Our one compiled CPU kernel, ``blocked_linear`` (``agent_rl/csrc/blocked_linear.cpp``):
+``y = x W^T + b`` for a frozen weight held in panels of 32 output columns, ``[P, K, 32]``.
+
+Why: at a decode step's few rows, MKL's ``F.linear`` on a plain float32 weight and oneDNN's
+on its own reordered layout both read the weight well below the memory bandwidth (2 cores,
+~24 GB/s: SmolLM2's 1536 x 576 projection at 8 rows in ~250 us, ~14 GB/s); this kernel keeps
+8 rows x 32 columns in registers and prefetches the panel stream ahead (~170 us, ~21 GB/s).
+It is what ``decode.PackedLinear`` runs (rollout copies only: nothing trains through it).
+
+Built at first use with ``torch.utils.cpp_extension`` (the compiler on PATH, ninja, OpenMP
+through torch's own runtime; ``-O3 -march=native``), once per machine: the build folder is
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, named by a hash of the source, the
+CPU's instruction-set flags and the torch version, so a cached build never runs on a CPU it
+was not compiled for. ``load()`` returns None (and warns once, naming why) where it cannot be
+built; callers then keep plain weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "blocked_linear.cpp"
+PANEL = 32  # output columns per panel (the kernel's kPanel)
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_name() -> str:
+    """The extension's name: a hash of what its binary depends on."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode(),
+                 " ".join(FLAGS).encode()):
+        key.update(part)
+    return f"agent_rl_kernels_{key.hexdigest()[:16]}"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per machine) and load the kernel into ``torch.ops.agent_rl_kernels``; False,
+    with one warning saying why, where it cannot be built here."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
+        warnings.warn(f"agent_rl.kernels: no build for {sys.platform}/{platform.machine()}; "
+                      "rollout copies keep plain weights", RuntimeWarning, stacklevel=2)
+        return False
+    from torch.utils.cpp_extension import load as build
+
+    try:
+        print("agent_rl.kernels: loading blocked_linear (compiled once per machine, ~30 s)",
+              file=sys.stderr, flush=True)
+        build(build_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+              is_python_module=False, verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a failed build: plain weights
+        warnings.warn(f"agent_rl.kernels: could not build {SOURCE.name} ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); "
+                      "rollout copies keep plain weights", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def to_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` [N, K] as panels ``[P, K, 32]`` (P = ceil(N / 32), rows past N zero), written
+    into ``out`` when given (a push: no new allocation)."""
+    N, K = weight.shape
+    P = -(-N // PANEL)
+    if out is None:
+        out = weight.new_zeros((P, K, PANEL))
+    full = N // PANEL
+    with torch.no_grad():
+        out[:full].transpose(1, 2).copy_(weight[: full * PANEL].view(full, PANEL, K))
+        if full < P:  # the last, partial panel
+            out[full].zero_()
+            out[full].t()[: N - full * PANEL].copy_(weight[full * PANEL:])
+    return out
+
+
+def blocked_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """``x`` [..., K] times the panelled weight (``to_panels``) plus ``bias`` [out_features]
+    or None: ``[..., out_features]`` in ``x``'s dtype (float32 inside)."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # [M, K]
+    if bias is not None:
+        bias = bias.detach().to(torch.float32).contiguous()  # [N]
+    y = torch.ops.agent_rl_kernels.blocked_linear(rows, panels, bias)  # [M, P * 32]
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    return y.reshape(*x.shape[:-1], out_features).to(x.dtype)

@@ -1,0 +1,103 @@
+"""agent_rl.kernels: the blocked_linear CPU kernel (built here: this machine has a compiler)
+against hand-computed products and F.linear, its panel layout, and decode.PackedGroup."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from agent_rl import decode, kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.load(), "the kernel must build on this machine (gcc, ninja)"
+
+
+def test_hand_computed_product_with_bias():
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # [N=3, K=2]
+    x = torch.tensor([[1.0, 1.0], [2.0, 0.0]])  # [M=2, K=2]
+    bias = torch.tensor([0.5, -1.0, 2.0])
+    y = kernels.blocked_linear(x, kernels.to_panels(w), bias, 3)
+    # x W^T = [[1+2, 3+4, 5+6], [2, 6, 10]], plus the bias
+    assert y.tolist() == [[3.5, 6.0, 13.0], [2.5, 5.0, 12.0]]
+    assert kernels.blocked_linear(x, kernels.to_panels(w), None, 3).tolist() == [
+        [3.0, 7.0, 11.0], [2.0, 6.0, 10.0]]
+
+
+def test_panel_layout_and_in_place_reload():
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)  # N = 40: one full panel, one partial
+    panels = kernels.to_panels(w)
+    assert panels.shape == (2, 3, 32)
+    for n in (0, 5, 31, 32, 39):
+        p, j = divmod(n, 32)
+        assert panels[p, :, j].tolist() == w[n].tolist()
+    assert panels[1, :, 8:].abs().sum() == 0  # rows past N are zero
+    ptr = panels.data_ptr()
+    again = kernels.to_panels(-w, out=panels)
+    assert again.data_ptr() == ptr and panels[0, 2, 1] == -w[1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 300])  # tiles of 8, chunks of 256 rows
+@pytest.mark.parametrize("shape", [(40, 7), (64, 64), (100, 96)])
+def test_matches_f_linear(dtype, rows, shape):
+    g = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    w = torch.randn(shape, generator=g).to(dtype)
+    bias = torch.randn(shape[0], generator=g)
+    x = torch.randn(2, rows, shape[1], generator=g)  # [..., K]: leading dims kept
+    y = kernels.blocked_linear(x, kernels.to_panels(w), bias, shape[0])
+    assert y.shape == (2, rows, shape[0]) and y.dtype == torch.float32
+    expect = torch.nn.functional.linear(x, w.float(), bias)
+    torch.testing.assert_close(y, expect, atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_inputs_come_back_in_bf16():
+    w = torch.randn(64, 32)
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    y = kernels.blocked_linear(x, kernels.to_panels(w), None, 64)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.float() @ w.t(), atol=0.05, rtol=0.01)
+
+
+def test_bad_inputs_are_named():
+    panels = kernels.to_panels(torch.randn(32, 8))
+    op = torch.ops.agent_rl_kernels.blocked_linear
+    with pytest.raises(RuntimeError, match="blocked_linear: panels must be contiguous"):
+        op(torch.randn(2, 9), panels, None)  # K mismatch
+    with pytest.raises(RuntimeError, match="blocked_linear: x must be"):
+        op(torch.randn(2, 8, dtype=torch.float64), panels, None)
+    with pytest.raises(RuntimeError, match="blocked_linear: bias must be"):
+        op(torch.randn(2, 8), panels, torch.randn(33))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(torch.randn(2, 8), panels.double(), None)
+
+
+def test_packed_group_is_its_parts_and_sees_their_pushes():
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(24, n, bias=b) for n, b in ((40, True), (16, False), (33, True))]
+    group = decode.PackedGroup(linears)
+    assert group.panels.shape == (2 + 1 + 2, 24, 32)
+    x = torch.randn(5, 24)
+    outs = group(x)
+    for out, linear, part in zip(outs, linears, group.parts, strict=True):
+        expect = linear(x)
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(part(x), expect, atol=1e-5, rtol=1e-5)
+    new = torch.randn(16, 24)
+    group.parts[1].load(new)  # a push into one part: the group's product follows
+    torch.testing.assert_close(group(x)[1], x @ new.t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(group(x)[0], linears[0](x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_build_warns_and_says_no(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernels.load.__wrapped__() is False
+    assert any("could not build broken.cpp" in str(w.message) for w in caught)
