@@ -140,6 +140,9 @@ class StaticDecoder:
         L, s = self.prompt_length, self.generated
         x = self.embed(token.unsqueeze(-1))  # [A, 1, H]
         cos, sin = self.rotary(x, position)  # [A, 1, d]
+        half = cos.shape[-1] // 2
+        # rotate_half(t) * sin == roll(t, half) * (sin with its first half negated)
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # [A, 1, d]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [A, 1, 1, d]
         attend = mask.bool()[:, None, None, :]  # [A, 1, 1, L + s + 1]
         padding = ~attend[..., :L]  # [A, 1, 1, L]
@@ -153,7 +156,8 @@ class StaticDecoder:
             q = q.view(A, 1, -1, d).transpose(1, 2)  # [A, nh, 1, d]
             k = k.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
             v = v.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q = torch.addcmul(q * cos, q.roll(half, -1), sin)  # the model's rotary embedding
+            k = torch.addcmul(k * cos, k.roll(half, -1), sin)
             # one query per row; each KV head's query group [A, kvh, g, d] attends to the
             # prompt (shared or in the row's buffer) and to the row's generated positions
             q = q.reshape(A, k.shape[1], -1, d)
@@ -318,8 +322,3 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if eps is None or x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
         return norm(x)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, eps)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

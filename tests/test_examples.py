@@ -77,6 +77,23 @@ def test_gpu_check_runs_as_a_cpu_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_linear_kernel_runs_as_a_smoke(tmp_path):
+    """benchmarks/linear_kernel.py --quick: MKL, oneDNN and our kernel timed on one shape at
+    1 and 8 rows; its last line is the JSON summary with every side's time."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "linear_kernel.py"
+    result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["quick"] and summary["rows"] == [1, 8]
+    for rows in ("1", "8"):
+        figures = summary["192x576"][rows]
+        assert all(figures[side] > 0 for side in ("mkl", "onednn", "ours"))
+        assert figures["ours_gb_s"] == pytest.approx(192 * 576 * 4 / figures["ours"] / 1e3, rel=0.02)
+
+
 def test_rollout_throughput_runs_as_a_smoke(tmp_path):
     """benchmarks/rollout_throughput.py on the tiny model: every workload ran both policies
     (HFPolicy and the plain model.generate loop) and the decode figures are against a

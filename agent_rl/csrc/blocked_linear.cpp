@@ -35,7 +35,6 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int64_t kPanel = 32;  // output columns per panel: two vectors of 16
 constexpr int kTileRows = 8;    // rows of x per register tile: 16 accumulators
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kChunkRows = 256;  // rows of x kept in L2 while the panels pass
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
@@ -97,30 +96,25 @@ template <typename W>
 void run(const float* x, int64_t M, int64_t K, const W* panels, int64_t P, const float* bias,
          int64_t N, float* y) {
   const int64_t ldy = P * kPanel;
-  // rows in chunks of kChunkRows (their x stays in L2 while every panel passes), panels
-  // split among the threads within a chunk
-  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
-    const int64_t m1 = std::min(M, m0 + kChunkRows);
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      float last[kPanel] = {};  // the bias of a last, partial panel, zero-padded
-      for (int64_t p = begin; p < end; ++p) {
-        const W* panel = panels + p * K * kPanel;
-        const float* b = bias ? bias + p * kPanel : nullptr;
-        if (b && (p + 1) * kPanel > N) {
-          std::memcpy(last, b, (N - p * kPanel) * sizeof(float));
-          b = last;
-        }
-        for (int64_t m = m0; m < m1; m += kTileRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
-          float* out = y + m * ldy + p * kPanel;
-          if (m == m0)
-            tile_rows<true>(rows, x + m * K, K, panel, K, b, out, ldy);
-          else
-            tile_rows<false>(rows, x + m * K, K, panel, K, b, out, ldy);
-        }
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {  // panels split among threads
+    float last[kPanel] = {};  // the bias of a last, partial panel, zero-padded
+    for (int64_t p = begin; p < end; ++p) {
+      const W* panel = panels + p * K * kPanel;
+      const float* b = bias ? bias + p * kPanel : nullptr;
+      if (b && (p + 1) * kPanel > N) {
+        std::memcpy(last, b, (N - p * kPanel) * sizeof(float));
+        b = last;
       }
-    });
-  }
+      for (int64_t m = 0; m < M; m += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m));
+        float* out = y + m * ldy + p * kPanel;
+        if (m == 0)
+          tile_rows<true>(rows, x + m * K, K, panel, K, b, out, ldy);
+        else
+          tile_rows<false>(rows, x + m * K, K, panel, K, b, out, ldy);
+      }
+    }
+  });
 }
 
 // x [M, K] float32 contiguous; panels [P, K, 32] float32 or bfloat16 contiguous; bias: none
