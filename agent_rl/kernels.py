@@ -29,8 +29,6 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "blocked_linear.cpp"
 PANEL = 32  # output columns per panel (the kernel's kPanel)
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
-# rows from which blocked_linear multiplies a plain copy of the weight with MKL instead
-UNPACK_ROWS = 256
 
 
 def _cpu_flags() -> str:
@@ -99,20 +97,13 @@ def to_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     return out
 
 
-def from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The plain weight ``[out_features, K]`` back from its panels (a new tensor)."""
-    P, K, _ = panels.shape
-    return panels.transpose(1, 2).reshape(P * PANEL, K)[:out_features]
-
-
 def blocked_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                    out_features: int) -> torch.Tensor:
     """``x`` [..., K] times the panelled weight (``to_panels``) plus ``bias`` [out_features]
-    or None: ``[..., out_features]`` in ``x``'s dtype (float32 inside). From ``UNPACK_ROWS``
-    rows on (a prefill, compute-bound) the weight is laid out plainly again for the call and
-    multiplied by MKL, faster there than the kernel (0.75-0.9x MKL at 400-1600 rows)."""
-    if x.numel() >= UNPACK_ROWS * x.shape[-1]:  # a prefill: MKL on the plain layout, rebuilt
-        return torch.nn.functional.linear(x, from_panels(panels, out_features).to(x.dtype), bias)
+    or None: ``[..., out_features]`` in ``x``'s dtype (float32 inside). At many rows (a
+    prefill, compute-bound) this is 0.6-0.9x MKL's speed on a plain weight
+    (``benchmarks/linear_kernel.py``); rebuilding the plain weight for such a call costs as
+    much as it gains."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.to(torch.float32).contiguous()
