@@ -49,8 +49,9 @@ SUPPORTED_TYPES = ("llama", "qwen2")
 # matrix products more per layer, about as long as reading 1 MB here (2 cores)
 SHARED_MIN_BYTES = 1 << 20
 # smaller weights stay plain: the kernel's per-call cost (~15 us) outweighs its gain below
-# this (on 2 cores, at 8 / 32 rows: 256 x 128 0.8x / 0.8x the speed of F.linear, 192 x 576
-# 1.1-1.2x / 1.1x, 576 x 576 1.6x / 1.2-1.4x, 1536 x 576 1.5-1.7x / 1.3x)
+# this (on 2 cores, at 8 / 32 rows, against F.linear: 256 x 128 0.8x / 0.8x, timed ad hoc;
+# 192 x 576 1.45x / 1.19x, 576 x 576 1.47x / 1.21x, 1536 x 576 1.62x / 1.42x,
+# benchmarks/linear_kernel.py)
 PACK_MIN_ELEMENTS = 1 << 16
 
 
@@ -196,8 +197,8 @@ class PackedLinear(torch.nn.Module):
 
     MKL's ``F.linear`` on a plain fp32 weight, and oneDNN's on its own reordered layout, run
     far below the memory bound at the few rows of a decode step (SmolLM2's 1536 x 576
-    projection at 8 rows: ~420 and ~250 us where reading its 3.5 MB takes ~150); the kernel
-    streams it (~170 us). Used by rollout copies (``pack_linears``), never by a trained
+    projection at 8 rows: ~320 and ~265 us where reading its 3.5 MB takes ~150); the kernel
+    ~200 us (``benchmarks/linear_kernel.py``). Used by rollout copies (``pack_linears``), never by a trained
     model: there is no plain ``weight`` to train. ``load(weight)`` takes new weights (a push,
     written into the same panels); ``tied``: the plain parameter the weight is (a head tied
     to the embeddings), re-read by ``reload()`` after that parameter changed."""

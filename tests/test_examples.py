@@ -76,7 +76,6 @@ def test_gpu_check_runs_as_a_cpu_smoke(tmp_path):
     assert 0 <= hf["logprob_diff_mean"] <= hf["logprob_diff_max"]
 
 
-@pytest.mark.slow
 def test_linear_kernel_runs_as_a_smoke(tmp_path):
     """benchmarks/linear_kernel.py --quick: MKL, oneDNN and our kernel timed on one shape at
     1 and 8 rows; its last line is the JSON summary with every side's time."""
@@ -91,9 +90,12 @@ def test_linear_kernel_runs_as_a_smoke(tmp_path):
     for rows in ("1", "8"):
         figures = summary["192x576"][rows]
         assert all(figures[side] > 0 for side in ("mkl", "onednn", "ours"))
-        assert figures["ours_gb_s"] == pytest.approx(192 * 576 * 4 / figures["ours"] / 1e3, rel=0.02)
+        # both printed rounded to 0.1: GB/s within half of that of what the time implies
+        assert figures["ours_gb_s"] == pytest.approx(192 * 576 * 4 / figures["ours"] / 1e3,
+                                                     rel=0.01, abs=0.051)
 
 
+@pytest.mark.slow
 def test_rollout_throughput_runs_as_a_smoke(tmp_path):
     """benchmarks/rollout_throughput.py on the tiny model: every workload ran both policies
     (HFPolicy and the plain model.generate loop) and the decode figures are against a

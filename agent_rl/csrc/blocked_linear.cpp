@@ -8,7 +8,7 @@
 // 16 vector accumulators, and per k two vector loads of the panel and one broadcast of x per
 // row (GCC vector extensions; -march=native turns a 16-float vector into one AVX-512
 // register, or two AVX ones). At a decode step's few rows the weight is read once from
-// memory, which is the cost: the first tile's pass prefetches PREFETCH_BYTES ahead in the
+// memory, which is the cost: the first tile's pass prefetches kPrefetchBytes ahead in the
 // stream (the hardware prefetcher alone left a 2-core machine at ~14 GB/s of its ~24 at 8
 // rows), later tiles of the same panel find it in L2.
 //
