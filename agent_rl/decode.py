@@ -146,7 +146,7 @@ class StaticDecoder:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # [A, 1, d]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [A, 1, 1, d]
         attend = mask.bool()[:, None, None, :]  # [A, 1, 1, L + s + 1]
-        padding = ~attend[..., :L]  # [A, 1, 1, L]
+        padding = ~attend[..., :L] if self.shared else None  # [A, 1, 1, L]
         A = x.shape[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn

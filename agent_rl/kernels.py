@@ -63,7 +63,7 @@ def load() -> bool:
     from torch.utils.cpp_extension import load as build
 
     try:
-        print("agent_rl.kernels: loading blocked_linear (compiled once per machine, ~30 s)",
+        print("agent_rl.kernels: loading blocked_linear (built once per machine, a few seconds)",
               file=sys.stderr, flush=True)
         build(build_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
