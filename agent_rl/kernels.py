@@ -12,8 +12,8 @@ Built at first use with ``torch.utils.cpp_extension`` (the compiler on PATH, nin
 through torch's own runtime; ``-O3 -march=native``), once per machine: the build folder is
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, named by a hash of the source, the
 CPU's instruction-set flags and the torch version, so a cached build never runs on a CPU it
-was not compiled for. ``load()`` returns None (and warns once, naming why) where it cannot be
-built; callers then keep plain weights.
+was not compiled for. ``load()`` returns False (and warns once, naming why) where it cannot
+be built; callers then keep plain weights.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def blocked_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | N
                    out_features: int) -> torch.Tensor:
     """``x`` [..., K] times the panelled weight (``to_panels``) plus ``bias`` [out_features]
     or None: ``[..., out_features]`` in ``x``'s dtype (float32 inside). At many rows (a
-    prefill, compute-bound) this is 0.6-0.9x MKL's speed on a plain weight
-    (``benchmarks/linear_kernel.py``); rebuilding the plain weight for such a call costs as
+    prefill, compute-bound) this is 0.56-1.08x MKL's speed on a plain weight (400 rows,
+    ``benchmarks/linear_kernel.py``); rebuilding the plain weight for such a call costs as
     much as it gains."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if rows.dtype != torch.float32 or not rows.is_contiguous():
