@@ -201,7 +201,9 @@ class PackedLinear(torch.nn.Module):
     ~200 us (``benchmarks/linear_kernel.py``). Used by rollout copies (``pack_linears``), never by a trained
     model: there is no plain ``weight`` to train. ``load(weight)`` takes new weights (a push,
     written into the same panels); ``tied``: the plain parameter the weight is (a head tied
-    to the embeddings), re-read by ``reload()`` after that parameter changed."""
+    to the embeddings), re-read by ``reload()`` after that parameter changed. ``release()``
+    frees the panels' memory (a ``PackedGroup``'s: all its parts') until ``load`` or
+    ``reload`` writes them again; ``stale`` says a part has not been written since."""
 
     def __init__(self, linear: torch.nn.Linear, tied: torch.nn.Parameter | None = None,
                  panels: torch.Tensor | None = None):
@@ -211,19 +213,31 @@ class PackedLinear(torch.nn.Module):
         self.tied = tied
         # [P, K, 32]; ``panels``: where to hold them (a PackedGroup's share)
         self.panels = kernels.to_panels(linear.weight.detach(), out=panels)
+        self._storage_bytes = self.panels.untyped_storage().nbytes()  # a group's: all parts'
+        self.stale = False
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"PackedLinear: a weight of shape {tuple(weight.shape)} for a "
                              f"{self.in_features} -> {self.out_features} layer")
+        storage = self.panels.untyped_storage()
+        if storage.nbytes() == 0:  # released: memory again (its views stay valid)
+            storage.resize_(self._storage_bytes)
         kernels.to_panels(weight.detach().to(self.panels.dtype), out=self.panels)
+        self.stale = False
 
     def reload(self) -> None:
         if self.tied is not None:
             self.load(self.tied)
 
+    def release(self) -> None:
+        self.panels.untyped_storage().resize_(0)
+        self.stale = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stale:
+            raise RuntimeError("PackedLinear: its weights were released and not loaded since")
         return kernels.blocked_linear(x, self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
@@ -249,6 +263,8 @@ class PackedGroup(torch.nn.Module):
                         for start, linear in zip(starts, linears, strict=True)]
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if any(part.stale for part in self.parts):
+            raise RuntimeError("PackedGroup: its weights were released and not loaded since")
         y = kernels.blocked_linear(x, self.panels, None, self.panels.shape[0] * kernels.PANEL)
         return [y[..., c:c + n] if part.bias is None else y[..., c:c + n] + part.bias
                 for part, (c, n) in zip(self.parts, self.columns, strict=True)]

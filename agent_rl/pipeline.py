@@ -31,17 +31,37 @@ class SyncedPolicy:
     ``push`` snapshots the tensors (the trainer goes on updating its own in place) and may be
     called from any thread; ``generate`` applies the newest snapshot first, through the wrapped
     policy's ``load_weights(named_tensors, revision)``. Everything else is the wrapped policy's.
+
+    ``synchronous=True`` (rollouts and updates take turns on one thread, max_policy_lag 0):
+    ``push`` loads the tensors at once, as they come, with no snapshot (for SmolLM2's merged
+    LoRA weights a snapshot held 427 MB until the next rollout, on top of the copy itself).
     """
 
-    def __init__(self, policy: Any):
+    def __init__(self, policy: Any, synchronous: bool = False):
         self.policy = policy
+        self.synchronous = synchronous
         self._lock = threading.Lock()
         self._pending: tuple[list[tuple[str, torch.Tensor]], int] | None = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
+        if self.synchronous:
+            with self._lock:
+                self._pending = None
+            self.policy.load_weights(named_tensors, revision)
+            return
         snapshot = [(name, t.detach().clone()) for name, t in named_tensors]  # same device
         with self._lock:
             self._pending = (snapshot, revision)
+
+    def release(self) -> int:
+        """Free the wrapped policy's weights until the next push, where it can
+        (``HFPolicy.release_weights``; 0 bytes elsewhere): only a synchronous policy, which
+        nothing samples from while the trainer trains. Returns the bytes freed."""
+        if not self.synchronous:
+            raise RuntimeError("SyncedPolicy.release: rollouts run beside training "
+                               "(max_policy_lag > 0); their weights cannot be released")
+        release = getattr(self.policy, "release_weights", None)
+        return release() if release is not None else 0
 
     def apply_pending(self) -> None:
         with self._lock:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -194,6 +194,10 @@ class HFPolicy:
     # --- rollout -------------------------------------------------------------------------
     def generate(self, batch: Sequence[list[dict[str, Any]]], sampling: Sampling) -> list[Completion]:
         """One completion per conversation, in order. Reproducible for a given ``sampling.seed``."""
+        stale = [name for name, packed in self.packed.items() if packed.stale]
+        if stale:
+            raise RuntimeError(f"HFPolicy: {len(stale)} packed weights were released and not "
+                               f"pushed since ({stale[0]}, ...): load_weights before sampling")
         prompts, rows, completions, base = chat_prompts(self.tokenizer, batch, sampling, self.revision,
                                                         memo=self.prompt_memo)
         was_training = self.model.training
@@ -281,16 +285,17 @@ class HFPolicy:
             for ids, lps, prompt in zip(tokens, logprobs, prompts, strict=True)
         ]
 
-    def weights_to_push(self, model: Any) -> list[tuple[str, torch.Tensor]]:
-        """What this policy's weight copy of ``model`` is sent after an update: the trainable
-        tensors (the frozen ones never change); for a copy with a LoRA model's adapters merged
-        in (``models.rollout_copy``), the merged weights of the layers the adapters change."""
+    def weights_to_push(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """What this policy's weight copy of ``model`` is sent after an update, one tensor at a
+        time (a consumer that loads as it goes never holds them all): the trainable tensors
+        (the frozen ones never change); for a copy with a LoRA model's adapters merged in
+        (``models.rollout_copy``), the merged weights of the layers the adapters change."""
         if hasattr(model, "get_base_model") and not hasattr(self.model, "get_base_model"):
             changed = {name.partition(".lora_")[0] if ".lora_" in name else name.rpartition(".")[0]
                        for name, p in model.get_base_model().named_parameters() if p.requires_grad}
-            return [(name, t) for name, t in named_weights_for_push(model)
-                    if name.rpartition(".")[0] in changed]
-        return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            return ((name, t) for name, t in named_weights_for_push(model)
+                    if name.rpartition(".")[0] in changed)
+        return ((name, p) for name, p in model.named_parameters() if p.requires_grad)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
@@ -307,7 +312,25 @@ class HFPolicy:
             params[name].copy_(tensor)
             if id(params[name]) in tied:  # a packed head tied to these embeddings re-reads them
                 tied[id(params[name])].reload()
+        for packed in self.packed.values():
+            if packed.stale and packed.tied is not None:  # released: re-read (nothing pushed)
+                packed.reload()
         self.revision = revision
+
+    def release_weights(self) -> int:
+        """Free this rollout copy's packed weights (``decode.PackedLinear.release``) until the
+        next ``load_weights``, which writes them again (a head tied to the embeddings re-reads
+        them): the memory a synchronous trainer needs while the copy is not sampling (538 MB
+        of SmolLM2's merged LoRA copy). A push must then carry every packed projection (what
+        ``weights_to_push`` sends when the trainer trains them all, as LoRA's all-linear
+        adapters do); until it has, sampling raises. Returns the bytes freed; 0 when nothing
+        is packed (the plain weights are kept)."""
+        freed = {}
+        for packed in self.packed.values():
+            storage = packed.panels.untyped_storage()
+            freed.setdefault(storage.data_ptr(), storage.nbytes())
+            packed.release()
+        return sum(freed.values())
 
     # --- training ------------------------------------------------------------------------
     def logprobs(

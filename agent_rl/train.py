@@ -34,6 +34,7 @@ difference (``grpo.behaviour_correction``).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -46,6 +47,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import envs
 from agent_rl import checkpoint, curriculum
@@ -105,6 +108,9 @@ from evals.run import run_eval, write_episodes, write_records
 from evals.splits import LeakageError, check_leakage
 from trajectories import RolloutStore
 
+# how a decoder layer recomputes its activations in backward (``recompute_layers``)
+RECOMPUTE = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
 
 @dataclass
 class RunResult:
@@ -146,8 +152,6 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     model, tokenizer = initial_model(contract.model)
     if contract.model.adapter == "lora":
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
-    if contract.optim.activation_checkpointing:  # layers recomputed in backward: less memory
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     reference = load_reference(contract, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -307,6 +311,8 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
             # taken bumps the policy revision that later samples record, and the policies
             # holding their own weights (a copy, a vLLM engine) get the new ones
             t1 = time.perf_counter()
+            if not lag_bound and rollout_policy is not policy:
+                rollout_policy.release()  # the copy's weights: unread until the push below
             update, prox = {}, {}
             for _ in range(contract.optim.updates_per_batch):
                 update = {**update, **policy_update(backend, reference, fresh, contract,
@@ -468,6 +474,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     for k in range(passes):
         if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
             batch = device_batch(micro[0], rendered, pad_id, device)
+            recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
             with autocast(device, dtype):
                 logits = trained_token_logits(model, batch)  # [N, V]
             backend.backward(logits.sum() * 0.0)
@@ -476,6 +483,9 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
         bins = micro[index]
         batch = device_batch(bins, rendered, pad_id, device)
         members = [k for rows in bins for row in rows for k in row.members]
+        # micro_tokens bounds the activations kept: a longer row (a shared prompt with its
+        # samples is never split) recomputes a share of its layers in backward
+        recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
         with autocast(device, dtype):
             logits = trained_token_logits(model, batch)  # [N, V]
         logprobs = picked_logprobs(logits, batch["target"], temperature)  # [N]
@@ -590,6 +600,23 @@ def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                                  position_ids=batch["position_ids"],
                                  use_cache=False).last_hidden_state  # [R, T, H]
     return model.get_output_embeddings()(hidden.reshape(R * T, -1)[flat])  # [N, V]
+
+
+def recompute_layers(model, batch: dict[str, torch.Tensor], micro_tokens: int,
+                     every: bool = False) -> int:
+    """Make the decoder layers of ``model`` recompute their activations in backward instead of
+    keeping them (non-reentrant checkpointing through transformers' per-layer switch: the same
+    values, so the same gradients), for all of them when ``every``, else for just enough that
+    the activations kept are those of ``micro_tokens`` tokens: for a micro-batch of T > B =
+    ``micro_tokens`` tokens (padding included), ceil(L (1 - B / T)) of its L layers. Returns
+    how many."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    tokens = batch["input_ids"].numel()
+    count = len(layers) if every else math.ceil(len(layers) * max(0.0, 1.0 - micro_tokens / tokens))
+    for i, layer in enumerate(layers):
+        layer._gradient_checkpointing_func = RECOMPUTE
+        layer.gradient_checkpointing = i < count
+    return count
 
 
 def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
@@ -732,8 +759,8 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
                           compute_dtype="float32" if rollout.dtype else contract.model.dtype,
                           pack_weights=True)
         engine.revision = policy.revision
-        return SyncedPolicy(engine)
-    synced = SyncedPolicy(engine)
+        return SyncedPolicy(engine, synchronous=not rollout.max_policy_lag)
+    synced = SyncedPolicy(engine, synchronous=not rollout.max_policy_lag)
     synced.push(synced.weights_to_push(model), policy.revision)
     return synced
 

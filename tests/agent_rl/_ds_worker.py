@@ -28,7 +28,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from agent_rl import checkpoint, distributed
+from agent_rl import checkpoint, distributed, train
 from agent_rl.models import tiny_model
 
 LENGTHS = (9, 13, 6, 11)
@@ -86,6 +86,8 @@ def run(spec: dict, out_dir: Path) -> None:
         loss_sum = 0.0
         for k in range(n):
             members, weight = (mine[k], 1.0) if k < len(mine) else (mine[0], 0.0)
+            if spec.get("recompute"):  # every decoder layer recomputed in backward
+                train.recompute_layers(backend.module, {"input_ids": seqs[members[0]]}, 1, every=True)
             loss, tokens = micro_loss(backend.model, seqs, members)
             if step == spec.get("poison_step"):
                 loss = loss * float("inf")

@@ -49,6 +49,7 @@ WORLD_OF_ONE = [
     {"name": "zero3", "backend": "deepspeed", "zero": 3, "save_after": 2},
     {"name": "zero2-offload", "backend": "deepspeed", "zero": 2, "offload": "cpu"},
     {"name": "zero3-offload", "backend": "deepspeed", "zero": 3, "offload": "cpu"},
+    {"name": "zero3-recompute", "backend": "deepspeed", "zero": 3, "recompute": True},
     *({"name": f"{name}-poisoned", "backend": backend, "zero": z, "poison_step": 2}
       for name, backend, z in (("torch", "torch", 0), ("zero0", "deepspeed", 0),
                                ("zero2", "deepspeed", 2), ("zero3", "deepspeed", 3))),
@@ -131,7 +132,7 @@ def two_ranks(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero2-offload",
-                                  "zero3-offload"])
+                                  "zero3-offload", "zero3-recompute"])
 def test_deepspeed_world_of_one_matches_torch(world_of_one, name):
     torch_run, ds_run = world_of_one["torch"], world_of_one[name]
     assert ds_run["world_size"] == 1

@@ -57,6 +57,45 @@ def test_synced_policy_takes_pushed_weights_at_its_next_generate():
     assert policy.revision == 3
 
 
+def test_synchronous_push_loads_at_once_as_the_tensors_come():
+    loaded = []
+
+    class Recorder(Counter):
+        def load_weights(self, named_tensors, revision):
+            for name, t in named_tensors:  # a consumer that loads as it goes
+                loaded.append((name, t.data_ptr(), len(made)))
+            self.revision = revision
+
+    made = []
+
+    def weights():  # a producer of fresh tensors, like merged LoRA weights
+        for name in ("a", "b"):
+            made.append(torch.full((2,), float(len(made))))
+            yield name, made[-1]
+
+    policy = SyncedPolicy(Recorder(), synchronous=True)
+    policy.push(weights(), revision=4)
+    assert policy.revision == 4  # applied in push, not at the next generate
+    # each tensor loaded before the next was made, and as given (no snapshot copy)
+    assert loaded == [("a", made[0].data_ptr(), 1), ("b", made[1].data_ptr(), 2)]
+    assert policy.generate(["x"], None) == [4]
+
+
+def test_only_a_synchronous_policy_releases_its_weights():
+    released = []
+
+    class Releasing(Counter):
+        def release_weights(self):
+            released.append(True)
+            return 123
+
+    assert SyncedPolicy(Releasing(), synchronous=True).release() == 123 and released == [True]
+    assert SyncedPolicy(Counter(), synchronous=True).release() == 0  # nothing it can free
+    with pytest.raises(RuntimeError, match="max_policy_lag > 0"):
+        SyncedPolicy(Releasing()).release()
+    assert released == [True]
+
+
 def test_synchronous_produces_on_take():
     calls = []
     with Synchronous(lambda step: calls.append(step) or step * 10) as rollouts:

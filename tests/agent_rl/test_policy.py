@@ -309,12 +309,55 @@ def test_a_merged_rollout_copy_takes_the_adapters_weights():
             if "lora_B" in name:
                 p.add_(0.05)
         policy = HFPolicy(copy_, tok)
-        pushed = policy.weights_to_push(lora)
+        pushed = list(policy.weights_to_push(lora))
         assert pushed and all(n.endswith(("_proj.weight", "_proj.bias")) for n, _ in pushed)
         assert {n for n, _ in pushed} <= dict(copy_.named_parameters()).keys()
         policy.load_weights(pushed, revision=1)
         torch.testing.assert_close(copy_(ids).logits, lora(ids).logits, atol=1e-5, rtol=0)
     assert policy.revision == 1
+
+
+def test_a_released_packed_copy_frees_its_panels_until_a_push_writes_them(monkeypatch):
+    """HFPolicy.release_weights (a synchronous trainer's rollout copy while it trains): every
+    packed panel tensor's memory is freed (the bytes returned are the panels' own: hand-summed
+    from the tiny Llama's shapes), sampling refuses, and the next push of a LoRA model's merged
+    weights writes them again, the head tied to the (unpushed, frozen) embeddings re-reading
+    them: the LoRA model's logits once more, and sampling as before the release."""
+    from agent_rl import decode
+    from agent_rl.models import rollout_copy
+    from agent_rl.train import add_lora
+
+    monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)
+    model, tok = tiny_model(seed=0)
+    lora = add_lora(model, 4, 8)
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    policy = HFPolicy(rollout_copy(lora), tok, pack_weights=True)
+    sampling = Sampling(temperature=1.0, max_new_tokens=6, seed=5)
+    before = [c.token_ids for c in policy.generate(CONVS, sampling)]
+    c = policy.model.config
+    H, M, kv, V, L = c.hidden_size, c.intermediate_size, c.num_key_value_heads, c.vocab_size, c.num_hidden_layers
+    d = H // c.num_attention_heads
+    per_layer = (H + 2 * kv * d) * H + H * H + 2 * M * H + H * M  # qkv, o, gate+up, down
+    assert policy.release_weights() == 4 * (L * per_layer + V * H)  # float32, all multiples of 32
+    assert all(p.panels.untyped_storage().nbytes() == 0 for p in policy.packed.values())
+    with pytest.raises(RuntimeError, match="released and not pushed since"):
+        policy.generate(CONVS, sampling)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # an update of the adapters only
+    pushed = list(policy.weights_to_push(lora))
+    assert not any("embed" in name or "lm_head" in name for name, _ in pushed)
+    policy.load_weights(pushed, revision=1)
+    assert not any(p.stale for p in policy.packed.values())
+    with torch.no_grad():
+        torch.testing.assert_close(policy.model(ids).logits, lora(ids).logits, atol=1e-4, rtol=0)
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.zero_()  # back to the weights sampled from before the release
+    policy.release_weights()
+    policy.load_weights(policy.weights_to_push(lora), revision=2)
+    assert [c.token_ids for c in policy.generate(CONVS, sampling)] == before
 
 
 def tiny_qwen2(seed=0):

@@ -777,3 +777,41 @@ def test_update_kl_is_k3_of_old_policy_samples(tmp_path):
     assert kl(own) == pytest.approx(0.0, abs=1e-6)
     assert kl(own + 5.0) == pytest.approx(math.exp(-5) - 1 + 5, rel=1e-4)
     assert kl(own - 5.0) == pytest.approx(math.exp(5) - 1 - 5, rel=1e-4)  # probability rose
+
+
+def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gradients():
+    """train.recompute_layers: for T tokens over a budget of B, ceil(L (1 - B / T)) of the L
+    decoder layers recompute in backward (hand-computed for the tiny model's L = 2), all of
+    them under optim.activation_checkpointing; the activations kept for backward shrink and
+    the gradients stay bit for bit the same."""
+    from agent_rl.models import tiny_model
+
+    model, _ = tiny_model(seed=0)
+    model.train()
+    layers = model.model.layers
+
+    def batch(rows, cols):
+        return {"input_ids": torch.randint(3, 60, (rows, cols), generator=torch.Generator().manual_seed(1))}
+
+    assert train.recompute_layers(model, batch(1, 10), 10) == 0  # within the budget
+    assert train.recompute_layers(model, batch(1, 15), 10) == 1  # ceil(2 * (1 - 10/15)) = ceil(0.67)
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    assert train.recompute_layers(model, batch(2, 20), 10) == 2  # ceil(2 * 0.75); padding counts
+    assert train.recompute_layers(model, batch(1, 4), 10, every=True) == 2
+
+    ids = batch(1, 15)["input_ids"]
+    kept, grads = {}, {}
+    for budget in (100, 10):  # no layer recomputed, then one
+        train.recompute_layers(model, batch(1, 15), budget)
+        model.zero_grad()
+        kept[budget] = 0
+
+        def keep(t, budget=budget):
+            kept[budget] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            model(input_ids=ids, use_cache=False).logits.logsumexp(-1).sum().backward()
+        grads[budget] = [p.grad.clone() for p in model.parameters()]
+    assert kept[10] < 0.8 * kept[100]
+    assert all(torch.equal(a, b) for a, b in zip(grads[10], grads[100], strict=True))
