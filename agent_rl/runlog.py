@@ -115,6 +115,8 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "rollout/data_wait_s": wait_s,
         **{k: v for k, v in update.items() if k.startswith("rollout/")},
         "train/tokens": update.get("tokens", 0),
+        # decoder-layer work recomputed in backward (rows over optim.micro_batch_tokens)
+        "train/recomputed_frac": update.get("train/recomputed_frac", 0.0),
         "train/tokens_per_s": update.get("tokens", 0) / max(train_s, 1e-9),
         "train/seconds": train_s,
         "train/sequences": len(batch.sequences),

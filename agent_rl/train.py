@@ -485,7 +485,9 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
         members = [k for rows in bins for row in rows for k in row.members]
         # micro_tokens bounds the activations kept: a longer row (a shared prompt with its
         # samples is never split) recomputes a share of its layers in backward
-        recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
+        recomputed = recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
+        sums["layer_tokens/recomputed"] += recomputed * batch["input_ids"].numel()
+        sums["layer_tokens/computed"] += layer_count(model) * batch["input_ids"].numel()
         with autocast(device, dtype):
             logits = trained_token_logits(model, batch)  # [N, V]
         logprobs = picked_logprobs(logits, batch["target"], temperature)  # [N]
@@ -533,6 +535,8 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
         loss_sum, sums = sum_over_ranks(backend.all_gather_object((loss_sum, dict(sums))))
     # clipped to optim.grad_clip; a non-finite loss or gradient skips the step (counted: the
     # guards decide when to stop) and leaves weights and optimizer state alone
+    computed, recomputed = sums.pop("layer_tokens/computed", 0), sums.pop("layer_tokens/recomputed", 0)
+    sums["train/recomputed_frac"] = recomputed / max(computed, 1)  # of decoder-layer work
     stepped = backend.step()
     grad_norm, finite = stepped.grad_norm, stepped.stepped and math.isfinite(loss_sum)
     if finite:
@@ -610,13 +614,22 @@ def recompute_layers(model, batch: dict[str, torch.Tensor], micro_tokens: int,
     the activations kept are those of ``micro_tokens`` tokens: for a micro-batch of T > B =
     ``micro_tokens`` tokens (padding included), ceil(L (1 - B / T)) of its L layers. Returns
     how many."""
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = checkpointing_layers(model)
     tokens = batch["input_ids"].numel()
     count = len(layers) if every else math.ceil(len(layers) * max(0.0, 1.0 - micro_tokens / tokens))
     for i, layer in enumerate(layers):
         layer._gradient_checkpointing_func = RECOMPUTE
         layer.gradient_checkpointing = i < count
     return count
+
+
+def checkpointing_layers(model) -> list[GradientCheckpointingLayer]:
+    """The decoder layers of ``model`` that can recompute in backward (transformers')."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def layer_count(model) -> int:
+    return len(checkpointing_layers(model))
 
 
 def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):

@@ -724,6 +724,9 @@ def test_activation_checkpointing_changes_memory_not_numbers(tmp_path, adapter):
     assert [m["optim/grad_norm"] for m in on] == [m["optim/grad_norm"] for m in off]
     assert all(m["optim/grad_norm"] > 0 for m in off)  # a real update was compared
     assert on_weights == off_weights
+    # the share of decoder-layer work recomputed: all of it, none (the tiny rows fit in 512)
+    assert [m["train/recomputed_frac"] for m in on] == [1.0, 1.0]
+    assert [m["train/recomputed_frac"] for m in off] == [0.0, 0.0]
 
 
 def test_kl_update_measures_the_update_not_the_rollout_mismatch(tmp_path):
