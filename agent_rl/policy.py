@@ -185,6 +185,7 @@ class HFPolicy:
         # they can, float32 compute only (autocast does not reach the packed products)
         self.packed = (decode.pack_linears(self.model)
                        if pack_weights and as_dtype(compute_dtype) == torch.float32 else {})
+        self.pushed: set[str] = set()  # packed weights load_weights has written
 
     def count_tokens(self, messages: Sequence[dict[str, Any]]) -> int:
         """Prompt tokens of a conversation as this policy sees it (chat template, generation
@@ -306,6 +307,7 @@ class HFPolicy:
         for name, tensor in named_tensors:
             if name in self.packed:  # a packed projection: reordered from the new weight
                 self.packed[name].load(tensor)
+                self.pushed.add(name)
                 continue
             if name not in params:
                 raise KeyError(f"load_weights: the rollout model has no parameter {name!r}")
@@ -318,19 +320,25 @@ class HFPolicy:
         self.revision = revision
 
     def release_weights(self) -> int:
-        """Free this rollout copy's packed weights (``decode.PackedLinear.release``) until the
-        next ``load_weights``, which writes them again (a head tied to the embeddings re-reads
-        them): the memory a synchronous trainer needs while the copy is not sampling (538 MB
-        of SmolLM2's merged LoRA copy). A push must then carry every packed projection (what
-        ``weights_to_push`` sends when the trainer trains them all, as LoRA's all-linear
-        adapters do); until it has, sampling raises. Returns the bytes freed; 0 when nothing
-        is packed (the plain weights are kept)."""
-        freed = {}
+        """Free this rollout copy's packed weights that the next ``load_weights`` writes again
+        (``decode.PackedLinear.release``): the memory a synchronous trainer needs while the
+        copy is not sampling (538 MB of SmolLM2's merged LoRA copy). Those are the ones a push
+        has written before (a push carries every weight that changes: one never pushed is
+        frozen, and kept) and heads tied to a parameter (re-read at the next push); a panel
+        tensor shared by several projections (``decode.PackedGroup``) only when all of them
+        are. Sampling before the next push raises. Returns the bytes freed."""
+        shared: dict[int, list[decode.PackedLinear]] = {}
         for packed in self.packed.values():
-            storage = packed.panels.untyped_storage()
-            freed.setdefault(storage.data_ptr(), storage.nbytes())
-            packed.release()
-        return sum(freed.values())
+            if not packed.stale:
+                shared.setdefault(packed.panels.untyped_storage().data_ptr(), []).append(packed)
+        releasable = {id(p) for name, p in self.packed.items() if name in self.pushed or p.tied is not None}
+        freed = 0
+        for parts in shared.values():
+            if all(id(p) in releasable for p in parts):
+                freed += parts[0].panels.untyped_storage().nbytes()
+                for p in parts:
+                    p.release()
+        return freed
 
     # --- training ------------------------------------------------------------------------
     def logprobs(

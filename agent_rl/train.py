@@ -766,13 +766,15 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
     else:
         # LoRA merged, in rollout.dtype (autocast as the trainer when that is unset); its own
         # tokenizer too: a fast tokenizer is not safe to share across threads. The copy holds
-        # the weights a push would send now (merged the same way): only their revision is set
+        # the weights a push would send now (merged the same way); a synchronous one takes
+        # them in a push anyway (loaded as they come), which marks what it may release later
         engine = HFPolicy(rollout_copy(model, rollout.dtype or "float32"), copy.deepcopy(tokenizer),
                           device=policy.device,
                           compute_dtype="float32" if rollout.dtype else contract.model.dtype,
                           pack_weights=True)
         engine.revision = policy.revision
-        return SyncedPolicy(engine, synchronous=not rollout.max_policy_lag)
+        if rollout.max_policy_lag:
+            return SyncedPolicy(engine)
     synced = SyncedPolicy(engine, synchronous=not rollout.max_policy_lag)
     synced.push(synced.weights_to_push(model), policy.revision)
     return synced

@@ -162,8 +162,16 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
             assert p[f"{kind}_padded_tokens"] >= s["shared_tokens"]
             assert p[f"{kind}_waste"] == pytest.approx(1 - s["shared_tokens"] / p[f"{kind}_padded_tokens"], abs=1e-4)
         assert p["packed_padded_tokens"] <= p["unpacked_padded_tokens"]
+        # every row's T^2 query x key pairs, at least those of its real tokens laid end to end
+        assert s[f"attention_pairs_{micro}"] >= p["packed_padded_tokens"]
+    from agent_rl.models import tiny_model
+
+    config = tiny_model(0)[0].config
+    assert s["attention_flops_per_step"] == (
+        12 * config.hidden_size * config.num_hidden_layers * s["attention_pairs_micro512"])
     for dtype in ("float32", "bfloat16"):
         d = s[dtype]
+        assert 0.0 <= d["recomputed_frac"] <= 1.0 and d["of_peak_all_work"] > d["of_peak"]
         # achieved is printed to 0.1 GFLOP/s and of_peak to 1e-4: tiny figures round coarsely
         assert d["step_s"] > 0 and d["of_peak"] == pytest.approx(
             d["achieved_gflop_s"] / d["matmul_peak_gflop_s"],

@@ -317,29 +317,43 @@ def test_a_merged_rollout_copy_takes_the_adapters_weights():
     assert policy.revision == 1
 
 
-def test_a_released_packed_copy_frees_its_panels_until_a_push_writes_them(monkeypatch):
-    """HFPolicy.release_weights (a synchronous trainer's rollout copy while it trains): every
-    packed panel tensor's memory is freed (the bytes returned are the panels' own: hand-summed
-    from the tiny Llama's shapes), sampling refuses, and the next push of a LoRA model's merged
-    weights writes them again, the head tied to the (unpushed, frozen) embeddings re-reading
-    them: the LoRA model's logits once more, and sampling as before the release."""
+def panel_bytes(config, head: bool) -> int:
+    """float32 bytes of a tiny model's packed projections (+ its head): hand-summed shapes,
+    all multiples of the 32-column panel."""
+    H, M, kv, V, L = (config.hidden_size, config.intermediate_size, config.num_key_value_heads,
+                      config.vocab_size, config.num_hidden_layers)
+    d = H // config.num_attention_heads
+    per_layer = (H + 2 * kv * d) * H + H * H + 2 * M * H + H * M  # qkv, o, gate+up, down
+    return 4 * (L * per_layer + (V * H if head else 0))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_released_packed_copy_frees_its_panels_until_a_push_writes_them(kind, monkeypatch):
+    """HFPolicy.release_weights (a synchronous trainer's rollout copy while it trains) frees
+    the packed weights a push has written and heads tied to a parameter: before any push only
+    the llama's tied head; after a push of a LoRA model's merged weights every projection too,
+    but never the qwen2's untied head, which LoRA leaves frozen and no push carries (bytes
+    hand-summed from the shapes). Sampling then refuses; the next push writes them again (the
+    tied head re-reading the frozen embeddings): the LoRA model's logits once more, and the
+    same samples as before the release."""
     from agent_rl import decode
     from agent_rl.models import rollout_copy
     from agent_rl.train import add_lora
 
     monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)
-    model, tok = tiny_model(seed=0)
+    model, tok = tiny_model(seed=0) if kind == "llama" else tiny_qwen2()
+    tied = kind == "llama"
     lora = add_lora(model, 4, 8)
     ids = torch.tensor([[5, 9, 14, 3, 7]])
     policy = HFPolicy(rollout_copy(lora), tok, pack_weights=True)
+    config = policy.model.config
+    head = policy.model.get_output_embeddings()
     sampling = Sampling(temperature=1.0, max_new_tokens=6, seed=5)
     before = [c.token_ids for c in policy.generate(CONVS, sampling)]
-    c = policy.model.config
-    H, M, kv, V, L = c.hidden_size, c.intermediate_size, c.num_key_value_heads, c.vocab_size, c.num_hidden_layers
-    d = H // c.num_attention_heads
-    per_layer = (H + 2 * kv * d) * H + H * H + 2 * M * H + H * M  # qkv, o, gate+up, down
-    assert policy.release_weights() == 4 * (L * per_layer + V * H)  # float32, all multiples of 32
-    assert all(p.panels.untyped_storage().nbytes() == 0 for p in policy.packed.values())
+    assert policy.release_weights() == (4 * config.vocab_size * config.hidden_size if tied else 0)
+    policy.load_weights(policy.weights_to_push(lora), revision=0)
+    assert policy.release_weights() == panel_bytes(config, head=tied)
+    assert head.stale == tied and (head.panels.untyped_storage().nbytes() == 0) == tied
     with pytest.raises(RuntimeError, match="released and not pushed since"):
         policy.generate(CONVS, sampling)
     with torch.no_grad():
