@@ -8,12 +8,12 @@ episode) rolled out by the model itself, every group kept. One optimizer step of
 best of ``--repeats``. FLOPs counted: 6 x (parameters outside the embedding) x (tokens the
 decoder computes: each group's shared prompt once) + 6 x (head parameters) x (trained
 tokens: the vocabulary projection runs only there); attention's own FLOPs are not counted,
-so that fraction is a lower bound. Printed beside it, the fraction counting all the work the
-step does: attention as computed (a packed row attends under a block mask, so all T^2 query
-x key pairs of a row of T tokens: 12 x hidden size x layers x T^2 a row, forward and
-backward), and the forward work a row longer than ``optim.micro_batch_tokens`` recomputes in
-backward (``train.recompute_layers``; its share of the layer work, ``train/recomputed_frac``,
-times the forward's FLOPs).
+so that fraction is a lower bound. Printed beside it: the fraction counting attention as
+computed (a packed row attends under a block mask, so all T^2 query x key pairs of a row of T
+tokens: 12 x hidden size x layers x T^2 a row, forward and backward), and the fraction
+counting that and the forward work a row longer than ``optim.micro_batch_tokens``
+recomputes in backward (``train.recompute_layers``; its share of the layer work,
+``train/recomputed_frac``, times the forward's FLOPs).
 
 Padding, as fractions of the tokens computed, in micro-batches of at most 512 tokens
 (``optim.micro_batch_tokens``' default) and of 2048: the trainer's packed micro-batches (each group's
@@ -113,12 +113,13 @@ def main() -> None:
         result[dtype] = {"step_s": round(seconds, 3), "achieved_gflop_s": round(flops / seconds / 1e9, 1),
                          "matmul_peak_gflop_s": round(peak / 1e9, 1),
                          "of_peak": round(flops / seconds / peak, 4),
+                         "of_peak_with_attention": round((flops + attention) / seconds / peak, 4),
                          "recomputed_frac": round(share, 4),
                          "of_peak_all_work": round(work / seconds / peak, 4)}
         print(f"{dtype:<9} step {seconds:6.2f} s  {flops / seconds / 1e9:6.1f} GFLOP/s of "
-              f"{peak / 1e9:6.1f} peak ({flops / seconds / peak:.0%}); {share:.0%} of the layer "
-              f"work recomputed; counting attention and recomputing {work / seconds / peak:.0%}",
-              flush=True)
+              f"{peak / 1e9:6.1f} peak ({flops / seconds / peak:.0%}); counting attention "
+              f"{(flops + attention) / seconds / peak:.0%}; {share:.0%} of the layer work "
+              f"recomputed, counting that too {work / seconds / peak:.0%}", flush=True)
     for micro_tokens in MICRO_TOKENS:
         p = result[f"micro{micro_tokens}"]
         print(f"padding, micro-batches of {micro_tokens}: {result['session_tokens']} session tokens, "

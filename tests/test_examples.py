@@ -171,7 +171,8 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
         12 * config.hidden_size * config.num_hidden_layers * s["attention_pairs_micro512"])
     for dtype in ("float32", "bfloat16"):
         d = s[dtype]
-        assert 0.0 <= d["recomputed_frac"] <= 1.0 and d["of_peak_all_work"] > d["of_peak"]
+        assert 0.0 <= d["recomputed_frac"] <= 1.0
+        assert d["of_peak_all_work"] >= d["of_peak_with_attention"] > d["of_peak"]
         # achieved is printed to 0.1 GFLOP/s and of_peak to 1e-4: tiny figures round coarsely
         assert d["step_s"] > 0 and d["of_peak"] == pytest.approx(
             d["achieved_gflop_s"] / d["matmul_peak_gflop_s"],
