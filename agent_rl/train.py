@@ -471,6 +471,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     mine = list(range(backend.rank, len(micro), backend.world_size))  # this rank's share
     passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype
+    layers = len(checkpointing_layers(model))  # decoder layers, for train/recomputed_frac
     for k in range(passes):
         if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
             batch = device_batch(micro[0], rendered, pad_id, device)
@@ -487,7 +488,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
         # samples is never split) recomputes a share of its layers in backward
         recomputed = recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
         sums["layer_tokens/recomputed"] += recomputed * batch["input_ids"].numel()
-        sums["layer_tokens/computed"] += layer_count(model) * batch["input_ids"].numel()
+        sums["layer_tokens/computed"] += layers * batch["input_ids"].numel()
         with autocast(device, dtype):
             logits = trained_token_logits(model, batch)  # [N, V]
         logprobs = picked_logprobs(logits, batch["target"], temperature)  # [N]
@@ -626,10 +627,6 @@ def recompute_layers(model, batch: dict[str, torch.Tensor], micro_tokens: int,
 def checkpointing_layers(model) -> list[GradientCheckpointingLayer]:
     """The decoder layers of ``model`` that can recompute in backward (transformers')."""
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def layer_count(model) -> int:
-    return len(checkpointing_layers(model))
 
 
 def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
