@@ -44,9 +44,7 @@ class SyncedPolicy:
         self._pending: tuple[list[tuple[str, torch.Tensor]], int] | None = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
-        if self.synchronous:
-            with self._lock:
-                self._pending = None
+        if self.synchronous:  # nothing is ever pending: every push loads at once
             self.policy.load_weights(named_tensors, revision)
             return
         snapshot = [(name, t.detach().clone()) for name, t in named_tensors]  # same device
