@@ -1,5 +1,6 @@
 """Decoding with a preallocated KV cache: the per-token loop of ``HFPolicy`` for Llama-family
-models, without transformers' per-step cache growth.
+models, without transformers' per-step cache growth; and the prompts' forward before it
+(``prefill``) with the prefixes they share computed once.
 
 transformers' ``DynamicCache`` concatenates every layer's keys and values with the new token
 on every decode step (a copy of the whole cache, per layer, per token), holds the prompt's
@@ -20,8 +21,8 @@ and runs the decoder layers directly:
 
 Every module is the model's own (norms, projections, MLP, rotary embedding, head), so the
 numbers are those of the model's forward up to float summation order (tested against it:
-the same tokens, log-probs within 1e-5); the prefill stays the model's forward. It holds no
-copy of any weight.
+the same tokens, log-probs within 1e-5); the prefill is the model's forward (``prefill``:
+over token trees, each distinct prefix once). It holds no copy of any weight.
 
 A rollout copy (a model only sampled from, never trained) can also hold its larger
 projections and head in panels of 32 output columns (``pack_linears``, ``PackedLinear``): the
@@ -40,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from agent_rl import kernels
 
@@ -188,6 +190,129 @@ class StaticDecoder:
                 x = x + mlp(h)
         self.generated = s + 1
         return self.head(_rms_norm(self.norm, x)[:, -1])  # [A, V]
+
+
+def prefill(model: Any, prompts: list[list[int]], cache_arg: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The prompts' forward, each shared prefix computed once: the keys and values of every
+    prompt and the logits after its last token, as the model's forward over each prompt alone
+    gives them (up to float summation order). ``prompts``: U distinct token lists; ``cache_arg``:
+    the name of the model's cache argument. Returns a ``DynamicCache`` over the prompts
+    left-padded to the longest, L ([U, kv_heads, L, head_dim] per layer), the mask ``[U, L]``
+    (1: a prompt token) and the logits ``[U, V]``.
+
+    Prompts of one rollout share long prefixes: the chat template and system prompt, a
+    task's instructions and examples, an episode's earlier turns (a Relay-v0 batch: 3,346
+    prompt tokens, of which 1,385 distinct prefixes). Each row of the forward holds a *token
+    tree* (``_tree``) of the prompts assigned to it: every distinct prefix once, a node at
+    position = its depth attending to exactly its ancestors (a 4D mask), so each node's
+    keys, values and output are those of the prompt's forward. One tree for all prompts
+    computes each distinct prefix once, but its attention covers every pair of nodes in the
+    row; a row per prompt is the plain padded batch. ``_rows`` picks, from the prompts sorted,
+    the split into rows of adjacent prompts sharing at least t tokens that costs least
+    (``_forward_cost``: projections per node, attention per pair of nodes in a row)."""
+    config = model.config
+    rows = _rows(prompts, _forward_cost(config))
+    trees = [_tree([prompts[u] for u in row]) for row in rows]
+    R, N = len(rows), max(len(tokens) for tokens, _, _ in trees)
+    input_ids = torch.zeros((R, N), dtype=torch.long)  # [R, N] each tree right-aligned
+    position_ids = torch.zeros((R, N), dtype=torch.long)
+    attend = torch.eye(N, dtype=torch.bool).repeat(R, 1, 1, 1)  # [R, 1, N, N] padding sees itself
+    L = max(len(p) for p in prompts)
+    where = torch.zeros((len(prompts), L), dtype=torch.long)  # [U, L] each prompt's nodes, flat
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)  # [U, L]
+    for r, (row, (tokens, depth, paths)) in enumerate(zip(rows, trees, strict=True)):
+        start = N - len(tokens)
+        input_ids[r, start:] = torch.tensor(tokens)
+        position_ids[r, start:] = torch.tensor(depth)
+        for u, path in zip(row, paths, strict=True):
+            nodes = torch.tensor(path) + start  # [n] the prompt's nodes, root first
+            n = len(path)
+            attend[r, 0, nodes[:, None], nodes[None, :]] = torch.ones(n, n, dtype=torch.bool).tril()
+            where[u, L - n:] = nodes + r * N
+            mask[u, L - n:] = 1
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    if config._attn_implementation != "sdpa":  # eager and the rest add the mask to the scores
+        attend = torch.zeros(attend.shape, dtype=model.dtype).masked_fill(~attend, torch.finfo(model.dtype).min)
+    cache = DynamicCache(config=config)
+    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attend.to(device),
+                         position_ids=position_ids.to(device), use_cache=True,
+                         **{cache_arg: cache}).last_hidden_state  # [R, N, H]
+    where, mask = where.to(device), mask.to(device)
+    last = where[:, -1]  # [U] each prompt's last node
+    logits = model.get_output_embeddings()(hidden.flatten(0, 1).index_select(0, last))  # [U, V]
+    out = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers[: config.num_hidden_layers]):
+        kvh, d = layer.keys.shape[1], layer.keys.shape[3]
+        out.update(*(t.transpose(1, 2).reshape(R * N, kvh, d).index_select(0, where.flatten())
+                     .view(len(prompts), L, kvh, d).transpose(1, 2).contiguous()
+                     for t in (layer.keys, layer.values)), i)
+    return out, mask, logits
+
+
+def _tree(prompts: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """The token tree of ``prompts``: each distinct prefix one node (parents first). Returns
+    the nodes' tokens, their depths and each prompt's path of nodes."""
+    node: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tokens: list[int] = []
+    depth: list[int] = []
+    paths = []
+    for prompt in prompts:
+        path: list[int] = []
+        for t in prompt:
+            key = (path[-1] if path else -1, t)
+            if key not in node:
+                node[key] = len(tokens)
+                tokens.append(t)
+                depth.append(len(path))
+            path.append(node[key])
+        paths.append(path)
+    return tokens, depth, paths
+
+
+def _forward_cost(config: Any) -> tuple[float, float]:
+    """FLOPs of a decoder forward (per token: the layers' products; per pair of tokens in a
+    row: attention's scores and weighted sum), from the config."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * layers * (h * d * (2 * heads + 2 * kv) + 3 * h * config.intermediate_size)
+    per_pair = 4 * layers * heads * d
+    return per_token, per_pair
+
+
+def _rows(prompts: list[list[int]], cost: tuple[float, float]) -> list[list[int]]:
+    """The prompts (indices) of each row of the prefill: runs of the prompts in sorted order
+    whose neighbours share at least t tokens, t chosen for the least cost: R rows of N nodes
+    (the largest tree; the rest padded) cost R * (N * per_token + N^2 * per_pair)."""
+    order = sorted(range(len(prompts)), key=lambda u: prompts[u])
+    shared = [_common(prompts[a], prompts[b]) for a, b in zip(order, order[1:], strict=False)]
+    per_token, per_pair = cost
+    best: tuple[float, list[list[int]]] | None = None
+    for t in sorted(set(shared)) + [float("inf")]:
+        rows, nodes = [[order[0]]], [len(prompts[order[0]])]  # a tree's nodes: its prompts' distinct prefixes
+        for u, s in zip(order[1:], shared, strict=True):
+            if s >= t:
+                rows[-1].append(u)
+                nodes[-1] += len(prompts[u]) - s
+            else:
+                rows.append([u])
+                nodes.append(len(prompts[u]))
+        n = max(nodes)
+        total = len(rows) * n * (per_token + n * per_pair)
+        if best is None or total < best[0]:
+            best = (total, rows)
+    return best[1]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class PackedLinear(torch.nn.Module):

@@ -224,27 +224,29 @@ class HFPolicy:
         index = {p: u for u, p in enumerate(unique)}
         which = torch.tensor([index[tuple(p)] for p in prompts], device=self.device)  # [B]
         B, U, L = len(prompts), len(unique), max(len(p) for p in unique)
-        input_ids = torch.full((U, L), self.pad_id, dtype=torch.long)  # [U, L] left-padded
-        attention_mask = torch.zeros(U, L, dtype=torch.long)  # [U, L]
-        for u, p in enumerate(unique):
-            input_ids[u, L - len(p):] = torch.tensor(p)
-            attention_mask[u, L - len(p):] = 1
-        input_ids = input_ids.to(self.device)
-        attention_mask = attention_mask.to(self.device)
-        position_ids = positions_from_mask(attention_mask)  # [U, L]
         stops = torch.tensor(sorted(self.stop_ids), device=self.device)  # [S]
-
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-        logits = out.logits[:, -1].index_select(0, which)  # [B, V]
+        if self.static_cache:  # prefixes the prompts share computed once (decode.prefill)
+            cache, attention_mask, logits = decode.prefill(self.model, [list(p) for p in unique],
+                                                           self._cache_arg)  # [U, L], [U, V]
+        else:
+            input_ids = torch.full((U, L), self.pad_id, dtype=torch.long)  # [U, L] left-padded
+            attention_mask = torch.zeros(U, L, dtype=torch.long)  # [U, L]
+            for u, p in enumerate(unique):
+                input_ids[u, L - len(p):] = torch.tensor(p)
+                attention_mask[u, L - len(p):] = 1
+            attention_mask = attention_mask.to(self.device)
+            cache = DynamicCache(config=self.model.config)
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask,
+                                position_ids=positions_from_mask(attention_mask), use_cache=True,
+                                logits_to_keep=1, **{self._cache_arg: cache}).logits[:, -1]  # [U, V]
+        logits = logits.index_select(0, which)  # [B, V]
         static = decode.StaticDecoder(self.model, cache, which, sampling.max_new_tokens) if self.static_cache else None
         if static is None:
             cache.reorder_cache(which)  # [U, ...] -> [B, ...] in place
         attention_mask = attention_mask.index_select(0, which)  # [B, L]
-        next_pos = position_ids.index_select(0, which)[:, -1:]  # [B, 1]
+        next_pos = positions_from_mask(attention_mask)[:, -1:]  # [B, 1]
         if uniforms is not None:
             uniforms = uniforms.to(self.device)  # [B, S]
         rows = torch.arange(B, device=self.device)  # [A] rows still generating; finished ones leave

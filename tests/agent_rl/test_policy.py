@@ -1,9 +1,12 @@
 """HFPolicy on the tiny model (and once on SmolLM2): sampling, stopping, and log-probs that the
 trainer recomputes to the same values (the PPO ratio is 1 on the first update)."""
 
+from unittest import mock
+
 import pytest
 import torch
 
+from agent_rl import decode
 from agent_rl.models import load_smollm2, tiny_model
 from agent_rl.policy import HFPolicy, scoring_temperature, sequence_logprobs
 from agent_rl.render import chat_ids, render_session
@@ -81,8 +84,8 @@ def test_every_row_has_its_own_random_stream(tiny):
 
 def test_identical_prompts_are_prefilled_once(tiny):
     model, tok = tiny
-    shapes = []
-    hook = model.register_forward_pre_hook(
+    shapes = []  # the decoder's forward calls: the prefill only (decode steps run its layers)
+    hook = model.model.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         s = Sampling(temperature=1.0, max_new_tokens=3, seed=2)
@@ -90,7 +93,10 @@ def test_identical_prompts_are_prefilled_once(tiny):
     finally:
         hook.remove()
     L = max(len(chat_ids(tok, c, add_generation_prompt=True)) for c in CONVS[:2])
-    assert shapes[0] == (2, L) and all(shape == (4, 1) for shape in shapes[1:])
+    # two distinct prompts (41 and 43 tokens sharing 6): a row each (2 x 43 x (147456 + 43 x
+    # 512) = 14,575,616 FLOPs) costs less than one tree of 78 nodes (78 x 147456 + 78^2 x 512
+    # = 14,616,576)
+    assert shapes == [(2, L)] and L == 43
     # each row still samples from its own stream, with the log-probs of its own tokens
     alone = [HFPolicy(model, tok).generate([c], s)[0] for c in (CONVS[0],)]
     assert out[0].token_ids == alone[0].token_ids
@@ -484,3 +490,62 @@ def test_a_packed_rollout_copy_samples_like_the_model_and_takes_pushes(kind, mon
     monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 64 * 128)  # only the MLP's and the head
     assert {n.split(".")[-2] for n in decode.pack_linears(rollout_copy(model))} == {
         "gate_proj", "up_proj", "down_proj", "lm_head"}
+
+
+def test_token_tree_by_hand():
+    tokens, depth, paths = decode._tree([[1, 2, 3], [1, 2, 4], [1, 5]])
+    assert tokens == [1, 2, 3, 4, 5] and depth == [0, 1, 2, 2, 1]
+    assert paths == [[0, 1, 2], [0, 1, 3], [0, 4]]
+    # a prompt that is a prefix of another ends on an inner node
+    assert decode._tree([[1, 2, 3], [1, 2]]) == ([1, 2, 3], [0, 1, 2], [[0, 1, 2], [0, 1]])
+
+
+def test_prefill_rows_by_hand():
+    """Costs R * (N * per_token + N^2 * per_pair) for R rows of N nodes (the largest tree).
+    A, B share 3 tokens, C, D share 3, the pairs nothing: one tree of 10 nodes, two of 5,
+    or four rows of 4."""
+    A, B, C, D = [7, 8, 9, 6], [1, 2, 3, 5], [7, 8, 9, 0], [1, 2, 3, 4]
+    prompts = [A, B, C, D]
+    assert decode._common(A, C) == 3 and decode._common(A, B) == 0
+    # per_token 1, per_pair 0: 10 < 2 x 5 < 4 x 4, one tree
+    assert decode._rows(prompts, (1, 0)) == [[3, 1, 2, 0]]  # sorted: D, B, C, A
+    # per_pair 1: 10 + 100 = 110, 2 x (5 + 25) = 60, 4 x (4 + 16) = 80: a tree per pair
+    assert decode._rows(prompts, (1, 1)) == [[3, 1], [2, 0]]
+    # per_token 0, per_pair 1: 100, 2 x 25 = 50, 4 x 16 = 64
+    assert decode._rows(prompts, (0, 1)) == [[3, 1], [2, 0]]
+    # no shared prefix at all: a row each (one tree of 8: 8 + 64 against 2 x (4 + 16))
+    assert decode._rows([A, B], (1, 1)) == [[1], [0]]
+    # the FLOPs of a SmolLM2-shaped config, by hand: 2 x 30 x (576 x 64 x (2 x 9 + 2 x 3)
+    # + 3 x 576 x 1536) per token, 4 x 30 x 9 x 64 per pair
+    from transformers import LlamaConfig
+    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536)
+    assert decode._forward_cost(config) == (212_336_640, 69_120)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-eager"])
+def test_prefill_equals_each_prompts_forward(kind):
+    """decode.prefill: the logits after each prompt's last token and its keys and values are
+    those of the model's forward over that prompt alone (float summation order: 1e-5), for
+    prompts sharing prefixes, one a prefix of another and one sharing nothing, whether they
+    share one tree or a row each."""
+    model, tok = tiny_qwen2() if kind == "qwen2" else tiny_model(seed=0)
+    if kind == "llama-eager":
+        model.set_attn_implementation("eager")
+    model.eval()
+    prompts = [chat_ids(tok, c, add_generation_prompt=True) for c in CONVS]
+    prompts += [prompts[1][:-5], prompts[1][:30] + prompts[0][-6:]]
+    L = max(map(len, prompts))
+    for cost in ((1, 0), (0, 1)):  # projections only: one tree; attention only: several rows
+        rows = decode._rows(prompts, cost)
+        assert (len(rows) == 1) == (cost == (1, 0))
+        with torch.inference_mode(), mock.patch.object(decode, "_forward_cost", return_value=cost):
+            cache, mask, logits = decode.prefill(model, prompts, "cache")
+        assert mask.tolist() == [[0] * (L - len(p)) + [1] * len(p) for p in prompts]
+        for u, p in enumerate(prompts):
+            with torch.inference_mode():
+                out = model(input_ids=torch.tensor([p]), use_cache=True)
+            assert torch.allclose(logits[u], out.logits[0, -1], atol=1e-5)
+            for mine, alone in zip(cache.layers, out.past_key_values.layers, strict=True):
+                assert torch.allclose(mine.keys[u, :, L - len(p):], alone.keys[0], atol=1e-5)
+                assert torch.allclose(mine.values[u, :, L - len(p):], alone.values[0], atol=1e-5)
