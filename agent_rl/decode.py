@@ -458,9 +458,12 @@ def _keep_rows(buffer: torch.Tensor, rows: torch.Tensor, used: int | None = None
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Llama/Qwen2 RMSNorm as one fused op (``F.rms_norm``: x / sqrt(mean(x^2) + eps) *
-    weight, the module's formula) instead of its seven; any other norm module as itself."""
+    """A Llama/Qwen2 RMSNorm (x / sqrt(mean(x^2) + eps) * weight, the module's formula) as one
+    op instead of its seven: our kernel's one pass on the CPU (``kernels.rms_norm``),
+    ``F.rms_norm`` elsewhere; any other norm module as itself."""
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None or x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
         return norm(x)
+    if x.device.type == "cpu" and norm.weight.dtype == torch.float32 and kernels.load():
+        return kernels.rms_norm(x, norm.weight, eps)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, eps)

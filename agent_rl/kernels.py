@@ -1,5 +1,8 @@
-"""Our one compiled CPU kernel, ``blocked_linear`` (``agent_rl/csrc/blocked_linear.cpp``):
-``y = x W^T + b`` for a frozen weight held in panels of 32 output columns, ``[P, K, 32]``.
+"""Our compiled CPU kernels (``agent_rl/csrc/kernels.cpp``): ``blocked_linear``, ``y = x W^T +
+b`` for a frozen weight held in panels of 32 output columns, ``[P, K, 32]``; ``rms_norm``, a
+decode step's RMSNorm as one pass (``F.rms_norm`` runs as five ops on the CPU); ``sample``, a
+decode step's inverse-CDF draw over the vocabulary without the four ``[B, V]`` tensors the
+tensor ops write.
 
 Why: at a decode step's few rows, MKL's ``F.linear`` on a plain float32 weight and oneDNN's
 on its own reordered layout both read the weight well below the memory bandwidth (2 cores,
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "blocked_linear.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 PANEL = 32  # output columns per panel (the kernel's kPanel)
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -63,7 +66,7 @@ def load() -> bool:
     from torch.utils.cpp_extension import load as build
 
     try:
-        print("agent_rl.kernels: loading blocked_linear (built once per machine, a few seconds)",
+        print("agent_rl.kernels: loading our CPU kernels (built once per machine, a few seconds)",
               file=sys.stderr, flush=True)
         build(build_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
@@ -115,3 +118,17 @@ def blocked_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | N
         y = y[:, :out_features]
     y = y.reshape(*x.shape[:-1], out_features)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of ``x`` [..., H], float32: ``weight * (x / sqrt(mean(x^2) + eps))``."""
+    y = torch.ops.agent_rl_kernels.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps)
+    return y.view(x.shape)
+
+
+def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [B, V] under softmax(logits / temperature), T > 0, by
+    inverse CDF with the row's uniform (``uniforms`` [B]: the first token whose cumulative
+    probability exceeds it), and its log-prob: ``([B] int64, [B] float32)``."""
+    return torch.ops.agent_rl_kernels.sample(logits.float().contiguous(), uniforms.float().contiguous(),
+                                             float(temperature))

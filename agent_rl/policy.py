@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from agent_rl import decode
+from agent_rl import decode, kernels
 from agent_rl.grpo import scaled_log_softmax, token_logprobs
 from agent_rl.models import as_dtype, autocast, named_weights_for_push
 from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
@@ -100,7 +100,11 @@ def _sample_step(logits: torch.Tensor, sampling: Sampling,
     ``scoring_temperature(T)``), and, for T > 0 (where T' = T), the sampling distribution
     ``exp`` of it, top-p truncated. Row b takes the first token whose cumulative probability
     exceeds ``uniforms[b]`` times the total (inverse-CDF sampling: one uniform per row and
-    step, no per-row kernel); T == 0 takes the argmax."""
+    step, no per-row kernel); T == 0 takes the argmax. On the CPU without top-p, our kernel
+    does the same in one pass per row (``kernels.sample``)."""
+    if (sampling.temperature > 0 and sampling.top_p >= 1.0 and logits.device.type == "cpu"
+            and kernels.load()):
+        return kernels.sample(logits, uniforms, sampling.temperature)
     logp = scaled_log_softmax(logits, scoring_temperature(sampling.temperature))  # [B, V]
     if sampling.temperature == 0:
         token = logits.argmax(-1)  # [B]

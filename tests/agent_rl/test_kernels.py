@@ -1,5 +1,6 @@
-"""agent_rl.kernels: the blocked_linear CPU kernel (built here: this machine has a compiler)
-against hand-computed products and F.linear, its panel layout, and decode.PackedGroup."""
+"""agent_rl.kernels: the CPU kernels (built here: this machine has a compiler). blocked_linear
+against hand-computed products and F.linear, its panel layout, and decode.PackedGroup;
+rms_norm and sample against hand-computed numbers and the tensor ops they replace."""
 
 from __future__ import annotations
 
@@ -111,3 +112,66 @@ def test_a_failed_build_warns_and_says_no(tmp_path, monkeypatch):
         assert kernels.load.__wrapped__() is False
     message = next(str(w.message) for w in caught if "could not build broken.cpp" in str(w.message))
     assert "error:" in message  # the compiler's own diagnostic, not ninja's last line
+
+
+def test_rms_norm_by_hand_and_against_llama():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    # [3, 4]: mean of squares 12.5, 1 / sqrt(12.5) = 0.282843; times [1, 2]
+    y = kernels.rms_norm(torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 2.0]), 0.0)
+    torch.testing.assert_close(y, torch.tensor([[0.848528, 2.262742]]), atol=1e-6, rtol=0)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(5, 1, 576) * 3
+    out = kernels.rms_norm(x, norm.weight.detach(), 1e-5)
+    assert out.shape == (5, 1, 576)
+    torch.testing.assert_close(out, norm(x).detach(), atol=2e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="weight must be contiguous float32 \\[H\\]"):
+        kernels.rms_norm(x, torch.ones(575), 1e-5)
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-d float32"):
+        torch.ops.agent_rl_kernels.rms_norm(x.double().view(5, 576), torch.ones(576), 1e-5)
+
+
+def test_sample_by_hand():
+    """Probabilities [1, 5, 14, 30] / 50: cumulative [1, 6, 20, 50] / 50; row b takes the
+    first token whose cumulative probability exceeds its uniform."""
+    p = torch.tensor([1.0, 5.0, 14.0, 30.0]) / 50
+    logits = (p.log() + 3.0).repeat(5, 1)  # a shift changes nothing
+    u = torch.tensor([0.0, 6 / 50 - 1e-4, 6 / 50 + 1e-4, 0.5, 0.9999])
+    token, logp = kernels.sample(logits, u, 1.0)
+    assert token.tolist() == [0, 1, 2, 3, 3]
+    torch.testing.assert_close(logp, p.log()[token], atol=1e-6, rtol=0)
+    # T = 0.5 squares the probabilities: [1, 25, 196, 900] / 1122
+    token, logp = kernels.sample(logits[:2], torch.tensor([26 / 1122 - 1e-4, 26 / 1122 + 1e-4]), 0.5)
+    assert token.tolist() == [1, 2]
+    torch.testing.assert_close(logp, (torch.tensor([25.0, 196.0]) / 1122).log(), atol=1e-6, rtol=0)
+    # a token at -inf is never taken, even by u = 0; a row longer than a block of 256 tokens
+    # and not a multiple of 16, its only mass on the last token
+    token, _ = kernels.sample(torch.tensor([[float("-inf"), 0.0, 0.0]]), torch.tensor([0.0]), 1.0)
+    assert token.tolist() == [1]
+    last = torch.full((1, 300), float("-inf"))
+    last[0, 299] = 2.0
+    token, logp = kernels.sample(last, torch.tensor([0.5]), 1.0)
+    assert token.tolist() == [299] and logp.tolist() == [0.0]
+    with pytest.raises(RuntimeError, match="uniforms must be contiguous float32 \\[B\\]"):
+        kernels.sample(logits, torch.zeros(4), 1.0)
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        kernels.sample(logits, u, 0.0)
+
+
+def test_sample_matches_the_tensor_ops():
+    """Against log-softmax, exp, cumsum and searchsorted (policy._sample_step's tensor path)
+    on a 49,152-token vocabulary: the same tokens, log-probs within 1e-5."""
+    from agent_rl.grpo import scaled_log_softmax
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 49152) * 4
+    u = torch.rand(64)
+    for T in (1.0, 0.7):
+        token, logp = kernels.sample(logits, u, T)
+        reference = scaled_log_softmax(logits, T)  # [B, V]
+        cdf = reference.exp().cumsum(-1)
+        expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        assert token.tolist() == expected.tolist()
+        torch.testing.assert_close(logp, reference.gather(-1, token[:, None]).squeeze(-1), atol=1e-5, rtol=0)

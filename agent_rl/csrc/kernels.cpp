@@ -1,0 +1,301 @@
+// agent_rl's CPU kernels (agent_rl/kernels.py builds them): blocked_linear, the products of a
+// packed rollout copy; rms_norm, a decode step's norms; sample, a decode step's draw.
+//
+// blocked_linear: y = x W^T (+ bias) for a frozen weight held in panels of 32 output columns:
+//
+//     W [N, K]  ->  panels [P, K, 32],  panels[p, k, j] = W[32 p + j, k]  (P = ceil(N / 32),
+//                                                       rows past N are zero)
+//
+// A panel is one contiguous stream of K x 32 weights. Each thread takes a run of panels; per
+// panel, every tile of up to 8 rows of x is multiplied in registers: 8 rows x 32 columns =
+// 16 vector accumulators, and per k two vector loads of the panel and one broadcast of x per
+// row (GCC vector extensions; -march=native turns a 16-float vector into one AVX-512
+// register, or two AVX ones). At a decode step's few rows the weight is read once from
+// memory, which is the cost: the first tile's pass prefetches kPrefetchBytes ahead in the
+// stream (the hardware prefetcher alone left a 2-core machine at ~14 GB/s of its ~24 at 8
+// rows), later tiles of the same panel find it in L2.
+//
+// Weights in float32 or bfloat16 (widened to float32 in registers: bf16 is the top half of a
+// float32); x, y and the accumulation in float32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+constexpr int64_t kPanel = 32;  // output columns per panel: two vectors of 16
+constexpr int kTileRows = 8;    // rows of x per register tile: 16 accumulators
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// rows [R] of x (row stride ldx) times one panel (K x 32) into y (row stride ldy), + bias
+template <int R, bool Prefetch, typename W>
+void tile(const float* __restrict x, int64_t ldx, const W* __restrict panel, int64_t K,
+          const float* __restrict bias, float* __restrict y, int64_t ldy) {
+  const f32x16 b0 = bias ? load16(bias) : f32x16{}, b1 = bias ? load16(bias + 16) : f32x16{};
+  f32x16 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) {
+    a0[r] = b0;
+    a1[r] = b1;
+  }
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(W);
+  for (int64_t k = 0; k < K; ++k) {
+    const W* w = panel + k * kPanel;
+    if (Prefetch) {
+      __builtin_prefetch(w + ahead, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(w + ahead) + 64, 0, 3);
+    }
+    const f32x16 w0 = load16(w), w1 = load16(w + 16);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      a0[r] += xv * w0;
+      a1[r] += xv * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(y + r * ldy, &a0[r], sizeof(f32x16));
+    std::memcpy(y + r * ldy + 16, &a1[r], sizeof(f32x16));
+  }
+}
+
+template <bool Prefetch, typename W, int R = kTileRows>
+void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t K,
+               const float* bias, float* y, int64_t ldy) {
+  if constexpr (R == 1) {
+    tile<1, Prefetch>(x, ldx, panel, K, bias, y, ldy);
+  } else {
+    if (rows == R) return tile<R, Prefetch>(x, ldx, panel, K, bias, y, ldy);
+    return tile_rows<Prefetch, W, R - 1>(rows, x, ldx, panel, K, bias, y, ldy);
+  }
+}
+
+template <typename W>
+void run(const float* x, int64_t M, int64_t K, const W* panels, int64_t P, const float* bias,
+         int64_t N, float* y) {
+  const int64_t ldy = P * kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {  // panels split among threads
+    float last[kPanel] = {};  // the bias of a last, partial panel, zero-padded
+    for (int64_t p = begin; p < end; ++p) {
+      const W* panel = panels + p * K * kPanel;
+      const float* b = bias ? bias + p * kPanel : nullptr;
+      if (b && (p + 1) * kPanel > N) {
+        std::memcpy(last, b, (N - p * kPanel) * sizeof(float));
+        b = last;
+      }
+      for (int64_t m = 0; m < M; m += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m));
+        float* out = y + m * ldy + p * kPanel;
+        if (m == 0)
+          tile_rows<true>(rows, x + m * K, K, panel, K, b, out, ldy);
+        else
+          tile_rows<false>(rows, x + m * K, K, panel, K, b, out, ldy);
+      }
+    }
+  });
+}
+
+// x [M, K] float32 contiguous; panels [P, K, 32] float32 or bfloat16 contiguous; bias: none
+// or [N] float32, N in ((P - 1) * 32, P * 32]. Returns y [M, P * 32] float32.
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels,
+                          const std::optional<at::Tensor>& bias_opt) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "blocked_linear: x must be a contiguous 2-d float32 tensor");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1),
+              "blocked_linear: panels must be contiguous [P, K, 32] with K = x.size(1)");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  const bool has_bias = bias_opt.has_value() && bias_opt->defined();
+  const at::Tensor bias = has_bias ? *bias_opt : at::Tensor();
+  const int64_t N = has_bias ? bias.numel() : P * kPanel;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                            N > (P - 1) * kPanel && N <= P * kPanel),
+              "blocked_linear: bias must be none or float32 [N] for the panels' N");
+  at::Tensor y = at::empty({M, P * kPanel}, x.options());
+  const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>(), M, K, panels.data_ptr<float>(), P, b, N, y.data_ptr<float>());
+  else if (panels.scalar_type() == at::kBFloat16)
+    run(x.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), P, b, N, y.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "blocked_linear: panels must be float32 or bfloat16");
+  return y;
+}
+
+// rms_norm: y = weight * (x / sqrt(mean(x^2) + eps)) per row of x [M, H] (Llama's RMSNorm,
+// in its order: x times the reciprocal root, then the weight), float32. What it replaces:
+// F.rms_norm on the CPU runs as five ops (pow, mean, add, rsqrt, two muls), ~90 us at a
+// decode step's 32 x 576, where reading and writing the rows takes a few.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rms_norm: x must be a contiguous 2-d float32 tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1),
+              "rms_norm: weight must be contiguous float32 [H] with H = x.size(1)");
+  const int64_t M = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty({M, H}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xs + m * H;
+      float* out = ys + m * H;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t h = 0; h < H; ++h) squares += row[h] * row[h];
+      const float r = 1.0f / std::sqrt(squares / static_cast<float>(H) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) out[h] = w[h] * (row[h] * r);
+    }
+  });
+  return y;
+}
+
+// exp(x) for x <= 0 (below -87: 0, as -inf gives), 16 lanes: Cody-Waite reduction x = n ln2
+// + r, a degree-6 polynomial for exp(r) (Cephes' expf coefficients, ~2 ulp), times 2^n built
+// in the exponent bits.
+inline f32x16 exp16(const f32x16 in) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  f32x16 x = in < -87.0f ? f32x16{} - 87.0f : in;
+  const f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  x = x - n * 0.693359375f;
+  x = x - n * -2.12194440e-4f;
+  f32x16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return in < -87.0f ? f32x16{} : y * scale;
+}
+
+// 16 logits from x[v] on, scaled: x / T - shift; past V (the row's end): -inf
+inline f32x16 scaled16(const float* x, int64_t v, int64_t V, float inv_t, float shift) {
+  if (v + 16 <= V) return load16(x + v) * inv_t - shift;
+  f32x16 out = f32x16{} - INFINITY;
+  for (int64_t i = v; i < V; ++i) out[i - v] = x[i] * inv_t - shift;
+  return out;
+}
+
+constexpr int64_t kSampleBlock = 256;  // tokens per partial sum (16 vectors)
+
+// sample: one token per row of logits [B, V] by inverse CDF under softmax(logits / T), T > 0,
+// with the row's uniform u in [0, 1): the first token whose cumulative weight exceeds u times
+// the total, and its log-prob. Per row: the max; exp((x - max) / T) summed per block of 256
+// tokens; the block where the running sum passes the target, then its tokens one by one.
+// About two reads of the row, where the tensor ops (log-softmax, exp, cumsum, searchsorted)
+// write three [B, V] tensors and cumsum runs one token at a time.
+std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& uniforms,
+                                          double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "sample: logits must be a contiguous 2-d float32 tensor");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.scalar_type() == at::kFloat &&
+                  uniforms.size(0) == logits.size(0) && uniforms.is_contiguous(),
+              "sample: uniforms must be contiguous float32 [B]");
+  TORCH_CHECK(temperature > 0, "sample: temperature must be > 0");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "sample: an empty vocabulary");
+  at::Tensor token = at::empty({B}, logits.options().dtype(at::kLong));
+  at::Tensor logp = at::empty({B}, logits.options());
+  const float* xs = logits.data_ptr<float>();
+  const float* us = uniforms.data_ptr<float>();
+  int64_t* tokens = token.data_ptr<int64_t>();
+  float* logps = logp.data_ptr<float>();
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const int64_t blocks = (V + kSampleBlock - 1) / kSampleBlock;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(blocks);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* x = xs + b * V;
+      f32x16 most = f32x16{} - INFINITY;
+      for (int64_t v = 0; v < V; v += 16) {
+        const f32x16 c = scaled16(x, v, V, 1.0f, 0.0f);
+        most = c > most ? c : most;
+      }
+      float top = most[0];
+      for (int i = 1; i < 16; ++i) top = std::max(top, most[i]);
+      const float shift = top * inv_t;  // every weight exp(x / T - shift) <= 1
+      float total = 0.0f;
+      for (int64_t k = 0; k < blocks; ++k) {
+        f32x16 acc{};
+        for (int64_t v = k * kSampleBlock; v < std::min(V, (k + 1) * kSampleBlock); v += 16)
+          acc += exp16(scaled16(x, v, V, inv_t, shift));
+        float sum = 0.0f;
+        for (int i = 0; i < 16; ++i) sum += acc[i];
+        sums[k] = sum;
+        total += sum;
+      }
+      const float target = us[b] * total;
+      float seen = 0.0f;
+      int64_t k = 0;
+      while (k < blocks - 1 && seen + sums[k] <= target) seen += sums[k++];
+      while (k > 0 && sums[k] == 0.0f) --k;  // rounding ran past the last weight: back to it
+      // the block's tokens one by one: the first past the target, else (rounding) its last
+      // token with any weight
+      int64_t pick = -1, last = k * kSampleBlock;
+      for (int64_t v = k * kSampleBlock; v < std::min(V, (k + 1) * kSampleBlock) && pick < 0; v += 16) {
+        const f32x16 w = exp16(scaled16(x, v, V, inv_t, shift));
+        for (int i = 0; i < 16 && v + i < V; ++i) {
+          if (w[i] <= 0.0f) continue;
+          last = v + i;
+          seen += w[i];
+          if (seen > target) {
+            pick = v + i;
+            break;
+          }
+        }
+      }
+      if (pick < 0) pick = last;
+      tokens[b] = pick;
+      const float t = static_cast<float>(temperature);  // log-softmax's rounding: x / T
+      logps[b] = x[pick] / t - top / t - std::log(total);
+    }
+  });
+  return {token, logp};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(agent_rl_kernels, m) {
+  m.def("blocked_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("sample(Tensor logits, Tensor uniforms, float temperature) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
+  m.impl("blocked_linear", &blocked_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("sample", &sample);
+}
