@@ -280,7 +280,9 @@ std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Te
       if (pick < 0) pick = last;
       tokens[b] = pick;
       const float t = static_cast<float>(temperature);  // log-softmax's rounding: x / T
-      logps[b] = x[pick] / t - top / t - std::log(total);
+      // at most 0: a contracted multiply-add can leave the top token's weight a rounding
+      // error under 1, and the total under 1 with it
+      logps[b] = std::min(0.0f, x[pick] / t - top / t - std::log(total));
     }
   });
   return {token, logp};

@@ -154,6 +154,12 @@ def test_sample_by_hand():
     last[0, 299] = 2.0
     token, logp = kernels.sample(last, torch.tensor([0.5]), 1.0)
     assert token.tolist() == [299] and logp.tolist() == [0.0]
+    # a peaked row at T = 0.7 (its top token's log-prob rounds to 0, never above: a log-prob
+    # over 0 is refused downstream; found in a Relay-v0 rollout)
+    peaked = torch.zeros(1, 49152)
+    peaked[0, 81] = 37.376365661621094
+    token, logp = kernels.sample(peaked, torch.tensor([0.6364783644676208]), 0.7)
+    assert token.tolist() == [81] and logp.item() <= 0.0 and logp.item() > -1e-6
     with pytest.raises(RuntimeError, match="uniforms must be contiguous float32 \\[B\\]"):
         kernels.sample(logits, torch.zeros(4), 1.0)
     with pytest.raises(RuntimeError, match="temperature must be > 0"):
@@ -175,3 +181,4 @@ def test_sample_matches_the_tensor_ops():
         expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         assert token.tolist() == expected.tolist()
         torch.testing.assert_close(logp, reference.gather(-1, token[:, None]).squeeze(-1), atol=1e-5, rtol=0)
+
