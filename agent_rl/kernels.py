@@ -7,7 +7,7 @@ tensor ops write.
 Why: at a decode step's few rows, MKL's ``F.linear`` on a plain float32 weight and oneDNN's
 on its own reordered layout both read the weight well below the memory bandwidth (2 cores,
 ~23 GB/s: SmolLM2's 1536 x 576 projection at 8 rows in ~320 and ~265 us, 11-13 GB/s); this
-kernel keeps 8 rows x 32 columns in registers and prefetches the panel stream ahead (~200
+kernel keeps 12 rows x 32 columns in registers and prefetches the panel stream ahead (~200
 us, ~18 GB/s; ``benchmarks/linear_kernel.py``).
 It is what ``decode.PackedLinear`` runs (rollout copies only: nothing trains through it).
 
