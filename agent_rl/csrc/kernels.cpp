@@ -10,8 +10,8 @@
 // panel, every tile of up to 12 rows of x is multiplied in registers: 12 rows x 32 columns =
 // 24 vector accumulators (of AVX-512's 32; 12 rows ran a GRPO rollout ~7% faster than 8:
 // more work per weight byte streamed), and per k two vector loads of the panel and one
-// broadcast of x per row (GCC vector extensions; -march=native turns a 16-float vector into one AVX-512
-// register, or two AVX ones). At a decode step's few rows the weight is read once from
+// broadcast of x per row (GCC vector extensions; -march=native turns a 16-float vector into
+// one AVX-512 register, or two AVX ones). At a decode step's few rows the weight is read once from
 // memory, which is the cost: the first tile's pass prefetches kPrefetchBytes ahead in the
 // stream (the hardware prefetcher alone left a 2-core machine at ~14 GB/s of its ~24 at 8
 // rows), later tiles of the same panel find it in L2.
