@@ -42,8 +42,9 @@ def test_panel_layout_and_in_place_reload():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 300])  # tiles of 8 rows
-@pytest.mark.parametrize("shape", [(40, 7), (64, 64), (100, 96)])
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 32, 300])  # tiles of 12 rows
+# (200, 96): 7 panels, several per thread: each tile prefetches a share of the next one
+@pytest.mark.parametrize("shape", [(40, 7), (64, 64), (100, 96), (200, 96)])
 def test_matches_f_linear(dtype, rows, shape):
     g = torch.Generator().manual_seed(rows * 1000 + shape[0])
     w = torch.randn(shape, generator=g).to(dtype)
