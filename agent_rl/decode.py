@@ -15,7 +15,8 @@ and runs the decoder layers directly:
                 rotate q and k (the model's own rotary embedding at each row's position)
                 generated[:, :, s] = k, v
                 each KV head's group of queries: softmax(q K^T * scaling, padding masked) V
-                over [the row's prompt, its generated positions so far], read in place
+                over [the row's prompt, its generated positions so far], read in place (our
+                kernel on the CPU, ``kernels.decode_attention``; tensor ops elsewhere)
                 x = x + o_proj(attention);  x = x + mlp(post_norm(x))
     logits = lm_head(norm(x))
 
@@ -147,9 +148,11 @@ class StaticDecoder:
         # rotate_half(t) * sin == roll(t, half) * (sin with its first half negated)
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # [A, 1, d]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [A, 1, 1, d]
-        attend = mask.bool()[:, None, None, :]  # [A, 1, 1, L + s + 1]
-        padding = ~attend[..., :L] if self.shared else None  # [A, 1, 1, L]
+        attend = mask.bool()  # [A, L + s + 1]
+        padding = ~attend[:, None, None, :L] if self.shared else None  # [A, 1, 1, L]
         A = x.shape[0]
+        rows = torch.arange(A)  # [A] each row reads its own buffer (not shared)
+        fused = None  # our attention kernel (kernels.decode_attention), when it takes the queries
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = _rms_norm(layer.input_layernorm, x)  # [A, 1, H]
@@ -164,9 +167,23 @@ class StaticDecoder:
             # one query per row; each KV head's query group [A, kvh, g, d] attends to the
             # prompt (shared or in the row's buffer) and to the row's generated positions
             q = q.reshape(A, k.shape[1], -1, d)
+            if fused is None:
+                fused = kernels.attends(q)
             if self.shared:
                 self.keys[i][:, :, s] = k[:, :, 0]
                 self.values[i][:, :, s] = v[:, :, 0]
+            else:
+                self.keys[i][:, :, L + s] = k[:, :, 0]
+                self.values[i][:, :, L + s] = v[:, :, 0]
+            if fused and self.shared:  # our kernel: the prompt's keys held once, then the row's
+                o = kernels.decode_attention(
+                    q, self.prompt_keys[i], self.prompt_values[i], self.which, self.keys[i][:, :, : s + 1],
+                    self.values[i][:, :, : s + 1], attend, attn.scaling)  # [A, kvh, g, d]
+            elif fused:  # our kernel over the row's own buffer, read in place
+                keys, values = self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1]
+                o = kernels.decode_attention(q, keys, values, rows, keys[:, :, :0], values[:, :, :0],
+                                             attend, attn.scaling)  # [A, kvh, g, d]
+            elif self.shared:
                 scores = torch.cat([
                     self._prompt_matmul(q, self.prompt_keys[i].transpose(-1, -2)).masked_fill(
                         padding, float("-inf")),
@@ -175,11 +192,9 @@ class StaticDecoder:
                 o = (self._prompt_matmul(p[..., :L], self.prompt_values[i])
                      + torch.matmul(p[..., L:], self.values[i][:, :, : s + 1]))  # [A, kvh, g, d]
             else:
-                self.keys[i][:, :, L + s] = k[:, :, 0]
-                self.values[i][:, :, L + s] = v[:, :, 0]
                 o = torch.nn.functional.scaled_dot_product_attention(
                     q, self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1],
-                    attn_mask=attend, scale=attn.scaling)  # [A, kvh, g, d]
+                    attn_mask=attend[:, None, None, :], scale=attn.scaling)  # [A, kvh, g, d]
             x = x + attn.o_proj(o.reshape(A, 1, -1))
             h = _rms_norm(layer.post_attention_layernorm, x)  # [A, 1, H]
             mlp = layer.mlp

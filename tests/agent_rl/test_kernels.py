@@ -4,6 +4,7 @@ rms_norm and sample against hand-computed numbers and the tensor ops they replac
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -183,3 +184,74 @@ def test_sample_matches_the_tensor_ops():
         assert token.tolist() == expected.tolist()
         torch.testing.assert_close(logp, reference.gather(-1, token[:, None]).squeeze(-1), atol=1e-5, rtol=0)
 
+
+
+def test_decode_attention_by_hand():
+    """One row, one KV head, one query of 64 over 3 positions: scores q.k * scale = [0, 2, 0]
+    with position 0 masked off, so softmax over positions 1, 2 = [e^2, 1] / (e^2 + 1)."""
+    d = 64
+    q = torch.zeros(1, 1, 1, d)
+    q[..., 0] = 1.0
+    keys = torch.zeros(1, 1, 3, d)
+    keys[0, 0, :, 0] = torch.tensor([5.0, 4.0, 0.0])  # q.k = 5, 4, 0; scale 0.5: 2.5, 2, 0
+    values = torch.zeros(1, 1, 3, d)
+    values[0, 0, :, 1] = torch.tensor([100.0, 1.0, 3.0])
+    mask = torch.tensor([[False, True, True]])
+    empty = keys[:, :, :0]
+    out = kernels.decode_attention(q, keys, values, torch.tensor([0]), empty, empty, mask, 0.5)
+    e = math.exp(2.0)
+    assert out.shape == (1, 1, 1, d)
+    assert out[0, 0, 0, 1].item() == pytest.approx((e * 1.0 + 3.0) / (e + 1), rel=1e-6)
+    assert out[0, 0, 0, 0].item() == 0.0 and out[0, 0, 0, 2:].abs().sum() == 0
+    # the same positions split: the first as a prompt held once (row 0 reads prompt 1), the
+    # other two as the row's own
+    prompts = torch.stack([torch.full_like(keys[0, :, :1], 9.0), keys[0, :, :1]])  # [2, 1, 1, d]
+    prompt_values = torch.stack([torch.full_like(values[0, :, :1], 9.0), values[0, :, :1]])
+    split = kernels.decode_attention(q, prompts, prompt_values, torch.tensor([1]), keys[:, :, 1:],
+                                     values[:, :, 1:], mask, 0.5)
+    torch.testing.assert_close(split, out, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_attention_matches_sdpa(d):
+    """Against F.scaled_dot_product_attention at a decode step's shapes (32 rows, 3 KV heads
+    of 3 queries, slices of larger buffers, left padding masked, one row masked down to its
+    last 3 positions): each row's own buffer, and prompts held once (4 prompts, 8 rows each)
+    with the generated positions apart; within 1e-5."""
+    torch.manual_seed(d)
+    A, H, G, L, room = 32, 3, 3, 70, 24
+    F = torch.nn.functional
+    q = torch.randn(A, H, G, d)
+    buffer_k, buffer_v = torch.randn(A, H, L + room, d), torch.randn(A, H, L + room, d)
+    for s in (1, 9, 17):  # generated positions written so far (17 + 70 = 87: not a multiple of 16)
+        mask = torch.ones(A, L + s, dtype=torch.bool)
+        mask[:, :5] = False  # left padding
+        mask[7, : L + s - 3] = False
+        keys, values = buffer_k[:, :, : L + s], buffer_v[:, :, : L + s]
+        expect = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :], scale=0.125)
+        out = kernels.decode_attention(q, keys, values, torch.arange(A), keys[:, :, :0], values[:, :, :0],
+                                       mask, 0.125)
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=0)
+        which = torch.arange(A) // 8
+        prompt_k, prompt_v = torch.randn(4, H, L, d), torch.randn(4, H, L, d)
+        gen_k, gen_v = buffer_k[:, :, :s], buffer_v[:, :, :s]
+        expect = F.scaled_dot_product_attention(
+            q, torch.cat([prompt_k[which], gen_k], 2), torch.cat([prompt_v[which], gen_v], 2),
+            attn_mask=mask[:, None, None, :], scale=0.125)
+        out = kernels.decode_attention(q, prompt_k, prompt_v, which, gen_k, gen_v, mask, 0.125)
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=0)
+
+
+def test_decode_attention_bad_inputs_are_named():
+    op = torch.ops.agent_rl_kernels.decode_attention
+    q, k = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 5, 64)
+    e, rows, mask = k[:, :, :0], torch.arange(2), torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        op(torch.randn(2, 1, 3, 32), k[..., :32], k[..., :32], rows, e[..., :32], e[..., :32], mask, 1.0)
+    with pytest.raises(RuntimeError, match="mask must be contiguous bool"):
+        op(q, k, k, rows, e, e, mask[:, :4], 1.0)
+    with pytest.raises(RuntimeError, match="rows1 out of range"):
+        op(q, k, k, torch.tensor([0, 2]), e, e, mask, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim contiguous"):
+        op(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, rows, e, e, mask, 1.0)
+    assert not kernels.attends(torch.randn(2, 1, 3, 32)) and kernels.attends(q)

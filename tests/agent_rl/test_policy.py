@@ -400,19 +400,52 @@ def tiny_qwen2(seed=0):
     return model.eval(), tok
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def tiny_llama_d64(seed=0, bias=3.0):
+    """A random 2-layer Llama shaped like SmolLM2's attention (heads of 64, 3 query heads per
+    KV head: what ``kernels.decode_attention`` takes), biased toward <|im_end|> (greedy, 2.0
+    ends rows after 2 and 7 tokens; sampled, 3.0 ends some before 12)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agent_rl.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # sharper than uniform: varied, not random, tokens
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tok.convert_tokens_to_ids("<|im_end|>")] = bias
+    model.lm_head = head
+    return model.eval(), tok
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-d64"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("share", [True, False])
 def test_static_cache_decoding_equals_the_models_own_forward(kind, temperature, share, monkeypatch):
     """agent_rl.decode's preallocated-cache loop against the model's forward with
     transformers' cache, on the same batch: prompts of three lengths (left padding), in groups
     of four sharing a prompt and one row each, with the prompts' keys and values held once
-    per prompt (share) or per row, rows ending at different steps (llama: a biased end-of-turn token) and leaving the
-    batch: the same tokens, log-probs within 1e-5."""
-    from agent_rl import decode
+    per prompt (share) or per row, rows ending at different steps (a biased end-of-turn
+    token) and leaving the batch: the same tokens, log-probs within 1e-5. Heads of 64
+    (llama-d64) attend through our kernel (``kernels.decode_attention``), heads of 16 through
+    tensor ops."""
+    from agent_rl import decode, kernels
 
     monkeypatch.setattr(decode, "SHARED_MIN_BYTES", 0 if share else 1 << 60)
-    model, tok = stop_biased(bias=3.0) if kind == "llama" else tiny_qwen2()
+    calls = []
+    fused = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(1) or fused(*a))
+    model, tok = {"llama": lambda: stop_biased(bias=3.0), "qwen2": tiny_qwen2,
+                  "llama-d64": lambda: tiny_llama_d64(bias=2.0 if temperature == 0 else 3.0)}[kind]()
     policy = HFPolicy(model, tok)
     assert policy.static_cache
     sampling = Sampling(temperature=temperature, max_new_tokens=12, seed=0)
@@ -423,9 +456,10 @@ def test_static_cache_decoding_equals_the_models_own_forward(kind, temperature, 
     assert [c.token_ids for c in fast] == [c.token_ids for c in slow]
     assert max(abs(a - b) for f, s in zip(fast, slow, strict=True)
                for a, b in zip(f.logprobs, s.logprobs, strict=True)) < 1e-5
-    if kind == "llama" and temperature > 0:
+    if kind != "qwen2" and temperature > 0:
         lengths = {len(c.token_ids) for c in fast}
         assert len(lengths) > 2 and {c.finish_reason for c in fast} == {"stop", "length"}
+    assert (len(calls) > 0) == (kind == "llama-d64")  # the kernel where it takes the heads
 
 
 def test_static_cache_only_for_models_it_knows():
