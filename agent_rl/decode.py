@@ -56,6 +56,8 @@ SHARED_MIN_BYTES = 1 << 20
 # 192 x 576 1.45x / 1.19x, 576 x 576 1.47x / 1.21x, 1536 x 576 1.62x / 1.42x,
 # benchmarks/linear_kernel.py)
 PACK_MIN_ELEMENTS = 1 << 16
+# activation modules that are SiLU (kernels.silu_mul runs them with their product)
+SILU = ("SiLU", "SiLUActivation")
 
 
 def supports(model: Any) -> bool:
@@ -151,38 +153,41 @@ class StaticDecoder:
         attend = mask.bool()  # [A, L + s + 1]
         padding = ~attend[:, None, None, :L] if self.shared else None  # [A, 1, 1, L]
         A = x.shape[0]
-        rows = torch.arange(A)  # [A] each row reads its own buffer (not shared)
-        fused = None  # our attention kernel (kernels.decode_attention), when it takes the queries
+        first = self.layers[0].self_attn
+        d = first.head_dim
+        kvh = self.keys[0].shape[1]
+        # our kernels (kernels.rotary_write, decode_attention, silu_mul) where they take the step
+        fused = kernels.fits_decode(x, d, first.config.num_attention_heads // kvh)
+        slot = s if self.shared else L + s  # where this position's key and value go
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = _rms_norm(layer.input_layernorm, x)  # [A, 1, H]
-            d = attn.head_dim
             q, k, v = (attn.packed_qkv(h) if hasattr(attn, "packed_qkv")
-                       else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)))
-            q = q.view(A, 1, -1, d).transpose(1, 2)  # [A, nh, 1, d]
-            k = k.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
-            v = v.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
-            q = torch.addcmul(q * cos, q.roll(half, -1), sin)  # the model's rotary embedding
-            k = torch.addcmul(k * cos, k.roll(half, -1), sin)
-            # one query per row; each KV head's query group [A, kvh, g, d] attends to the
-            # prompt (shared or in the row's buffer) and to the row's generated positions
-            q = q.reshape(A, k.shape[1], -1, d)
-            if fused is None:
-                fused = kernels.attends(q)
-            if self.shared:
-                self.keys[i][:, :, s] = k[:, :, 0]
-                self.values[i][:, :, s] = v[:, :, 0]
+                       else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)))  # [A, 1, heads * d]
+            if fused:  # rotated q; rotated k and v written at the slot, one pass
+                q = kernels.rotary_write(q.flatten(1), k.flatten(1), v.flatten(1), cos[:, 0, 0],
+                                         sin[:, 0, 0], self.keys[i], self.values[i], slot)
+                q = q.view(A, kvh, -1, d)  # [A, kvh, g, d]
             else:
-                self.keys[i][:, :, L + s] = k[:, :, 0]
-                self.values[i][:, :, L + s] = v[:, :, 0]
+                q = q.view(A, 1, -1, d).transpose(1, 2)  # [A, nh, 1, d]
+                k = k.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
+                v = v.view(A, 1, -1, d).transpose(1, 2)  # [A, kvh, 1, d]
+                q = torch.addcmul(q * cos, q.roll(half, -1), sin)  # the model's rotary embedding
+                k = torch.addcmul(k * cos, k.roll(half, -1), sin)
+                # one query per row: each KV head's query group [A, kvh, g, d]
+                q = q.reshape(A, kvh, -1, d)
+                self.keys[i][:, :, slot] = k[:, :, 0]
+                self.values[i][:, :, slot] = v[:, :, 0]
+            # each KV head's query group attends to the prompt (shared or in the row's buffer)
+            # and to the row's generated positions
             if fused and self.shared:  # our kernel: the prompt's keys held once, then the row's
                 o = kernels.decode_attention(
                     q, self.prompt_keys[i], self.prompt_values[i], self.which, self.keys[i][:, :, : s + 1],
                     self.values[i][:, :, : s + 1], attend, attn.scaling)  # [A, kvh, g, d]
             elif fused:  # our kernel over the row's own buffer, read in place
                 keys, values = self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1]
-                o = kernels.decode_attention(q, keys, values, rows, keys[:, :, :0], values[:, :, :0],
-                                             attend, attn.scaling)  # [A, kvh, g, d]
+                o = kernels.decode_attention(q, keys, values, torch.arange(A), keys[:, :, :0],
+                                             values[:, :, :0], attend, attn.scaling)  # [A, kvh, g, d]
             elif self.shared:
                 scores = torch.cat([
                     self._prompt_matmul(q, self.prompt_keys[i].transpose(-1, -2)).masked_fill(
@@ -199,8 +204,11 @@ class StaticDecoder:
             h = _rms_norm(layer.post_attention_layernorm, x)  # [A, 1, H]
             mlp = layer.mlp
             if hasattr(mlp, "packed_gate_up"):  # the model's MLP: down(act(gate(h)) * up(h))
-                gate, up = mlp.packed_gate_up(h)
-                x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+                gate, up = mlp.packed_gate_up(h)  # [A, 1, M] each
+                if fused and type(mlp.act_fn).__name__ in SILU:
+                    x = x + mlp.down_proj(kernels.silu_mul(gate.flatten(1), up.flatten(1)).unsqueeze(1))
+                else:
+                    x = x + mlp.down_proj(mlp.act_fn(gate) * up)
             else:
                 x = x + mlp(h)
         self.generated = s + 1

@@ -474,12 +474,92 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k1, const at:
   return out;
 }
 
+
+// rotary_write: a decode step's rotary embedding and cache write, one pass instead of ~8
+// tensor ops a layer. q [A, nh * d], k and v [A, kvh * d] (rows of a larger product: row
+// stride free, columns contiguous); cos, sin [A, d] contiguous, sin with its first half
+// negated, so that rotate_half(x) * sin == roll(x, d / 2) * sin_signed: x' = x cos + roll(x)
+// sin_signed (Llama's rotation). Returns the rotated q [A, nh * d]; writes the rotated k and
+// v into keys[a, h, slot] and values[a, h, slot] (keys, values [>= A, kvh, S, d], d
+// contiguous).
+at::Tensor rotary_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                        const at::Tensor& values, int64_t slot) {
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotary_write: cos and sin must be contiguous float32 [A, head_dim]");
+  const int64_t A = cos.size(0), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "rotary_write: head_dim must be even");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == A && t->size(1) % D == 0 && t->stride(1) == 1 &&
+                    t->scalar_type() == at::kFloat,
+                "rotary_write: q, k and v must be float32 [A, heads * head_dim], columns contiguous");
+  TORCH_CHECK(v.size(1) == k.size(1), "rotary_write: k and v must have the same heads");
+  const int64_t NH = q.size(1) / D, KVH = k.size(1) / D;
+  for (const at::Tensor* t : {&keys, &values})
+    TORCH_CHECK(t->dim() == 4 && t->size(0) >= A && t->size(1) == KVH && t->size(3) == D &&
+                    t->stride(3) == 1 && t->scalar_type() == at::kFloat,
+                "rotary_write: keys and values must be float32 [>= A, kv_heads, S, head_dim], head_dim contiguous");
+  TORCH_CHECK(slot >= 0 && slot < keys.size(2) && slot < values.size(2), "rotary_write: slot out of range");
+  at::Tensor out = at::empty({A, NH * D}, q.options());
+  const float *cs = cos.data_ptr<float>(), *ss = sin.data_ptr<float>();
+  const float *qs = q.data_ptr<float>(), *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
+  float *os = out.data_ptr<float>(), *kd = keys.data_ptr<float>(), *vd = values.data_ptr<float>();
+  auto rotate = [&](const float* x, const float* c, const float* sn, float* y) {
+    for (int64_t i = 0; i < D; ++i) y[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * sn[i];
+  };
+  at::parallel_for(0, A, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t a = begin; a < end; ++a) {
+      const float *c = cs + a * D, *sn = ss + a * D;
+      for (int64_t h = 0; h < NH; ++h) rotate(qs + a * q.stride(0) + h * D, c, sn, os + (a * NH + h) * D);
+      for (int64_t h = 0; h < KVH; ++h) {
+        rotate(ks + a * k.stride(0) + h * D, c, sn,
+               kd + a * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2));
+        std::memcpy(vd + a * values.stride(0) + h * values.stride(1) + slot * values.stride(2),
+                    vs + a * v.stride(0) + h * D, D * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
+// silu_mul: silu(gate) * up, a SwiGLU MLP's middle, one pass instead of two ops and a
+// tensor between them. gate, up [M, N] float32, columns contiguous, row strides free (halves
+// of one product). silu(x) = x sigmoid(x), sigmoid from exp(-|x|) (exp16 takes x <= 0).
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+                  gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat,
+              "silu_mul: gate and up must be float32 [M, N] of one shape, columns contiguous");
+  const int64_t M = gate.size(0), N = gate.size(1);
+  at::Tensor out = at::empty({M, N}, gate.options());
+  const float *gs = gate.data_ptr<float>(), *us = up.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float *g = gs + m * gate.stride(0), *u = us + m * up.stride(0);
+      float* o = os + m * N;
+      int64_t n = 0;
+      for (; n + 16 <= N; n += 16) {
+        const f32x16 x = load16(g + n);
+        const f32x16 e = exp16(x < 0 ? x : -x);  // exp(-|x|)
+        const f32x16 sig = (x < 0 ? e : f32x16{} + 1.0f) / (1.0f + e);
+        const f32x16 r = x * sig * load16(u + n);
+        std::memcpy(o + n, &r, sizeof r);
+      }
+      for (; n < N; ++n) o[n] = g[n] / (1.0f + std::exp(-g[n])) * u[n];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("blocked_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("sample(Tensor logits, Tensor uniforms, float temperature) -> (Tensor, Tensor)");
+  m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, int slot) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k1, Tensor v1, Tensor rows1, Tensor k2, Tensor v2, Tensor mask, float scale) -> Tensor");
 }
 
@@ -488,4 +568,6 @@ TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("sample", &sample);
   m.impl("decode_attention", &decode_attention);
+  m.impl("rotary_write", &rotary_write);
+  m.impl("silu_mul", &silu_mul);
 }

@@ -254,4 +254,58 @@ def test_decode_attention_bad_inputs_are_named():
         op(q, k, k, torch.tensor([0, 2]), e, e, mask, 1.0)
     with pytest.raises(RuntimeError, match="head_dim contiguous"):
         op(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, rows, e, e, mask, 1.0)
-    assert not kernels.attends(torch.randn(2, 1, 3, 32)) and kernels.attends(q)
+    assert not kernels.fits_decode(q, 32, 3) and not kernels.fits_decode(q, 64, 9)
+    assert kernels.fits_decode(q, 64, 3) and not kernels.fits_decode(q.double(), 64, 3)
+
+
+def test_rotary_write_by_hand_and_against_the_model():
+    """d = 4 by hand: x = [1, 2, 3, 4], cos = [1, 1, 0, 0], sin = [0, 0, 1, 1] (signed:
+    [0, 0, 1, 1] with the first half negated -> [-0, -0, 1, 1]): x cos + roll(x, 2) sin_s =
+    [1, 2, 0, 0] + [3, 4, 1, 2] * [0, 0, 1, 1] = [1, 2, 1, 2]. Then SmolLM2's shapes against
+    transformers' apply_rotary_pos_emb on strided rows of one product, written at a slot."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    cos, sin = torch.tensor([[1.0, 1.0, 0.0, 0.0]]), torch.tensor([[-0.0, -0.0, 1.0, 1.0]])
+    keys, values = torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4)
+    q = kernels.rotary_write(x, x * 10, x * 100, cos, sin, keys, values, 2)
+    assert q.tolist() == [[1.0, 2.0, 1.0, 2.0]]
+    assert keys[0, 0, 2].tolist() == [10.0, 20.0, 10.0, 20.0] and values[0, 0, 2].tolist() == [100.0, 200.0, 300.0, 400.0]
+    assert keys[1].abs().sum() == 0 and keys[0, 0, :2].abs().sum() == 0  # nothing else written
+
+    torch.manual_seed(0)
+    A, nh, kvh, d = 5, 9, 3, 64
+    product = torch.randn(A, (nh + 2 * kvh) * d)  # one packed q/k/v product: strided rows
+    q, k, v = product[:, : nh * d], product[:, nh * d:(nh + kvh) * d], product[:, (nh + kvh) * d:]
+    angle = torch.rand(A, d // 2) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)  # [A, d]
+    keys, values = torch.zeros(8, kvh, 10, d), torch.zeros(8, kvh, 10, d)
+    signed = torch.cat([-sin[:, : d // 2], sin[:, d // 2:]], -1)
+    out = kernels.rotary_write(q, k, v, cos, signed, keys, values, 7)
+    expect_q, expect_k = apply_rotary_pos_emb(q.view(A, nh, 1, d), k.reshape(A, kvh, 1, d),
+                                              cos[:, None], sin[:, None], unsqueeze_dim=1)
+    torch.testing.assert_close(out.view(A, nh, 1, d), expect_q, atol=1e-6, rtol=0)
+    torch.testing.assert_close(keys[:A, :, 7], expect_k[:, :, 0], atol=1e-6, rtol=0)
+    assert torch.equal(values[:A, :, 7], v.reshape(A, kvh, d))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.rotary_write(q, k, v, cos, signed, keys, values, 10)
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous float32"):
+        kernels.rotary_write(q, k, v, cos[:, :10], signed, keys, values, 0)
+
+
+def test_silu_mul_by_hand_and_against_the_tensor_ops():
+    """silu(x) = x / (1 + e^-x): silu(0) = 0, silu(2) * 3 = 6 / (1 + e^-2), silu(-2) * 1 =
+    -2 / (1 + e^2); then halves of one product (strided rows, 1536 wide and a 7-wide tail)
+    against F.silu(gate) * up."""
+    gate, up = torch.tensor([[0.0, 2.0, -2.0]]), torch.tensor([[5.0, 3.0, 1.0]])
+    out = kernels.silu_mul(gate, up)
+    torch.testing.assert_close(out, torch.tensor([[0.0, 6 / (1 + math.exp(-2)), -2 / (1 + math.exp(2))]]),
+                               atol=1e-6, rtol=0)
+    torch.manual_seed(0)
+    for width in (1536, 7):
+        product = torch.randn(6, 2 * width) * 8
+        gate, up = product[:, :width], product[:, width:]
+        torch.testing.assert_close(kernels.silu_mul(gate, up), torch.nn.functional.silu(gate) * up,
+                                   atol=1e-5, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="gate and up must be float32"):
+        kernels.silu_mul(gate, up[:, :3])

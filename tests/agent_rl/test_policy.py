@@ -526,6 +526,42 @@ def test_a_packed_rollout_copy_samples_like_the_model_and_takes_pushes(kind, mon
         "gate_proj", "up_proj", "down_proj", "lm_head"}
 
 
+def test_a_packed_smollm2_shaped_copy_decodes_through_our_kernels(monkeypatch):
+    """A packed rollout copy of a model with SmolLM2's attention shape (heads of 64, 3 query
+    heads per KV head, SiLU MLP) runs every decode step through our kernels (the rotary
+    embedding with the cache write, the attention, the MLP's silu(gate) * up) and samples
+    the tokens of transformers' own forward and cache, log-probs within 1e-4, with prompts
+    held once per group and per row."""
+    from agent_rl import decode, kernels
+    from agent_rl.models import rollout_copy
+
+    monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)
+    calls = {}
+
+    def counting(name, op):
+        def counted(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return op(*args)
+        return counted
+
+    for name in ("rotary_write", "decode_attention", "silu_mul"):
+        monkeypatch.setattr(kernels, name, counting(name, getattr(kernels, name)))
+    model, tok = tiny_llama_d64(bias=3.0)
+    packed = HFPolicy(rollout_copy(model), tok, pack_weights=True)
+    reference = HFPolicy(model, tok)
+    reference.static_cache = False  # transformers' forward with its DynamicCache
+    batch = CONVS * 4
+    for share in (0, 1 << 60):
+        monkeypatch.setattr(decode, "SHARED_MIN_BYTES", share)
+        sampling = Sampling(temperature=1.0, max_new_tokens=10, seed=5)
+        ours, theirs = packed.generate(batch, sampling), reference.generate(batch, sampling)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        assert max(abs(a - b) for o, t in zip(ours, theirs, strict=True)
+                   for a, b in zip(o.logprobs, t.logprobs, strict=True)) < 1e-4
+    assert calls.keys() == {"rotary_write", "decode_attention", "silu_mul"}
+    assert calls["rotary_write"] == calls["decode_attention"] == calls["silu_mul"] > 0
+
+
 def test_token_tree_by_hand():
     tokens, depth, paths = decode._tree([[1, 2, 3], [1, 2, 4], [1, 5]])
     assert tokens == [1, 2, 3, 4, 5] and depth == [0, 1, 2, 2, 1]
