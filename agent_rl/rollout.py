@@ -353,6 +353,7 @@ def build_sequences(
     kept = [e for e in episodes if e.filter and e.filter.get("kept")]
     advantages = session_advantages(kept, assigner, assigner_params, std=std, eps=eps, scale=scale)
     sequences = []
+    memo: dict = {}  # template renderings shared by the sessions (render._template_ids)
     for e in kept:  # masked overlong episodes served the baseline; they are not rendered
         if e.filter.get("truncation") == "mask" and e.filter.get("overlong"):
             continue
@@ -360,7 +361,7 @@ def build_sequences(
         for s in e.sessions:
             if (e.episode_id, s.session_id) in advantages:
                 sequences.append(TrainSequence(
-                    e.episode_id, s.session_id, e.group_id, render_session(tokenizer, s),
+                    e.episode_id, s.session_id, e.group_id, render_session(tokenizer, s, memo=memo),
                     advantages[e.episode_id, s.session_id], weights[s.session_id],
                     s.policy_revision))
     return sequences, advantages.stats

@@ -428,3 +428,30 @@ def test_conversation_ids_memo_renders_only_the_new_turns(tok, monkeypatch):
     assert len(calls) == 2 + 1 and len(memo) == 3
     calls.clear()
     assert grown == render.conversation_ids(tok, _with_ids(s.turns)) and len(calls) == 3 * 2 + 1
+
+
+def test_a_batch_memo_renders_each_message_list_once(tok, monkeypatch):
+    """Two samples of one prompt (system, user, then different turns): each session takes 7
+    template calls without a memo (system, user, the third message; per generated turn its
+    prompt and its rendering, two generated turns); with one memo over both, the second
+    session's system, user and first generation prompt come from the memo, so it renders 4
+    (its first reply, the user message after it, its second prompt and reply): 7 + 4 calls,
+    11 renderings kept, the same tensors."""
+    from agent_rl import render
+
+    other = Session(session_id="s1", episode_id="ep-1", turns=[
+        *tool_session(tok).turns[:2], _sampled(tok, "I think 42.", lp=-0.3),
+        Turn(role="user", content="Sure?"), _sampled(tok, "Yes.", lp=-0.2)])
+    sessions = [tool_session(tok), other]
+    calls = []
+    real = render.chat_ids
+    monkeypatch.setattr(render, "chat_ids", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = [render.render_session(tok, s) for s in sessions]
+    assert len(calls) == 2 * 7
+    calls.clear()
+    memo = {}
+    shared = [render.render_session(tok, s, memo=memo) for s in sessions]
+    assert len(calls) == 7 + 4 and len(memo) == 11
+    for a, b in zip(plain, shared, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.old_logprobs, b.old_logprobs) and a.spans == b.spans
