@@ -151,7 +151,6 @@ class StaticDecoder:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # [A, 1, d]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [A, 1, 1, d]
         attend = mask.bool()  # [A, L + s + 1]
-        padding = ~attend[:, None, None, :L] if self.shared else None  # [A, 1, 1, L]
         A = x.shape[0]
         first = self.layers[0].self_attn
         d = first.head_dim
@@ -159,6 +158,8 @@ class StaticDecoder:
         # our kernels (kernels.rotary_write, decode_attention, silu_mul) where they take the step
         fused = kernels.fits_decode(x, d, first.config.num_attention_heads // kvh)
         slot = s if self.shared else L + s  # where this position's key and value go
+        own = torch.arange(A)  # [A] each row reads its own buffer (the kernel, not shared)
+        padding = ~attend[:, None, None, :L] if self.shared and not fused else None  # [A, 1, 1, L]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = _rms_norm(layer.input_layernorm, x)  # [A, 1, H]
@@ -186,7 +187,7 @@ class StaticDecoder:
                     self.values[i][:, :, : s + 1], attend, attn.scaling)  # [A, kvh, g, d]
             elif fused:  # our kernel over the row's own buffer, read in place
                 keys, values = self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1]
-                o = kernels.decode_attention(q, keys, values, torch.arange(A), keys[:, :, :0],
+                o = kernels.decode_attention(q, keys, values, own, keys[:, :, :0],
                                              values[:, :, :0], attend, attn.scaling)  # [A, kvh, g, d]
             elif self.shared:
                 scores = torch.cat([

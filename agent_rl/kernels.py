@@ -173,7 +173,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def fits_decode(x: torch.Tensor, head_dim: int, group: int) -> bool:
     """Do the decode-step kernels (``decode_attention``, ``rotary_write``, ``silu_mul``) take
-    this step: float32 on the CPU, heads of 64 or 128, at most 8 query heads per KV head, and
-    the kernels built."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and head_dim in (64, 128)
-            and group <= 8 and load())
+    this step: float32 on the CPU and no autocast there (which would hand them bf16
+    projections), heads of 64 or 128, at most 8 query heads per KV head, and the kernels
+    built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and head_dim in (64, 128) and group <= 8 and load())

@@ -560,6 +560,12 @@ def test_a_packed_smollm2_shaped_copy_decodes_through_our_kernels(monkeypatch):
                    for a, b in zip(o.logprobs, t.logprobs, strict=True)) < 1e-4
     assert calls.keys() == {"rotary_write", "decode_attention", "silu_mul"}
     assert calls["rotary_write"] == calls["decode_attention"] == calls["silu_mul"] > 0
+    # bf16 autocast (model.dtype: bfloat16) hands the projections' output over in bf16: the
+    # step keeps the tensor ops, and samples
+    calls.clear()
+    autocast = HFPolicy(model, tok, compute_dtype="bfloat16")
+    out = autocast.generate(batch, Sampling(temperature=1.0, max_new_tokens=10, seed=5))
+    assert calls == {} and all(c.token_ids for c in out)
 
 
 def test_token_tree_by_hand():
