@@ -76,14 +76,14 @@ class StaticDecoder:
 
     The prompt's keys and values stay as the prefill left them, once per unique prompt, when
     rows share prompts (a GRPO group's samples) and that spares reading more than
-    ``SHARED_MIN_BYTES`` per prompt, layer and step: every group's queries attend to their
-    prompt as one matrix product, so a step reads each prompt once instead of once per row
-    (for 8 samples of a 400-token prompt that is most of a step's memory traffic besides the
-    weights); the generated positions then have a buffer of their own, ``[B, kv_heads,
-    max_new_tokens, head_dim]`` per layer. Otherwise (short prompts, one row per prompt) each
-    row holds its prompt and its generated positions in one buffer, ``[B, kv_heads, L +
-    max_new_tokens, head_dim]`` per layer, and a step attends with one fused call
-    (``F.scaled_dot_product_attention``). Generated keys and values are written in place."""
+    ``SHARED_MIN_BYTES`` per prompt, layer and step: the prompt is held (and copied) once
+    instead of once per row (for 8 samples of a 400-token prompt, most of a step's memory
+    traffic besides the weights; our attention kernel reads it once per row, the group's
+    rows one after another; the tensor ops attend each group to it as one matrix product); the generated positions then have a buffer of their own, ``[B,
+    kv_heads, max_new_tokens, head_dim]`` per layer. Otherwise (short prompts, one row per
+    prompt) each row holds its prompt and its generated positions in one buffer, ``[B,
+    kv_heads, L + max_new_tokens, head_dim]`` per layer, attended by our kernel or one
+    ``F.scaled_dot_product_attention`` call. Generated keys and values are written in place."""
 
     def __init__(self, model: Any, cache: Any, which: torch.Tensor, max_new_tokens: int):
         inner = model.model

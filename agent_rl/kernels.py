@@ -148,11 +148,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     over the keys and values of [``keys``[rows[a]], ``generated_keys``[a]] (``[U, kv_heads,
     S1, d]`` and ``[A, kv_heads, S2, d]``, read in place: slices of larger buffers are fine),
     ``mask`` [A, S1 + S2] (true: attend). Returns ``[A, kv_heads, g, d]``. float32, d 64 or
-    128, g at most 8 (``attends``)."""
+    128, g at most 8 (``fits_decode``)."""
     return torch.ops.agent_rl_kernels.decode_attention(
         q.contiguous(), keys, values, rows.contiguous(), generated_keys, generated_values,
         mask.contiguous(), scale)
-
 
 
 def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
