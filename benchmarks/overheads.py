@@ -6,7 +6,8 @@ For each env id, one GRPO batch (``--tasks`` tasks x ``--group`` samples) is rol
 
     policy     HFPolicy.generate (the model: prefill, decode, sampling, detokenising)
     env        reset + step of every environment (tool calls, rewards, context budgets
-               counted with the policy's chat template, episode records)
+               counted with the policy's chat template, episode records): wall time, so
+               steps that run at once (``concurrent_steps`` envs) count once
     runner     run_episodes' own bookkeeping (the rest of its wall time)
     post       truncation, group filtering, credit (trajectories.assign), advantages and
                rendering every kept session to token ids and masks (build_sequences)
@@ -32,29 +33,40 @@ import envs
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy
 from agent_rl.rollout import apply_truncation, build_sequences, filter_groups
+from envs import sandbox
 from envs.runner import Sampling, run_episodes
 
 
 class Timed(gymnasium.Wrapper):
-    """Adds the seconds spent in reset and step to a shared clock."""
+    """Records the (start, end) of every reset and step in a shared list."""
 
-    def __init__(self, env: gymnasium.Env, clock: dict[str, float]):
+    def __init__(self, env: gymnasium.Env, spans: list[tuple[float, float]]):
         super().__init__(env)
-        self.clock = clock
+        self.spans = spans
 
     def reset(self, **kwargs):
         start = time.perf_counter()
         try:
             return self.env.reset(**kwargs)
         finally:
-            self.clock["env"] += time.perf_counter() - start
+            self.spans.append((start, time.perf_counter()))
 
     def step(self, action):
         start = time.perf_counter()
         try:
             return self.env.step(action)
         finally:
-            self.clock["env"] += time.perf_counter() - start
+            self.spans.append((start, time.perf_counter()))
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one span was open (overlapping spans count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 class TimedPolicy:
@@ -71,14 +83,16 @@ class TimedPolicy:
 
 
 def measure(env_id: str, policy: HFPolicy, tasks: int, group: int, max_new: int, seed: int) -> dict[str, Any]:
-    clock = {"env": 0.0, "policy": 0.0}
-    pool = [Timed(envs.make(env_id), clock) for _ in range(tasks * group)]
+    clock = {"policy": 0.0}
+    spans: list[tuple[float, float]] = []
+    pool = [Timed(envs.make(env_id), spans) for _ in range(tasks * group)]
     specs = pool[0].unwrapped.task_pool(tasks, seed=seed)
     sampling = Sampling(temperature=1.0, max_new_tokens=max_new, seed=seed, max_prompt_tokens=1536)
     start = time.perf_counter()
     episodes = run_episodes(pool, specs, TimedPolicy(policy, clock), sampling,
                             samples_per_task=group, seed=seed)
     episodes_s = time.perf_counter() - start
+    clock["env"] = covered(spans)
     post_start = time.perf_counter()
     episodes = [apply_truncation(e, "keep", 0.0) for e in episodes]
     episodes, _ = filter_groups(episodes, dynamic_sampling=False)
@@ -101,14 +115,21 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--env", action="append", help="measure only this env id (repeatable; "
+                    "default: every built-in env)")
     args = ap.parse_args()
+    built_in = [e for e in envs.list_envs() if e.startswith("agent_rl/")]
+    unknown = sorted(set(args.env or ()) - set(built_in))
+    if unknown:
+        ap.error(f"unknown env ids {unknown}; built in: {', '.join(built_in)}")
 
     model, tokenizer = load_model(args.model)
     policy = HFPolicy(model.eval().requires_grad_(False), tokenizer)
-    result: dict[str, Any] = {"model": args.model, "tasks": args.tasks, "group": args.group}
+    result: dict[str, Any] = {"model": args.model, "tasks": args.tasks, "group": args.group,
+                              "sandbox": sandbox.choose_backend()}  # CodeTests-v0's "auto"
     measure("agent_rl/Arithmetic-v0", policy, 1, 2, 4, args.seed)  # warm-up
     print(f"{'env':<26}{'total s':>9}{'policy s':>10}{'env s':>8}{'runner s':>10}{'post s':>8}{'overhead':>10}")
-    for env_id in [e for e in envs.list_envs() if e.startswith("agent_rl/")]:  # built-in
+    for env_id in args.env or built_in:
         r = measure(env_id, policy, args.tasks, args.group, args.max_new_tokens, args.seed)
         result[env_id] = r
         print(f"{env_id:<26}{r['total_s']:>9.2f}{r['policy_s']:>10.2f}{r['env_s']:>8.3f}"

@@ -362,13 +362,13 @@ def extract_code(reply: str, name: str) -> str:
 _HARNESS = r'''
 import sys
 sys.dont_write_bytecode = True
-import importlib, json, os, warnings
+import posix, warnings  # built in / tiny: json, os and importlib would cost ~10 ms a run
 warnings.simplefilter("ignore")
 NONCE = __NONCE__
 FUNCTION = __FUNCTION__
-INPUTS = json.loads(__INPUTS__)
-_type, _str, _vars, _issubclass, _len = type, str, vars, issubclass, len
-_dumps, _write, _exit, _BaseException = json.dumps, os.write, os._exit, BaseException
+INPUTS = __INPUTS__
+_type, _str, _vars, _issubclass, _len, _ord = type, str, vars, issubclass, len, ord
+_write, _exit, _BaseException = posix.write, posix._exit, BaseException
 _PLAIN = (bool, int, float, str, list, tuple, dict)
 _NONE = type(None)
 
@@ -379,6 +379,40 @@ class _NonPlain(Exception):
 
 class _Unencodable(Exception):
     pass
+
+
+_SHORT = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+
+
+def _quote(s):
+    if s.isascii() and s.isprintable() and '"' not in s and "\\" not in s:
+        return '"' + s + '"'
+    out = []
+    for c in s:
+        o = _ord(c)
+        if c in _SHORT:
+            out.append(_SHORT[c])
+        elif 32 <= o < 127:
+            out.append(c)
+        elif o < 65536:
+            out.append("\\u%04x" % o)
+        else:
+            o -= 65536
+            out.append("\\u%04x\\u%04x" % (0xD800 + (o >> 10), 0xDC00 + (o & 0x3FF)))
+    return '"' + "".join(out) + '"'
+
+
+def _dumps(x):  # JSON, as json.dumps writes it, of what _entry builds: lists, str, bool, None
+    t = _type(x)
+    if t is _str:
+        return _quote(x)
+    if t is list:
+        return "[" + ", ".join([_dumps(v) for v in x]) + "]"
+    if x is None:
+        return "null"
+    if x is True or x is False:
+        return "true" if x else "false"
+    raise _Unencodable()
 
 
 def _encode(x, depth=0):
@@ -444,9 +478,9 @@ def _entry(out):
 
 import_error = None
 fn = None
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, posix.getcwd())
 try:
-    fn = getattr(importlib.import_module("solution"), FUNCTION)
+    fn = getattr(__import__("solution"), FUNCTION)
 except _BaseException as exc:
     import_error = _name(_type(exc))
 results = []
@@ -465,8 +499,8 @@ for stream in (sys.stdout, sys.stderr):
         stream.flush()
     except _BaseException:
         pass
-data = ("\n" + NONCE + " " + _dumps({"import_error": import_error, "results": results})
-        + "\n").encode("ascii")
+data = ("\n" + NONCE + ' {"import_error": ' + _dumps(import_error) + ', "results": '
+        + _dumps(results) + "}\n").encode("ascii")
 while data:
     data = data[_write(1, data):]
 _exit(0)
@@ -476,7 +510,20 @@ _exit(0)
 def harness(function: str, inputs: Sequence[Sequence[Any]], nonce: str) -> str:
     """The trusted program: the test inputs and ``nonce`` in, one results record out."""
     return (_HARNESS.replace("__NONCE__", repr(nonce)).replace("__FUNCTION__", repr(function))
-            .replace("__INPUTS__", repr(json.dumps(list(map(list, inputs))))))
+            .replace("__INPUTS__", _literal(list(map(list, inputs)))))
+
+
+def _literal(value: Any) -> str:
+    """``value`` as Python source the harness can run (plain data only, checked)."""
+    text = repr(value)
+    try:
+        same_back = ast.literal_eval(text) == value
+    except (ValueError, SyntaxError):
+        same_back = False
+    if not same_back:
+        raise ValueError(f"test inputs must be plain literals (int, float, str, bool, None, "
+                         f"list, tuple, dict); got {text[:200]}")
+    return text
 
 
 _SKIPS = frozenset({"SkipTest", "Skipped", "SkipException", "SkipTestException"})
@@ -625,15 +672,14 @@ class CodeTestsEnv(ToolEnv):
     version = 0
     instructions = INSTRUCTIONS
     reward_weights = WEIGHTS
+    concurrent_steps = True  # a step waits on its sandboxed test run
 
     def __init__(self, backend: str = "auto",
                  limits: sandbox.Limits | Mapping[str, Any] | None = None, max_turns: int = 4,
                  **kwargs: Any):
         """``backend``: the sandbox backend (``envs.sandbox.run``); ``limits``: a ``Limits`` or
         a mapping of its fields, over ``DEFAULT_LIMITS``."""
-        if backend not in (*sandbox.BACKENDS, "auto"):
-            raise ValueError(f"unknown sandbox backend {backend!r}: use one of "
-                             f"{', '.join(sandbox.BACKENDS)} or 'auto'")
+        sandbox.choose_backend(backend)  # names a bad one; probes "auto" now, not in a step
         names = {f.name for f in fields(sandbox.Limits)}
         given = (dict(limits) if isinstance(limits, Mapping)
                  else {n: getattr(limits, n) for n in names} if limits is not None else {})

@@ -227,6 +227,10 @@ class ToolEnv(gymnasium.Env):
     )
     default_split: ClassVar[str] = "train"
     reward_weights: ClassVar[dict[str, float]] = {"accuracy": 1.0}
+    concurrent_steps: ClassVar[bool] = False
+    """True when a step mostly waits outside the interpreter (a sandboxed program, a remote
+    service) and an instance shares no state with the others: ``run_episodes`` may then step
+    several of them at once from threads."""
 
     metadata = {"render_modes": ["ansi"], "render_fps": 1}
 

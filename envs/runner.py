@@ -19,11 +19,21 @@ that shards jobs passes each shard ``seed`` + its first global job index).
 Context budgets. When the policy can count a conversation's prompt tokens
 (``policy.count_tokens(messages)``, its chat template), every env with a ``use_token_counter``
 method counts its ``context_budget`` with it, in the tokens the policy will really see.
+
+Concurrent steps. An environment class whose steps mostly wait outside the interpreter (a
+sandboxed program, a remote service) sets ``concurrent_steps = True``; when every env in the
+pool does, a round's steps run on up to ``step_workers`` threads at once. Their results are
+taken in the same order as one after another, so the episodes are the same either way. Such an
+env must keep its state in its own instance: the token counter is the only thing the runner
+shares between them, and it is called under a lock.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -121,6 +131,7 @@ def run_episodes(
     on_round: Callable[[int, int], None] | None = None,
     split: str | None = None,
     hints: bool | Sequence[bool] | None = None,
+    step_workers: int | None = None,
 ) -> list[Episode]:
     """Run every task ``samples_per_task`` times; returns episodes in job order.
 
@@ -130,7 +141,9 @@ def run_episodes(
     ``hints`` shows or hides task hints whatever the envs were built with (None: as built); a
     sequence decides per job, one bool per (task, sample) job in job order (a job whose task
     has no hint is unhinted either way).
-    ``on_round(done, total)`` is called after every policy round.
+    ``on_round(done, total)`` is called after every policy round. ``step_workers``: threads
+    that step a round's envs when all of them set ``concurrent_steps`` (None: the CPU cores + 4,
+    as for other work that mostly waits; 1: one after another).
     """
     sampling = sampling or Sampling()
     jobs = [(task, j) for task in tasks for j in range(samples_per_task)]
@@ -145,12 +158,26 @@ def run_episodes(
         pool = list(envs)
         if not pool:
             raise ValueError("run_episodes needs at least one environment")
+    if step_workers is not None and (isinstance(step_workers, bool) or not isinstance(step_workers, int)
+                                     or step_workers < 1):
+        raise ValueError(f"step_workers must be a positive int or None, got {step_workers!r}")
+    workers = min(step_workers or (os.cpu_count() or 1) + 4, len(pool))
+    if not all(getattr(env.unwrapped, "concurrent_steps", False) for env in pool):
+        workers = 1
+    if len({id(env.unwrapped) for env in pool}) < len(pool):
+        raise ValueError("run_episodes got the same environment twice: give one instance per slot")
     count_tokens = getattr(policy, "count_tokens", None)
     if count_tokens is not None:
+        lock = threading.Lock()
+
+        def counted(messages: Sequence[dict[str, Any]]) -> int:
+            with lock:
+                return count_tokens(messages)
+
         for env in pool:
             use = getattr(env.unwrapped, "use_token_counter", None)
             if use is not None:
-                use(count_tokens)
+                use(counted if workers > 1 else count_tokens)
     slots = [_Slot(env) for env in pool]
     results: list[Episode | None] = [None] * len(jobs)
     next_job = 0
@@ -175,23 +202,33 @@ def run_episodes(
     for slot in slots:
         start(slot)
     done = 0
-    while any(slot.job is not None for slot in slots):
-        active = [slot for slot in slots if slot.job is not None]
-        streams = tuple((seed + slot.job, slot.calls) for slot in active)
-        completions = policy.generate([slot.obs for slot in active], replace(sampling, streams=streams))
-        for slot in active:
-            slot.calls += 1
-        if len(completions) != len(active):
-            raise RuntimeError(f"policy returned {len(completions)} completions for "
-                               f"{len(active)} conversations")
-        for slot, completion in zip(active, completions, strict=True):
-            obs, _, terminated, truncated, info = slot.env.step(completion.action())
-            if terminated or truncated:
-                results[slot.job] = info["episode"]
-                done += 1
-                start(slot)
-            else:
-                slot.obs = obs
-        if on_round is not None:
-            on_round(done, len(jobs))
+    threads = ThreadPoolExecutor(workers, thread_name_prefix="env-step") if workers > 1 else None
+    try:
+        while any(slot.job is not None for slot in slots):
+            active = [slot for slot in slots if slot.job is not None]
+            streams = tuple((seed + slot.job, slot.calls) for slot in active)
+            completions = policy.generate([slot.obs for slot in active],
+                                          replace(sampling, streams=streams))
+            for slot in active:
+                slot.calls += 1
+            if len(completions) != len(active):
+                raise RuntimeError(f"policy returned {len(completions)} completions for "
+                                   f"{len(active)} conversations")
+            moves = [(slot.env, c.action()) for slot, c in zip(active, completions, strict=True)]
+            if threads is None:
+                outcomes = [env.step(action) for env, action in moves]
+            else:  # in slot order, as above: the same episodes
+                outcomes = list(threads.map(lambda move: move[0].step(move[1]), moves))
+            for slot, (obs, _, terminated, truncated, info) in zip(active, outcomes, strict=True):
+                if terminated or truncated:
+                    results[slot.job] = info["episode"]
+                    done += 1
+                    start(slot)
+                else:
+                    slot.obs = obs
+            if on_round is not None:
+                on_round(done, len(jobs))
+    finally:
+        if threads is not None:
+            threads.shutdown(cancel_futures=True)
     return [episode for episode in results if episode is not None]

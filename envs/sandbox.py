@@ -41,6 +41,11 @@ disk_mb        RLIMIT_FSIZE per file, and the work dir's usage polled every 50 m
                (each entry counts at least 4 KiB) and checked at the end
 =============  ===============================  ==================================
 
+The process backends start the guest through ``/bin/sh`` (joins the run's cgroups), util-linux's
+``prlimit`` (the rlimits) and, as root, ``setpriv`` (the guest uid), not a ``preexec_fn``: the
+child never runs Python, so starting a run costs the same in a process holding gigabytes
+(a forked trainer would copy its page tables: tens of milliseconds a run).
+
 Cgroups (v1 ``pids`` and ``memory`` hierarchies, made under this process's own cgroups) need
 write access, in practice root; without them the rlimits stand alone. A memory limit hit inside
 one process surfaces as Python's ``MemoryError``; a run whose stderr ends with it counts as
@@ -84,7 +89,6 @@ import itertools
 import math
 import os
 import re
-import resource
 import shutil
 import signal
 import stat
@@ -165,17 +169,24 @@ def run(code: str, files: Mapping[str, str | bytes] | None = None, limits: Limit
     ``Limits``) raise ``ValueError``/``TypeError`` before anything runs; everything else comes
     back as a ``SandboxResult``.
     """
-    if backend not in (*BACKENDS, "auto"):
-        raise ValueError(f"unknown sandbox backend {backend!r}: use one of {', '.join(BACKENDS)} or 'auto'")
+    backend = choose_backend(backend)
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
     limits = Limits() if limits is None else limits
     if not isinstance(limits, Limits):
         raise TypeError(f"limits must be an envs.sandbox.Limits, got {type(limits).__name__}")
     checked = _check_files(files)
-    if backend == "auto":
-        backend = next(b for b in BACKENDS if b == "subprocess" or available(b))
     return _RUNNERS[backend](code, checked, limits)
+
+
+def choose_backend(backend: str = "auto") -> str:
+    """The backend ``run(backend=...)`` uses: ``backend`` itself, or for ``auto`` the first of
+    docker, bwrap and subprocess that is ``available`` (probed once per process)."""
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"unknown sandbox backend {backend!r}: use one of {', '.join(BACKENDS)} or 'auto'")
+    if backend != "auto":
+        return backend
+    return next(b for b in BACKENDS if b == "subprocess" or available(b))
 
 
 def available(backend: str) -> bool:
@@ -498,12 +509,6 @@ class _Cgroup:
                 continue
             self.dirs[controller] = d
 
-    def join(self) -> None:
-        """Move the calling process in (a ``preexec_fn``: runs in the child before exec)."""
-        for d in self.dirs.values():
-            with open(d / "cgroup.procs", "w") as f:
-                f.write(str(os.getpid()))
-
     def events(self) -> tuple[bool, bool]:
         """(an OOM kill happened, a fork was refused)."""
         oom = pids = False
@@ -595,28 +600,37 @@ def _guest_uid() -> int | None:
     return GUEST_UID if os.geteuid() == 0 else None
 
 
-def _preexec(limits: Limits, cgroup: _Cgroup, uid: int | None, extra_processes: int
-             ) -> Callable[[], None]:
-    """Runs in the child between fork and exec: cgroups, rlimits, then the guest's uid."""
-    cpu = _cpu_rlimit(limits)
-    rlimits = [(resource.RLIMIT_CPU, cpu, cpu + 1),
-               (resource.RLIMIT_AS, limits.memory_mb * _MIB, limits.memory_mb * _MIB),
-               (resource.RLIMIT_FSIZE, limits.disk_mb * _MIB, limits.disk_mb * _MIB),
-               (resource.RLIMIT_CORE, 0, 0)]
+_JOIN_AND_EXEC = ('while [ "$1" != -- ]; do { echo $$ > "$1"; } 2>/dev/null || '
+                  '{ echo "agent-rl-sandbox: cannot join the cgroup $1" >&2; exit 125; }; '
+                  'shift; done; shift; exec "$@"')
+_LAUNCHER_FAILED = re.compile(r"^(?:agent-rl-sandbox|\S*prlimit|\S*setpriv): ")
+
+
+def _launcher(limits: Limits, cgroup: _Cgroup, uid: int | None, extra_processes: int) -> list[str]:
+    """The argv prefix that puts the program in its cgroups, under its rlimits, as the guest.
+
+    ``sh`` writes its pid into each cgroup, then execs util-linux's ``prlimit`` and (as root)
+    ``setpriv``, which exec the program: three small execs in place of a ``preexec_fn``, which
+    would make ``subprocess`` copy this whole process (a forked trainer with a model loaded
+    costs tens of milliseconds; ``vfork`` cannot run Python code in the child).
+    """
+    tools = {name: shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
+             for name in ("prlimit", "setpriv")}
+    missing = [name for name in ("prlimit",) + (("setpriv",) if uid is not None else ())
+               if tools[name] is None]
+    if missing:
+        raise FileNotFoundError(f"{' and '.join(missing)} not found (util-linux)")
+    cpu, memory, disk = _cpu_rlimit(limits), limits.memory_mb * _MIB, limits.disk_mb * _MIB
+    argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "sh"]
+    argv += [str(d / "cgroup.procs") for d in cgroup.dirs.values()]
+    argv += ["--", tools["prlimit"], f"--cpu={cpu}:{cpu + 1}", f"--as={memory}:{memory}",
+             f"--fsize={disk}:{disk}", "--core=0:0"]
     if "pids" not in cgroup.dirs:  # per user: counts the uid's other processes too
         nproc = limits.processes + extra_processes + len(_processes_of(os.geteuid() if uid is None else uid))
-        rlimits.append((resource.RLIMIT_NPROC, nproc, nproc))
-
-    def preexec() -> None:
-        cgroup.join()
-        for which, soft, hard in rlimits:
-            resource.setrlimit(which, (soft, hard))
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-
-    return preexec
+        argv.append(f"--nproc={nproc}:{nproc}")
+    if uid is not None:
+        argv += ["--", tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    return argv + ["--"]
 
 
 def _run_process(backend: str, argv: list[str], env: dict[str, str], cwd: Path, workdir: _WorkDir,
@@ -639,11 +653,11 @@ def _run_process(backend: str, argv: list[str], env: dict[str, str], cwd: Path, 
     t0 = time.monotonic()
     try:
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            launch = _launcher(limits, cgroup, uid, extra_processes)
+            proc = subprocess.Popen(launch + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
                                     pass_fds=() if status_fd is None else (status_fd,),
-                                    start_new_session=True,
-                                    preexec_fn=_preexec(limits, cgroup, uid, extra_processes))
+                                    start_new_session=True)
         except (OSError, subprocess.SubprocessError) as exc:
             return _Outcome(None, None, "", failure=f"{backend} could not start: {exc}"), watch, 0.0
         pumps = [watch.pump(proc.stdout.fileno(), watch.stdout),
@@ -666,10 +680,17 @@ def _run_process(backend: str, argv: list[str], env: dict[str, str], cwd: Path, 
     finally:
         cgroup.close()
     code = proc.returncode
+    stderr = watch.stderr.decode("utf-8", "replace")
+    failure = ""
+    if status_fd is None and code in (125, 126, 127) and _LAUNCHER_FAILED.match(stderr):
+        # bwrap's status report tells its launch failures apart; without one, the launcher's
+        # own message does (a guest printing it only turns its own failure into this one)
+        failure = f"{backend} could not start: {stderr.strip()[-2000:]}"
     outcome = _Outcome(
         exit_code=code if code >= 0 else 128 - code,
         stopped=watch.stopped,
-        stderr=watch.stderr.decode("utf-8", "replace"),
+        stderr=stderr,
+        failure=failure,
         cpu_s=rusage.ru_utime + rusage.ru_stime,
         oom=oom, pids_hit=pids_hit,
         disk_used=workdir.usage(),

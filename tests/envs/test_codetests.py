@@ -235,6 +235,32 @@ def test_odd_values_end_scored(code):
     assert breakdown.audit["hack"] == []
 
 
+
+AWKWARD = ['say "hi"\\', "tab\there\nnew\r\x08\x0c\x00\x7f", "é漢字", "\U0001F600 \ud800", "plain"]
+
+
+def test_the_harness_writes_the_record_json_would():
+    """The harness encodes its record itself (no json import in the guest): strings with quotes,
+    backslashes, control characters, non-ASCII, astral characters and lone surrogates come back
+    exactly, and the record line is what json.dumps writes."""
+    task = SQUARE.model_copy(update={"target": AWKWARD, "data": {
+        "function": "str_pick", "inputs": [[i] for i in range(5)]}})
+    breakdown = play(f"def str_pick(i):\n    return {AWKWARD!r}[i]\n", task)
+    assert breakdown.total == 1.0 and breakdown.audit["results"] == ["pass"] * 5
+    result = sandbox.run(harness("str_pick", [[i] for i in range(5)], "n0nce"),
+                         files={"solution.py": f"def str_pick(i):\n    return {AWKWARD!r}[i]\n"},
+                         backend="subprocess")
+    record = next(line for line in result.stdout.split("\n") if line.startswith("n0nce "))
+    results = [["value", ["str", text]] for text in AWKWARD]
+    assert record == "n0nce " + json.dumps({"import_error": None, "results": results})
+
+
+@pytest.mark.parametrize("inputs", [[[float("nan")]], [[float("inf")]], [[object()]]])
+def test_inputs_that_are_not_literals_are_refused(inputs):
+    with pytest.raises(ValueError, match="test inputs must be plain literals"):
+        harness("f", inputs, "n0nce")
+
+
 def test_names_the_agent_chooses_stay_valid_utf8():
     hostile = ("import os\nfor i in range(30):\n    open(os.fsencode(f'\\udcff{i}'), 'w')\n"
                + CORRECT)  # file names that are not UTF-8

@@ -1,11 +1,16 @@
 """envs.runner: a distinct, reproducible sampling stream per job and call, the split and hint
-options every reset gets, and the policy's tokenizer counting context budgets."""
+options every reset gets, the policy's tokenizer counting context budgets, and concurrent
+steps for envs that wait."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
 import envs
+from envs.arithmetic import ArithmeticEnv
 from envs.runner import Completion, Sampling, run_episodes, stream_seed
 
 
@@ -122,3 +127,63 @@ def test_hints_can_be_decided_per_job():
     with pytest.raises(ValueError, match="hints: 2 values for 6 jobs"):
         run_episodes("agent_rl/Arithmetic-v0", tasks, Recorder(), samples_per_task=2,
                      hints=[True, False])
+
+
+class _SlowArithmetic(ArithmeticEnv):
+    """Arithmetic whose steps wait 50 ms (as a sandboxed run does) and count the counter."""
+
+    concurrent_steps = True
+    lock = threading.Lock()
+    running = 0
+    most = 0
+    counting = 0
+
+    def step(self, action):
+        cls = type(self)
+        with cls.lock:
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+        try:
+            self.token_counter([{"role": "user", "content": "x"}])
+            time.sleep(0.05)
+            return super().step(action)
+        finally:
+            with cls.lock:
+                cls.running -= 1
+
+
+def test_concurrent_steps_overlap_and_give_the_same_episodes():
+    """Envs that set concurrent_steps are stepped from threads; the episodes are exactly those
+    of stepping one after another, and the shared token counter never runs twice at once."""
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(3, seed=0)
+    inside = []
+
+    def count(messages):
+        inside.append(1)
+        assert len(inside) == 1, "the counter ran on two threads at once"
+        time.sleep(0.002)
+        inside.pop()
+        return 5
+
+    def run(workers):
+        _SlowArithmetic.most = 0
+        policy = StreamEcho()
+        policy.count_tokens = count
+        episodes = run_episodes([_SlowArithmetic() for _ in range(6)], tasks, policy,
+                                Sampling(seed=3), samples_per_task=2, step_workers=workers)
+        return [e.to_json() for e in episodes], _SlowArithmetic.most
+
+    one, most_one = run(1)
+    many, most_many = run(6)
+    assert most_one == 1 and most_many == 6
+    assert many == one and len(one) == 6
+
+
+def test_bad_step_workers_and_a_shared_env_are_refused():
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(2, seed=0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="step_workers must be a positive int or None"):
+            run_episodes("agent_rl/Arithmetic-v0", tasks, Recorder(), step_workers=bad)
+    env = envs.make("agent_rl/Arithmetic-v0")
+    with pytest.raises(ValueError, match="got the same environment twice"):
+        run_episodes([env, env], tasks, Recorder())

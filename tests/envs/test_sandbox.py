@@ -417,6 +417,52 @@ def test_bwrap_that_cannot_start_is_a_sandbox_error(monkeypatch):
     assert "no-such-python" in r.detail
 
 
+
+@pytest.mark.parametrize("name", ["subprocess", "bwrap"])
+def test_the_guest_starts_under_its_rlimits_uid_and_cgroups(name):
+    """The launcher (sh, prlimit, setpriv: no ``preexec_fn``) sets what the guest sees."""
+    _need(name)
+    limits = Limits(cpu_s=3.2, memory_mb=300, disk_mb=7)
+    code = ("import os, resource\n"
+            "print([resource.getrlimit(getattr(resource, 'RLIMIT_' + r)) for r in "
+            "('CPU', 'AS', 'FSIZE', 'CORE')])\n"
+            "print(os.getuid(), os.getgid(), os.getgroups())\n"
+            "print(open('/proc/self/cgroup').read())\n")
+    r = run(code, limits=limits, backend=name)
+    assert r.status == "ok", r
+    rlimits, ids, cgroups = r.stdout.split("\n", 2)
+    assert rlimits == str([(4, 5), (300 << 20, 300 << 20), (7 << 20, 7 << 20), (0, 0)])
+    if os.geteuid() == 0:
+        assert ids == "65534 65534 []"
+        if name == "subprocess":  # bwrap's cgroup namespace hides the path
+            run_dirs = [line for line in cgroups.splitlines() if "/agent-rl-sandbox/" in line]
+            assert {line.split(":")[1] for line in run_dirs} >= {"pids", "memory"}
+
+
+@pytest.mark.parametrize("name", ["subprocess", "bwrap"])
+def test_a_launch_that_cannot_join_its_cgroup_is_a_sandbox_error(name, monkeypatch):
+    _need(name)
+    made = sandbox._Cgroup.__init__
+
+    def broken(self, *args):
+        made(self, *args)
+        self.dirs["pids"] = Path("/nonexistent/agent-rl-test-cgroup")
+
+    monkeypatch.setattr(sandbox._Cgroup, "__init__", broken)
+    r = run("print(1)", backend=name)
+    assert r.status == "sandbox_error" and r.stdout == "" and r.exit_code is None
+    assert "agent-rl-sandbox: cannot join the cgroup /nonexistent/agent-rl-test-cgroup" in r.detail
+
+
+def test_missing_util_linux_tools_are_named(monkeypatch):
+    _need("subprocess")
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: None)
+    r = run("print(1)", backend="subprocess")
+    assert r.status == "sandbox_error"
+    assert r.detail == "subprocess could not start: prlimit" + (
+        " and setpriv" if os.geteuid() == 0 else "") + " not found (util-linux)"
+
+
 # --- inputs, checked before anything runs ----------------------------------------------------
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../up.txt", "a/../../b", "a/../b/../../c", "",
