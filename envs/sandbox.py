@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import io
 import itertools
@@ -551,7 +552,8 @@ def _sweep(parent: Path) -> None:
     """Remove cgroups left by runs of processes that are gone (a zombie the host's init has not
     reaped yet can keep one busy past its run's ``close``)."""
     try:
-        names = [p.name for p in parent.iterdir() if p.is_dir()]
+        with os.scandir(parent) as entries:  # d_type: no stat per control file
+            names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
     except OSError:
         return
     for name in names:
@@ -571,7 +573,18 @@ def _read(path: Path) -> list[str]:
         return []
 
 
+_OWN_CGROUPS: dict[int, dict[str, str]] = {}  # pid -> its cgroups (a forked child reads its own)
+
+
 def _own_cgroups() -> dict[str, str]:
+    pid = os.getpid()
+    if pid not in _OWN_CGROUPS:
+        _OWN_CGROUPS.clear()
+        _OWN_CGROUPS[pid] = _read_own_cgroups()
+    return _OWN_CGROUPS[pid]
+
+
+def _read_own_cgroups() -> dict[str, str]:
     out = {}
     for line in _read(Path("/proc/self/cgroup")):
         _, controllers, path = line.split(":", 2)
@@ -600,6 +613,11 @@ def _guest_uid() -> int | None:
     return GUEST_UID if os.geteuid() == 0 else None
 
 
+@functools.cache
+def _system_tool(name: str) -> str | None:
+    return shutil.which(name, path="/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin")
+
+
 _JOIN_AND_EXEC = ('while [ "$1" != -- ]; do { echo $$ > "$1"; } 2>/dev/null || '
                   '{ echo "agent-rl-sandbox: cannot join the cgroup $1" >&2; exit 125; }; '
                   'shift; done; shift; exec "$@"')
@@ -614,8 +632,7 @@ def _launcher(limits: Limits, cgroup: _Cgroup, uid: int | None, extra_processes:
     would make ``subprocess`` copy this whole process (a forked trainer with a model loaded
     costs tens of milliseconds; ``vfork`` cannot run Python code in the child).
     """
-    tools = {name: shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
-             for name in ("prlimit", "setpriv")}
+    tools = {name: _system_tool(name) for name in ("prlimit", "setpriv")}
     missing = [name for name in ("prlimit",) + (("setpriv",) if uid is not None else ())
                if tools[name] is None]
     if missing:
@@ -747,7 +764,7 @@ def _bwrap_argv(bwrap: str, workdir: _WorkDir, limits: Limits, status_fd: int) -
 
 
 def _run_bwrap(code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
-    bwrap = shutil.which("bwrap")
+    bwrap = _system_tool("bwrap")
     if bwrap is None:
         return _failed("bwrap", "bwrap not found (apt-get install bubblewrap)")
     workdir = _WorkDir(code, files, _guest_uid())
@@ -778,7 +795,7 @@ def _run_bwrap(code: str, files: dict[str, bytes], limits: Limits) -> SandboxRes
 
 
 def _probe_bwrap() -> bool:
-    if shutil.which("bwrap") is None:
+    if _system_tool("bwrap") is None:
         _UNAVAILABLE_WHY["bwrap"] = "bwrap not found (apt-get install bubblewrap)"
         return False
     result = _run_bwrap("print('ok')", {}, Limits(wall_s=30))

@@ -456,7 +456,7 @@ def test_a_launch_that_cannot_join_its_cgroup_is_a_sandbox_error(name, monkeypat
 
 def test_missing_util_linux_tools_are_named(monkeypatch):
     _need("subprocess")
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: None)
+    monkeypatch.setattr(sandbox, "_system_tool", lambda name: None)
     r = run("print(1)", backend="subprocess")
     assert r.status == "sandbox_error"
     assert r.detail == "subprocess could not start: prlimit" + (
