@@ -384,7 +384,9 @@ def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return F.log_softmax(logits / temperature, dim=-1)
+    if temperature != 1.0:  # x / 1 is x: no [N, V] pass for nothing
+        logits = logits / temperature
+    return F.log_softmax(logits, dim=-1)
 
 
 def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -398,6 +400,16 @@ def picked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
     """Entropy of ``softmax(logits[n] / temperature)``: ``[N, V]`` -> ``[N]``."""
     logp = scaled_log_softmax(logits, temperature)  # [N, V]
     return -(logp.exp() * logp).sum(-1)  # [N]
+
+
+def picked_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``picked_logprobs`` and ``picked_entropy`` (without gradient) from one log-softmax:
+    ``[N]`` and ``[N]``."""
+    logp = scaled_log_softmax(logits, temperature)  # [N, V]
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)  # [N]
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def token_logprobs(

@@ -33,6 +33,7 @@ difference (``grpo.behaviour_correction``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -55,6 +56,7 @@ from agent_rl import checkpoint, curriculum
 from agent_rl.config import EnvSection, ExperimentContract, ModelSection
 from agent_rl.distributed import (
     Backend,
+    TorchBackend,
     check_world_size,
     launched_world_size,
     make_backend,
@@ -63,8 +65,8 @@ from agent_rl.distributed import (
 from agent_rl.grpo import (
     KL_ESTIMATORS,
     behaviour_correction,
-    picked_entropy,
     picked_logprobs,
+    picked_logprobs_and_entropy,
     policy_loss,
 )
 from agent_rl.guards import Guards, GuardTrip, holdout_train_reward
@@ -472,66 +474,66 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype
     layers = len(checkpointing_layers(model))  # decoder layers, for train/recomputed_frac
-    for k in range(passes):
-        if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
-            batch = device_batch(micro[0], rendered, pad_id, device)
-            recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
+    with sparse_tied_lookup(backend, model):  # the same gradient, fewer [V, H] temporaries
+        for k in range(passes):
+            if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
+                batch = device_batch(micro[0], rendered, pad_id, device)
+                recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
+                with autocast(device, dtype):
+                    logits = trained_token_logits(model, batch)  # [N, V]
+                backend.backward(logits.sum() * 0.0)
+                continue
+            index = mine[k]
+            bins = micro[index]
+            batch = device_batch(bins, rendered, pad_id, device)
+            members = [k for rows in bins for row in rows for k in row.members]
+            # micro_tokens bounds the activations kept: a longer row (a shared prompt with its
+            # samples is never split) recomputes a share of its layers in backward
+            recomputed = recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
+            sums["layer_tokens/recomputed"] += recomputed * batch["input_ids"].numel()
+            sums["layer_tokens/computed"] += layers * batch["input_ids"].numel()
             with autocast(device, dtype):
                 logits = trained_token_logits(model, batch)  # [N, V]
-            backend.backward(logits.sum() * 0.0)
-            continue
-        index = mine[k]
-        bins = micro[index]
-        batch = device_batch(bins, rendered, pad_id, device)
-        members = [k for rows in bins for row in rows for k in row.members]
-        # micro_tokens bounds the activations kept: a longer row (a shared prompt with its
-        # samples is never split) recomputes a share of its layers in backward
-        recomputed = recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing)
-        sums["layer_tokens/recomputed"] += recomputed * batch["input_ids"].numel()
-        sums["layer_tokens/computed"] += layers * batch["input_ids"].numel()
-        with autocast(device, dtype):
-            logits = trained_token_logits(model, batch)  # [N, V]
-        logprobs = picked_logprobs(logits, batch["target"], temperature)  # [N]
-        entropy = picked_entropy(logits.detach(), temperature)  # [N]
-        ref_logprobs = None
-        if contract.loss.kl.beta > 0:
-            with torch.no_grad(), autocast(device, dtype):
-                ref_logprobs = picked_logprobs(reference_logits(model, reference, batch),
-                                               batch["target"], temperature)  # [N]
-        first_pass = index not in prox
-        if first_pass:
-            prox[index] = logprobs.detach()  # [N] the trainer's numerics, before any update
-        old, token_weights, mismatch = behaviour_correction(
-            prox[index], batch["old_logprobs"], torch.ones_like(prox[index], dtype=torch.bool),
-            contract.rollout.correction, contract.rollout.correction_cap)  # [N], [N] | None
-        dense = to_sequences(batch, members)
-        loss, m = policy_loss(
-            dense(logprobs), dense(old),
-            torch.tensor([sequences[k].advantage for k in members], device=device), dense(None),
-            clip_low=contract.loss.clip_low, clip_high=contract.loss.clip_high,
-            aggregation=contract.loss.aggregation,
-            ratio=contract.loss.ratio, objective=contract.loss.objective,
-            ref_logprobs=None if ref_logprobs is None else dense(ref_logprobs),
-            beta=contract.loss.kl.beta, kl=contract.loss.kl.estimator,
-            max_len=contract.rollout.max_response_tokens,
-            weights=torch.tensor([sequences[k].weight for k in members], device=device),
-            entropy=dense(entropy),
-            token_weights=None if token_weights is None else dense(token_weights))
-        if first_pass:
-            m.update(mismatch)
-        else:
-            m.update({k: v for k, v in mismatch.items() if k == "rollout/capped_frac"})
-        share = (m["tokens"] / max(total_tokens, 1) if contract.loss.aggregation == "token_mean"
-                 else len(members) / len(sequences))
-        backend.backward(loss * share)
-        loss_sum += float(loss.detach()) * share
-        for key, value in m.items():
-            if key == "rollout/logprob_diff_max":
-                sums[key] = max(sums.get(key, 0.0), value)
-            elif key not in ("tokens", "ratio/min", "ratio/max"):
-                sums[key] += value * share
-        sums["ratio/min"] = min(sums.get("ratio/min", math.inf), m["ratio/min"])
-        sums["ratio/max"] = max(sums.get("ratio/max", -math.inf), m["ratio/max"])
+            logprobs, entropy = picked_logprobs_and_entropy(logits, batch["target"], temperature)  # [N], [N]
+            ref_logprobs = None
+            if contract.loss.kl.beta > 0:
+                with torch.no_grad(), autocast(device, dtype):
+                    ref_logprobs = picked_logprobs(reference_logits(model, reference, batch),
+                                                   batch["target"], temperature)  # [N]
+            first_pass = index not in prox
+            if first_pass:
+                prox[index] = logprobs.detach()  # [N] the trainer's numerics, before any update
+            old, token_weights, mismatch = behaviour_correction(
+                prox[index], batch["old_logprobs"], torch.ones_like(prox[index], dtype=torch.bool),
+                contract.rollout.correction, contract.rollout.correction_cap)  # [N], [N] | None
+            dense = to_sequences(batch, members)
+            loss, m = policy_loss(
+                dense(logprobs), dense(old),
+                torch.tensor([sequences[k].advantage for k in members], device=device), dense(None),
+                clip_low=contract.loss.clip_low, clip_high=contract.loss.clip_high,
+                aggregation=contract.loss.aggregation,
+                ratio=contract.loss.ratio, objective=contract.loss.objective,
+                ref_logprobs=None if ref_logprobs is None else dense(ref_logprobs),
+                beta=contract.loss.kl.beta, kl=contract.loss.kl.estimator,
+                max_len=contract.rollout.max_response_tokens,
+                weights=torch.tensor([sequences[k].weight for k in members], device=device),
+                entropy=dense(entropy),
+                token_weights=None if token_weights is None else dense(token_weights))
+            if first_pass:
+                m.update(mismatch)
+            else:
+                m.update({k: v for k, v in mismatch.items() if k == "rollout/capped_frac"})
+            share = (m["tokens"] / max(total_tokens, 1) if contract.loss.aggregation == "token_mean"
+                     else len(members) / len(sequences))
+            backend.backward(loss * share)
+            loss_sum += float(loss.detach()) * share
+            for key, value in m.items():
+                if key == "rollout/logprob_diff_max":
+                    sums[key] = max(sums.get(key, 0.0), value)
+                elif key not in ("tokens", "ratio/min", "ratio/max"):
+                    sums[key] += value * share
+            sums["ratio/min"] = min(sums.get("ratio/min", math.inf), m["ratio/min"])
+            sums["ratio/max"] = max(sums.get("ratio/max", -math.inf), m["ratio/max"])
     if backend.world_size > 1:
         loss_sum, sums = sum_over_ranks(backend.all_gather_object((loss_sum, dict(sums))))
     # clipped to optim.grad_clip; a non-finite loss or gradient skips the step (counted: the
@@ -592,6 +594,33 @@ def device_batch(bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: 
                  device: torch.device) -> dict[str, torch.Tensor]:
     """``render.collate_shared`` of a micro-batch, its tensors on the model's device."""
     return {k: v.to(device) for k, v in collate_shared(bins, rendered, pad_id).items()}
+
+
+@contextlib.contextmanager
+def sparse_tied_lookup(backend: Backend, model):
+    """While inside, the input embedding's backward gives a sparse gradient when it is tied to
+    the output embedding (SmolLM2) in a world of one.
+
+    The lookup's dense gradient is a ``[V, H]`` tensor of zeros but for the looked-up rows
+    (113 MB for SmolLM2), made afresh in every micro-batch and then added to the head's
+    gradient into another fresh ``[V, H]`` tensor: two passes over fresh memory, each page a
+    fault. Sparse, its rows are added into the head's dense gradient in place by autograd
+    before the weight's gradient is accumulated: the same sum, still dense for the optimizer
+    and the clip. Untied weights (a sparse ``.grad`` would reach the optimizer), several
+    processes (DDP/ZeRO hooks) or a frozen embedding: nothing changes."""
+    lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
+    applies = (backend.world_size == 1 and isinstance(backend, TorchBackend)
+               and isinstance(lookup, torch.nn.Embedding) and lookup.max_norm is None
+               and head is not None and head.weight is lookup.weight and lookup.weight.requires_grad)
+    if not applies:
+        yield
+        return
+    was = lookup.sparse
+    lookup.sparse = True
+    try:
+        yield
+    finally:
+        lookup.sparse = was
 
 
 def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

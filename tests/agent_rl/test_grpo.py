@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from agent_rl.grpo import (
     behaviour_correction,
     group_advantages,
+    picked_logprobs,
+    picked_logprobs_and_entropy,
     policy_loss,
     token_entropy,
     token_logprobs,
@@ -327,6 +329,24 @@ def test_token_entropy_alignment():
     # [0, ln 2, -(0.75 ln 0.75 + 0.25 ln 0.25)] = [0, 0.6931, 0.5623]
     expected = [[0.0, LN2, -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]]
     assert close(token_entropy(_logits()), expected)
+
+
+def test_picked_logprobs_and_entropy_by_hand():
+    """logits [0, ln 3] -> probabilities [1/4, 3/4]: target 1 has ln 0.75 = -0.2877, the
+    entropy is -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623; at temperature 2 the logits halve,
+    [0, ln sqrt 3] -> [0.3660, 0.6340]. The same numbers as picked_logprobs, and the entropy
+    carries no gradient."""
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]], requires_grad=True)
+    targets = torch.tensor([1, 0])
+    logp, entropy = picked_logprobs_and_entropy(logits, targets)
+    assert close(logp, [math.log(0.75), math.log(0.25)])
+    assert close(entropy, [-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))] * 2)
+    assert logp.requires_grad and not entropy.requires_grad
+    p = 1 / (1 + math.sqrt(3.0))  # softmax([0, ln sqrt 3])[0]
+    logp2, entropy2 = picked_logprobs_and_entropy(logits, targets, temperature=2.0)
+    assert close(logp2, [math.log(1 - p), math.log(p)])
+    assert close(entropy2, [-(p * math.log(p) + (1 - p) * math.log(1 - p))] * 2)
+    assert torch.equal(logp2, picked_logprobs(logits, targets, 2.0))
 
 
 # --- rollout/trainer mismatch: behaviour_correction -------------------------------------------

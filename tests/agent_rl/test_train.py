@@ -8,6 +8,8 @@ real SIGKILL) must reproduce it bit for bit; guards stop runs on injected faults
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -398,7 +400,8 @@ def test_nonfinite_loss_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_entropy_collapse_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "picked_entropy", lambda logits, temperature: torch.zeros(logits.shape[:1]))
+    monkeypatch.setattr(train, "picked_logprobs_and_entropy", lambda logits, targets, temperature: (
+        train.picked_logprobs(logits, targets, temperature), torch.zeros(logits.shape[:1])))
     result = train.run(make_contract(tmp_path / "run"), progress=False)
     assert result.stopped is not None and result.stopped.rule == "entropy_collapse"
     assert result.steps == 1
@@ -818,3 +821,57 @@ def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gr
         grads[budget] = [p.grad.clone() for p in model.parameters()]
     assert kept[10] < 0.8 * kept[100]
     assert all(torch.equal(a, b) for a, b in zip(grads[10], grads[100], strict=True))
+
+
+def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary(tmp_path, monkeypatch):
+    """train.sparse_tied_lookup: with the tiny model's tied embeddings, policy_update's summed
+    gradient is the same (to float rounding) as with the dense lookup gradient, and it stays
+    dense for the clip and the optimizer; the lookup is dense again afterwards, and untied
+    weights are left alone."""
+    from agent_rl.distributed import TorchBackend
+    from agent_rl.policy import HFPolicy
+    from agent_rl.rollout import rollout_batch
+    from envs.runner import Sampling
+
+    class Capture(TorchBackend):
+        def step(self):
+            self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
+            return super().step()
+
+    contract = make_contract(tmp_path / "r")
+    model, tokenizer = tiny_model(0)
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+                          envs.make(toy_env.ENV_ID).unwrapped.task_pool(4, seed=0),
+                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
+                          dynamic_sampling=False, truncation="keep")
+    sequences = [dataclasses.replace(q, advantage=1.0 if i % 2 else -0.5)
+                 for i, q in enumerate(batch.sequences)]
+    lookup = model.get_input_embeddings()
+    assert model.get_output_embeddings().weight is lookup.weight
+
+    modes = []
+    lookup.register_forward_hook(lambda module, args, out: modes.append(module.sparse))
+
+    def grads():
+        backend = Capture(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
+        return backend.grads
+
+    sparse = grads()
+    assert len(modes) > 2 and all(modes[:-1]) and not lookup.sparse  # the last: update_kl's
+    with monkeypatch.context() as m:  # what the lookup did before: a dense [V, H] gradient
+        m.setattr(train, "sparse_tied_lookup", lambda backend, model: contextlib.nullcontext())
+        modes.clear()
+        dense = grads()
+    assert len(modes) > 2 and not any(modes)
+    name = "model.embed_tokens.weight"
+    assert sparse[name].layout == torch.strided and sparse[name].abs().sum() > 0
+    for key in dense:
+        torch.testing.assert_close(sparse[key], dense[key], rtol=1e-5, atol=1e-7)
+    seen = []
+    with train.sparse_tied_lookup(TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0)), model):
+        seen.append(lookup.sparse)
+    model.lm_head.weight = torch.nn.Parameter(lookup.weight.detach().clone())  # untied
+    with train.sparse_tied_lookup(TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0)), model):
+        seen.append(lookup.sparse)
+    assert seen == [True, False]
