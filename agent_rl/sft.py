@@ -35,6 +35,7 @@ import torch
 
 import envs
 from agent_rl import checkpoint
+from agent_rl.attention import blocked
 from agent_rl.config import SFTContract
 from agent_rl.distributed import TorchBackend, launched_world_size
 from agent_rl.grpo import picked_logprobs
@@ -305,14 +306,15 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     total = sum(r.num_trained for r in batch)
     nll_sum, correct = 0.0, 0
     micro = micro_batches(pack(share_prefixes(batch), min(micro_tokens, ROW_TOKENS)), micro_tokens)
-    for bins in micro:
-        tensors = device_batch(bins, batch, pad_id, device)
-        with autocast(device, dtype):
-            logits = trained_token_logits(model, tensors)  # [N, V]
-        logprobs = picked_logprobs(logits.float(), tensors["target"])  # [N]
-        backend.backward(-logprobs.sum() / max(total, 1))
-        nll_sum += float(-logprobs.detach().sum())
-        correct += int((logits.detach().argmax(-1) == tensors["target"]).sum())
+    with blocked(model):  # attention only where the packed mask allows
+        for bins in micro:
+            tensors = device_batch(bins, batch, pad_id, device)
+            with autocast(device, dtype):
+                logits = trained_token_logits(model, tensors)  # [N, V]
+            logprobs = picked_logprobs(logits.float(), tensors["target"])  # [N]
+            backend.backward(-logprobs.sum() / max(total, 1))
+            nll_sum += float(-logprobs.detach().sum())
+            correct += int((logits.detach().argmax(-1) == tensors["target"]).sum())
     stepped = backend.step()
     finite = stepped.stepped and np.isfinite(nll_sum)
     return {"loss/sft": nll_sum / max(total, 1), "tokens": total, "sessions": len(batch),

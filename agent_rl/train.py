@@ -53,6 +53,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import envs
 from agent_rl import checkpoint, curriculum
+from agent_rl.attention import BLOCKED, blocked, plan_blocks
 from agent_rl.config import EnvSection, ExperimentContract, ModelSection
 from agent_rl.distributed import (
     Backend,
@@ -474,7 +475,8 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype
     layers = len(checkpointing_layers(model))  # decoder layers, for train/recomputed_frac
-    with sparse_tied_lookup(backend, model):  # the same gradient, fewer [V, H] temporaries
+    # the same gradient, fewer [V, H] temporaries; attention only where the packed mask allows
+    with sparse_tied_lookup(backend, model), blocked(model):
         for k in range(passes):
             if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
                 batch = device_batch(micro[0], rendered, pad_id, device)
@@ -545,7 +547,8 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     if finite:
         # every rank runs the forward (ZeRO-3 gathers weights collectively); rank 0 trained
         # micro-batch 0, so it holds its pre-update log-probs, and its value is everyone's
-        kl = update_kl(model, micro[0], rendered, pad_id, temperature, prox.get(0), dtype)
+        with blocked(model):  # prox's numerics
+            kl = update_kl(model, micro[0], rendered, pad_id, temperature, prox.get(0), dtype)
         sums["kl/update"] = backend.all_gather_object(kl)[0]
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
@@ -626,13 +629,16 @@ def sparse_tied_lookup(backend: Backend, model):
 def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The logits that predict every trained token of a shared batch: ``[N, V]``. The decoder
     runs over the rows; the vocabulary projection only at the predicting positions (the same
-    hidden states and head as the model's own forward, whatever the transformers version)."""
+    hidden states and head as the model's own forward, whatever the transformers version).
+    Inside ``attention.blocked(model)`` attention runs only where the mask allows."""
     R, T = batch["input_ids"].shape
     flat = batch["row"] * T + batch["predictor"]  # [N]
+    blocks = ({"attention_blocks": plan_blocks(batch["attention_mask"])}
+              if getattr(model.config, "_attn_implementation", None) == BLOCKED else {})
     hidden = model.get_decoder()(input_ids=batch["input_ids"],
                                  attention_mask=batch["attention_mask"],
                                  position_ids=batch["position_ids"],
-                                 use_cache=False).last_hidden_state  # [R, T, H]
+                                 use_cache=False, **blocks).last_hidden_state  # [R, T, H]
     return model.get_output_embeddings()(hidden.reshape(R * T, -1)[flat])  # [N, V]
 
 

@@ -5,15 +5,18 @@ micro-batches carry, with and without packing, on a real multi-session batch.
 The batch: one GRPO step of Relay-v0 (``--tasks`` tasks x 8 samples, two sessions per
 episode) rolled out by the model itself, every group kept. One optimizer step of the trainer
 (``agent_rl.train.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
-best of ``--repeats``. FLOPs counted: 6 x (parameters outside the embedding) x (tokens the
-decoder computes: each group's shared prompt once) + 6 x (head parameters) x (trained
-tokens: the vocabulary projection runs only there); attention's own FLOPs are not counted,
-so that fraction is a lower bound. Printed beside it: the fraction counting attention as
-computed (a packed row attends under a block mask, so all T^2 query x key pairs of a row of T
-tokens: 12 x hidden size x layers x T^2 a row, forward and backward), and the fraction
-counting that and the forward work a row longer than ``optim.micro_batch_tokens``
-recomputes in backward (``train.recompute_layers``; its share of the layer work,
-``train/recomputed_frac``, times the forward's FLOPs).
+best of ``--repeats``, against the best of the matmul peaks measured before every timed step
+and after the last (``matmul_peaks_gflop_s``: the machine's speed drifts by half within
+minutes). FLOPs counted: 6 x (parameters outside the embedding) x (tokens the decoder
+computes: each group's shared prompt once) + 6 x (head parameters) x (trained tokens: the
+vocabulary projection runs only there); attention's own FLOPs are not counted, so that
+fraction is a lower bound. Printed beside it: the fraction counting the attention
+the masks need (12 x hidden size x layers FLOPs per allowed query x key pair, forward and
+backward), and the fraction counting all the work done: attention's pairs as computed (the
+trainer's blocked attention, ``attention.plan_blocks``: a few more than allowed) and the
+forward work a row longer than ``optim.micro_batch_tokens`` recomputes in backward
+(``train.recompute_layers``; its share of the layer work, ``train/recomputed_frac``, times
+the forward's FLOPs). The pairs SDPA over whole rows would compute are printed too.
 
 Padding, as fractions of the tokens computed, in micro-batches of at most 512 tokens
 (``optim.micro_batch_tokens``' default) and of 2048: the trainer's packed micro-batches (each group's
@@ -37,11 +40,19 @@ import torch
 from limits import matmul_peak
 
 import envs
+from agent_rl.attention import allowed_pairs, plan_blocks
 from agent_rl.config import ExperimentContract
 from agent_rl.distributed import TorchBackend
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy
-from agent_rl.render import ROW_TOKENS, bin_tokens, micro_batches, pack, share_prefixes
+from agent_rl.render import (
+    ROW_TOKENS,
+    bin_tokens,
+    collate_shared,
+    micro_batches,
+    pack,
+    share_prefixes,
+)
 from agent_rl.rollout import rollout_batch
 from agent_rl.train import policy_update
 from envs.runner import Sampling
@@ -68,8 +79,14 @@ def padding(rendered) -> dict[str, Any]:
     for micro_tokens in MICRO_TOKENS:
         micro = micro_batches(pack(rows, min(micro_tokens, ROW_TOKENS)), micro_tokens)
         packed = padded(micro)
-        # query x key pairs attention computes: every row of a micro-batch padded to its longest
-        out[f"attention_pairs_micro{micro_tokens}"] = sum(len(m) * max(map(bin_tokens, m)) ** 2 for m in micro)
+        # query x key pairs: those the masks allow (the work attention needs), those the
+        # trainer's blocked attention computes (attention.plan_blocks) and those SDPA over
+        # whole rows would (each micro-batch's rows padded to its longest, T^2 a row)
+        masks = [collate_shared(m, rendered, 0, torch.bool)["attention_mask"] for m in micro]
+        out[f"attention_pairs_micro{micro_tokens}"] = {
+            "allowed": sum(map(allowed_pairs, masks)),
+            "blocked": sum(plan_blocks(m).pairs for m in masks),
+            "whole_rows": sum(len(m) * max(map(bin_tokens, m)) ** 2 for m in micro)}
         unpacked = padded(micro_batches([[r] for r in rows], micro_tokens))
         out[f"micro{micro_tokens}"] = {
             "packed_padded_tokens": packed, "packed_waste": round(1 - computed / packed, 4),
@@ -93,39 +110,50 @@ def main() -> None:
     head = model.get_output_embeddings().weight.numel()
     body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     flops = 6 * body * result["shared_tokens"] + 6 * head * trained
-    attention = 12 * model.config.hidden_size * model.config.num_hidden_layers * result["attention_pairs_micro512"]
-    result.update(trained_tokens=trained, flops_per_step=flops, attention_flops_per_step=attention)
+    per_pair = 12 * model.config.hidden_size * model.config.num_hidden_layers  # forward + backward
+    pairs = result["attention_pairs_micro512"]
+    attention, computed = per_pair * pairs["allowed"], per_pair * pairs["blocked"]
+    result.update(trained_tokens=trained, flops_per_step=flops, attention_flops_per_step=attention,
+                  attention_flops_computed_per_step=computed)
 
     for dtype in ("float32", "bfloat16"):
         contract = ExperimentContract.from_dict({"model": {"id": "tiny", "dtype": dtype}})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
         backend = TorchBackend(model, optimizer)
-        seconds = float("inf")
-        for _ in range(args.repeats + 1):  # the first pass warms up
+        seconds, peaks = float("inf"), []
+        for k in range(args.repeats + 1):  # the first pass warms up
+            if k:  # the peak beside every timed step: this machine's speed drifts within minutes
+                peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
             start = time.perf_counter()
             update = policy_update(backend, None, batch.sequences, contract,
                                    pad_id=tokenizer.pad_token_id or 0, prox={})
             seconds = min(seconds, time.perf_counter() - start)
-        peak = matmul_peak("cpu", getattr(torch, dtype))
+        peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
+        peak = max(peaks)  # the best the machine did during the run: the fractions err low
         share = update["train/recomputed_frac"]
-        recomputed = share * (2 * body * result["shared_tokens"] + attention / 3)  # forward again
-        work = flops + attention + recomputed
+        recomputed = share * (2 * body * result["shared_tokens"] + computed / 3)  # forward again
+        work = flops + computed + recomputed
         result[dtype] = {"step_s": round(seconds, 3), "achieved_gflop_s": round(flops / seconds / 1e9, 1),
                          "matmul_peak_gflop_s": round(peak / 1e9, 1),
+                         "matmul_peaks_gflop_s": [round(p / 1e9, 1) for p in peaks],
                          "of_peak": round(flops / seconds / peak, 4),
                          "of_peak_with_attention": round((flops + attention) / seconds / peak, 4),
                          "recomputed_frac": round(share, 4),
                          "of_peak_all_work": round(work / seconds / peak, 4)}
         print(f"{dtype:<9} step {seconds:6.2f} s  {flops / seconds / 1e9:6.1f} GFLOP/s of "
-              f"{peak / 1e9:6.1f} peak ({flops / seconds / peak:.0%}); counting attention "
+              f"{peak / 1e9:6.1f} peak (best of {len(peaks)}, worst {min(peaks) / 1e9:.0f}) ({flops / seconds / peak:.0%}); counting attention "
               f"{(flops + attention) / seconds / peak:.0%}; {share:.0%} of the layer work "
-              f"recomputed, counting that too {work / seconds / peak:.0%}", flush=True)
+              f"recomputed, counting that and attention as computed {work / seconds / peak:.0%}",
+              flush=True)
     for micro_tokens in MICRO_TOKENS:
         p = result[f"micro{micro_tokens}"]
         print(f"padding, micro-batches of {micro_tokens}: {result['session_tokens']} session tokens, "
               f"{result['shared_tokens']} once prompts are shared; packed {p['packed_waste']:.1%} "
               f"({p['packed_padded_tokens']} computed), one shared row per batch row "
               f"{p['unpacked_waste']:.1%} ({p['unpacked_padded_tokens']})")
+        a = result[f"attention_pairs_micro{micro_tokens}"]
+        print(f"attention, micro-batches of {micro_tokens}: {a['allowed']} query x key pairs allowed, "
+              f"{a['blocked']} computed blocked, {a['whole_rows']} over whole rows")
     print(json.dumps(result))
 
 

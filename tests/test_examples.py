@@ -162,13 +162,17 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
             assert p[f"{kind}_padded_tokens"] >= s["shared_tokens"]
             assert p[f"{kind}_waste"] == pytest.approx(1 - s["shared_tokens"] / p[f"{kind}_padded_tokens"], abs=1e-4)
         assert p["packed_padded_tokens"] <= p["unpacked_padded_tokens"]
-        # every row's T^2 query x key pairs, at least those of its real tokens laid end to end
-        assert s[f"attention_pairs_{micro}"] >= p["packed_padded_tokens"]
+        # pairs allowed (each real token sees at least itself, a rest more than its own rest)
+        # <= computed blocked <= every row's T^2
+        a = s[f"attention_pairs_{micro}"]
+        assert s["shared_tokens"] < a["allowed"] <= a["blocked"] <= a["whole_rows"]
+        assert a["whole_rows"] >= p["packed_padded_tokens"]
     from agent_rl.models import tiny_model
 
     config = tiny_model(0)[0].config
-    assert s["attention_flops_per_step"] == (
-        12 * config.hidden_size * config.num_hidden_layers * s["attention_pairs_micro512"])
+    per_pair = 12 * config.hidden_size * config.num_hidden_layers
+    assert s["attention_flops_per_step"] == per_pair * s["attention_pairs_micro512"]["allowed"]
+    assert s["attention_flops_computed_per_step"] == per_pair * s["attention_pairs_micro512"]["blocked"]
     for dtype in ("float32", "bfloat16"):
         d = s[dtype]
         assert 0.0 <= d["recomputed_frac"] <= 1.0

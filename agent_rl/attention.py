@@ -1,0 +1,188 @@
+"""Attention over packed rows, computed only where the mask lets a token look.
+
+A trainer batch (``render.collate_shared``) lays sequences side by side in a row: a group's
+shared prompt once, then each sample's rest, and several such shared rows per bin. Its
+additive mask ``[R, 1, T, T]`` lets a token see its own sequence's earlier tokens and its
+shared prompt, nothing else. SDPA over the whole row computes all T^2 query x key pairs and
+throws most of them away: on a Relay-v0 step 15% of them are allowed (rows of ~1000 tokens
+holding eight samples of ~120 tokens after a 45-token prompt), and attention took a quarter of
+the trainer's step.
+
+``plan_blocks(mask)`` cuts each row's queries into chunks and gives each chunk the keys any of
+its queries may see; attention then runs chunk by chunk on those keys only, under the mask's
+own entries for them (``blocked_attention_forward``). The values are SDPA's (each query's
+softmax runs over the same allowed keys; only the summation order differs, ~1e-7 in float32),
+and so are the gradients. The chunks:
+
+1. A new segment starts where a query's allowed keys are not the previous query's plus itself
+   (a new sequence, a new shared prompt, padding): inside a segment the keys grow causally.
+2. Segments longer than ``split`` queries are cut into pieces of ``split``: a later piece of
+   a long prompt needs more keys than an earlier one, so pieces do ~T^2/2 work, not T^2.
+3. Adjacent pieces merge while merging adds fewer than ``call_pairs`` query x key pairs
+   (what one more SDPA call costs, measured: ~0.1 ms forward + backward on this machine's CPU).
+
+All chunks' keys are gathered with one ``index_select`` and split (their gradient is one
+``index_add``, one ``cat`` for the queries), so the extra work is linear in the row, not in
+rows x chunks. Measured on the Relay-v0 step above (the trainer's micro-batches of 512
+tokens): 0.91M pairs computed instead of 4.31M, attention forward + backward per layer 0.11 s
+instead of 0.27 s.
+
+transformers picks an attention function by ``config._attn_implementation``; ``blocked(model)``
+switches an SDPA model on the CPU to ``BLOCKED`` (this module's function, registered with
+transformers) for the duration of a training step: forward, backward and the layers it
+recomputes in backward all see the same function. The plan travels as the
+``attention_blocks`` keyword through the decoder's forward to every layer; without it the
+function is transformers' SDPA, unchanged. Other implementations (eager, flash kernels) and
+other devices are left as they are (CUDA's fused kernels were not measured here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+BLOCKED = "agent_rl_blocked"  # the attention implementation's name in transformers' registry
+SPLIT = 128  # queries per piece of a long segment
+CALL_PAIRS = 1000  # query x key pairs one more SDPA call is worth (forward + backward)
+
+
+@dataclass
+class RowBlocks:
+    """One batch row's chunks: consecutive query counts, every chunk's keys (gathered at once,
+    then split by ``key_counts``) and the mask's entries for them."""
+
+    query_counts: list[int]  # queries per chunk, in order, summing to T
+    keys: torch.Tensor  # [K] long: each chunk's key positions, chunk after chunk
+    key_counts: list[int]  # keys per chunk, summing to K
+    masks: list[torch.Tensor]  # [q_c, k_c] per chunk: the mask's own entries (additive or bool)
+
+    @property
+    def pairs(self) -> int:
+        return sum(q * k for q, k in zip(self.query_counts, self.key_counts, strict=True))
+
+
+@dataclass
+class BlockPlan:
+    """Chunks for every row of a batch (``plan_blocks``)."""
+
+    rows: list[RowBlocks]
+
+    @property
+    def pairs(self) -> int:
+        """Query x key pairs the plan computes (SDPA over the batch: R x T^2)."""
+        return sum(r.pairs for r in self.rows)
+
+
+def allowed_pairs(mask: torch.Tensor) -> int:
+    """Query x key pairs a mask allows (``[R, 1, T, T]``, additive or bool)."""
+    return int(_allowed(mask).sum())
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """``[R, T, T]`` bool from an ``[R, 1, T, T]`` mask: True where attention is allowed."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        raise ValueError(f"expected a [R, 1, T, T] attention mask, got {tuple(mask.shape)}")
+    m = mask[:, 0]
+    return m if m.dtype == torch.bool else m == 0
+
+
+def plan_blocks(mask: torch.Tensor, split: int = SPLIT, call_pairs: int = CALL_PAIRS) -> BlockPlan:
+    """The chunks (module docstring) of a ``[R, 1, T, T]`` mask, additive (0 where allowed)
+    or bool (True where allowed). Every query row must allow at least one key."""
+    if split < 1 or call_pairs < 0:
+        raise ValueError(f"split must be >= 1 and call_pairs >= 0, got {split}, {call_pairs}")
+    allowed = _allowed(mask)  # [R, T, T]
+    if not bool(allowed.any(-1).all()):
+        raise ValueError("a query of the attention mask allows no key (its softmax is empty)")
+    rows = []
+    for b, a in enumerate(allowed):  # [T, T]
+        chunks = _chunks(a, split, call_pairs)
+        keys = [a[s:e].any(0).nonzero().flatten() for s, e in chunks]  # [k_c] each
+        rows.append(RowBlocks(
+            query_counts=[e - s for s, e in chunks], keys=torch.cat(keys),
+            key_counts=[len(k) for k in keys],
+            masks=[mask[b, 0, s:e].index_select(-1, k) for (s, e), k in zip(chunks, keys, strict=True)]))
+    return BlockPlan(rows)
+
+
+def _chunks(allowed: torch.Tensor, split: int, call_pairs: int) -> list[tuple[int, int]]:
+    """One row's chunks ``[start, end)`` of queries from its ``[T, T]`` allowed pairs: cut at
+    every segment start and every ``split`` queries inside a segment, then merged while a merge
+    adds fewer than ``call_pairs`` pairs (module docstring)."""
+    T = allowed.shape[-1]
+    grown = allowed[:-1].clone()  # [T-1, T] each query's keys plus the next query itself
+    step = torch.arange(T - 1, device=allowed.device)
+    grown[step, step + 1] = True
+    starts = [0, *((allowed[1:] != grown).any(-1).nonzero().flatten() + 1).tolist(), T]
+    pieces = [(p, min(p + split, e)) for s, e in itertools.pairwise(starts) for p in range(s, e, split)]
+
+    def cost(s: int, e: int) -> int:
+        return (e - s) * int(allowed[s:e].any(0).sum())
+
+    chunks: list[tuple[int, int]] = []
+    for s, e in pieces:
+        if chunks and cost(chunks[-1][0], e) - cost(*chunks[-1]) - cost(s, e) < call_pairs:
+            chunks[-1] = (chunks[-1][0], e)
+        else:
+            chunks.append((s, e))
+    return chunks
+
+
+def blocked_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: torch.Tensor | None,
+                              dropout: float = 0.0, scaling: float | None = None,
+                              attention_blocks: BlockPlan | None = None,
+                              **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query`` ``[R, H, T, D]``, ``key`` and
+    ``value`` ``[R, H_kv, T, D]``; returns ``[R, T, H, D]``. With ``attention_blocks`` (a
+    ``plan_blocks`` of ``attention_mask``) attention runs chunk by chunk; without it, or
+    with anything SDPA's own path handles beyond a mask (a position bias, sinks, soft-capping),
+    this is transformers' SDPA."""
+    special = any(kwargs.get(k) is not None for k in ("position_bias", "s_aux", "sinks", "softcap"))
+    if attention_blocks is None or special:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    R, H, T, _ = query.shape
+    if len(attention_blocks.rows) != R or sum(attention_blocks.rows[0].query_counts) != T:
+        raise ValueError(f"attention_blocks plan {len(attention_blocks.rows)} rows for a batch of "
+                         f"{R} x {T} tokens: plan the batch's own mask")
+    gqa = key.shape[1] != H
+    rows = []
+    for q, k, v, plan in zip(query, key, value, attention_blocks.rows, strict=True):  # [H, T, D]
+        ks = k.index_select(1, plan.keys).split(plan.key_counts, 1)  # [H_kv, k_c, D] each
+        vs = v.index_select(1, plan.keys).split(plan.key_counts, 1)  # [H_kv, k_c, D] each
+        parts = [F.scaled_dot_product_attention(qc.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0),
+                                                attn_mask=m, dropout_p=dropout, scale=scaling,
+                                                enable_gqa=gqa)  # [1, H, q_c, D]
+                 for qc, kc, vc, m in zip(q.split(plan.query_counts, 1), ks, vs, plan.masks, strict=True)]
+        rows.append(torch.cat(parts, 2))  # [1, H, T, D]
+    return torch.cat(rows, 0).transpose(1, 2).contiguous(), None  # [R, T, H, D]
+
+
+AttentionInterface.register(BLOCKED, blocked_attention_forward)
+AttentionMaskInterface.register(BLOCKED, sdpa_mask)
+
+
+@contextlib.contextmanager
+def blocked(model: torch.nn.Module) -> Iterator[bool]:
+    """While inside, an SDPA ``model`` on the CPU runs ``BLOCKED`` attention (the plan passed
+    as ``attention_blocks``, ``trained_token_logits``); yields whether it does. Any other
+    implementation or device: nothing changes."""
+    config = model.config
+    device = next(model.parameters()).device
+    if getattr(config, "_attn_implementation", None) != "sdpa" or device.type != "cpu":
+        yield False
+        return
+    config._attn_implementation = BLOCKED
+    try:
+        yield True
+    finally:
+        config._attn_implementation = "sdpa"
