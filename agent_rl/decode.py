@@ -45,6 +45,7 @@ import torch
 from transformers import DynamicCache
 
 from agent_rl import kernels
+from agent_rl.attention import blocked, plan_blocks
 
 SUPPORTED_TYPES = ("llama", "qwen2")
 # A prompt's keys and values are held once for the rows sharing it when that spares more than
@@ -258,9 +259,11 @@ def prefill(model: Any, prompts: list[list[int]], cache_arg: str) -> tuple[Any, 
     if config._attn_implementation != "sdpa":  # eager and the rest add the mask to the scores
         attend = torch.zeros(attend.shape, dtype=model.dtype).masked_fill(~attend, torch.finfo(model.dtype).min)
     cache = DynamicCache(config=config)
-    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attend.to(device),
-                         position_ids=position_ids.to(device), use_cache=True,
-                         **{cache_arg: cache}).last_hidden_state  # [R, N, H]
+    with blocked(model) as on:  # attention only over each node's ancestors (agent_rl.attention)
+        blocks = {"attention_blocks": plan_blocks(attend)} if on else {}
+        hidden = model.model(input_ids=input_ids.to(device), attention_mask=attend.to(device),
+                             position_ids=position_ids.to(device), use_cache=True,
+                             **{cache_arg: cache}, **blocks).last_hidden_state  # [R, N, H]
     where, mask = where.to(device), mask.to(device)
     last = where[:, -1]  # [U] each prompt's last node
     logits = model.get_output_embeddings()(hidden.flatten(0, 1).index_select(0, last))  # [U, V]

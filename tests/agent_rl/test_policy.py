@@ -599,15 +599,25 @@ def test_prefill_rows_by_hand():
     assert decode._forward_cost(config) == (212_336_640, 69_120)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-eager"])
-def test_prefill_equals_each_prompts_forward(kind):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-eager", "llama-chunked"])
+def test_prefill_equals_each_prompts_forward(kind, monkeypatch):
     """decode.prefill: the logits after each prompt's last token and its keys and values are
     those of the model's forward over that prompt alone (float summation order: 1e-5), for
     prompts sharing prefixes, one a prefix of another and one sharing nothing, whether they
-    share one tree or a row each."""
+    share one tree or a row each. SDPA models attend through agent_rl.attention's blocks
+    (``llama-chunked``: a chunk at every branch and every 4 nodes, no merging)."""
+    from agent_rl.attention import plan_blocks
+
     model, tok = tiny_qwen2() if kind == "qwen2" else tiny_model(seed=0)
     if kind == "llama-eager":
         model.set_attn_implementation("eager")
+    plans = []
+
+    def planned(mask, **kwargs):
+        plans.append(plan_blocks(mask, **({"split": 4, "call_pairs": 0} if kind == "llama-chunked" else {})))
+        return plans[-1]
+
+    monkeypatch.setattr(decode, "plan_blocks", planned)
     model.eval()
     prompts = [chat_ids(tok, c, add_generation_prompt=True) for c in CONVS]
     prompts += [prompts[1][:-5], prompts[1][:30] + prompts[0][-6:]]
@@ -625,3 +635,7 @@ def test_prefill_equals_each_prompts_forward(kind):
             for mine, alone in zip(cache.layers, out.past_key_values.layers, strict=True):
                 assert torch.allclose(mine.keys[u, :, L - len(p):], alone.keys[0], atol=1e-5)
                 assert torch.allclose(mine.values[u, :, L - len(p):], alone.values[0], atol=1e-5)
+    assert model.config._attn_implementation == ("eager" if kind == "llama-eager" else "sdpa")
+    assert (len(plans) == 2) == (kind != "llama-eager")  # one plan per prefill, SDPA only
+    if kind == "llama-chunked":
+        assert all(len(row.query_counts) > 1 for plan in plans for row in plan.rows)
