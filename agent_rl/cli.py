@@ -840,10 +840,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent_rl.openai_policy import OpenAIPolicyError
 
     try:
-        return args._run(args)
+        code = args._run(args)
     except (CLIError, OpenAIPolicyError) as exc:  # a remote endpoint's failure is redacted
         print(f"agent-rl {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "torch" in sys.modules:  # (else no group)
+        from agent_rl.distributed import end_launched_rank
+
+        end_launched_rank(code)  # one of several ranks: no interpreter teardown (its docstring)
+    return code
 
 
 if __name__ == "__main__":

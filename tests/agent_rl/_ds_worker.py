@@ -119,3 +119,5 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     for spec in json.loads(Path(sys.argv[1]).read_text()):
         run(spec, out)
+    if distributed.launched_world_size() > 1:
+        distributed.end_launched_rank(0)  # as `agent-rl train` ends a launched rank

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from agent_rl import train
 from agent_rl.config import ExperimentContract
+from agent_rl.distributed import end_launched_rank
 from tests.agent_rl import toy_env
 
 if __name__ == "__main__":
@@ -24,3 +25,4 @@ if __name__ == "__main__":
     toy_env.register()
     contract = ExperimentContract.from_dict(json.loads(Path(sys.argv[1]).read_text()))
     train.run(contract, resume=sys.argv[2:] == ["resume"], progress=False)
+    end_launched_rank(0)  # as `agent-rl train` ends a launched rank

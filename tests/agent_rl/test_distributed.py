@@ -342,9 +342,8 @@ def test_deepspeed_config():
 
 
 def test_the_process_group_is_destroyed_before_the_interpreter_tears_down():
-    """init_distributed leaves the process group at exit (gloo's threads left to the
-    teardown abort a finished run, seen on two ranks): a check registered before it, so run
-    after it, finds no process group any more."""
+    """init_distributed leaves the process group at exit (a world of one inside a Python
+    session): a check registered before it, so run after it, finds no process group any more."""
     script = ("import atexit, torch.distributed as dist\n"
               "atexit.register(lambda: print('at exit, initialized:', dist.is_initialized()))\n"
               "from agent_rl.distributed import init_distributed\n"
@@ -357,3 +356,34 @@ def test_the_process_group_is_destroyed_before_the_interpreter_tears_down():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "running, initialized: True" in proc.stdout
     assert "at exit, initialized: False" in proc.stdout
+
+
+@pytest.mark.parametrize("leave_fails", [False, True])
+def test_a_launched_rank_ends_without_the_interpreter_teardown(leave_fails):
+    """end_launched_rank (how `agent-rl train` and the test workers end one of several ranks,
+    where ZeRO-3's leaked gloo groups aborted ranks in the teardown): the process group left,
+    unflushed output written, the run's code returned, nothing after it run, not even the
+    script's own atexit check. A group that fails to leave is said and fails the rank."""
+    script = ("import atexit, sys, torch.distributed as dist\n"
+              "from agent_rl import distributed\n"
+              "atexit.register(lambda: print('teardown ran'))\n"
+              "distributed.init_distributed()\n"
+              "kept = dist.group.WORLD  # referenced, as ZeRO-3's parameters keep theirs\n"
+              "def leave():\n"
+              "    if FAIL:\n"
+              "        raise RuntimeError('gloo said no')\n"
+              "    dist.destroy_process_group()\n"
+              "    print('left:', not dist.is_initialized(), file=sys.stderr)\n"
+              "distributed.leave_process_group = leave\n"
+              "sys.stdout.write('written, unflushed')\n"
+              "distributed.end_launched_rank(3 if not FAIL else 0)\n"
+              "print('not reached')\n").replace("FAIL", str(leave_fails))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=Path(__file__).parents[2])
+    assert proc.stdout.endswith("written, unflushed")  # no teardown, nothing after the call
+    if leave_fails:
+        assert proc.returncode == 1 and "RuntimeError: gloo said no" in proc.stderr
+    else:
+        assert proc.returncode == 3 and "left: True" in proc.stderr, proc.stderr[-3000:]
