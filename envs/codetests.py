@@ -17,8 +17,14 @@ Description
     a yes/no task gets both answers among its tests.
 
     Arguments: ``backend`` (``envs.sandbox.run``'s: ``auto`` takes docker, then bwrap, then
-    the non-isolating subprocess) and ``limits`` (a ``Limits`` or a mapping of its fields,
-    over ``DEFAULT_LIMITS``: ``wall_s`` and ``cpu_s`` 5, the rest ``Limits``' defaults).
+    the non-isolating subprocess), ``limits`` (a ``Limits`` or a mapping of its fields,
+    over ``DEFAULT_LIMITS``: ``wall_s`` and ``cpu_s`` 5, the rest ``Limits``' defaults) and
+    ``prestart`` (default False). With ``prestart=True``, ``reset`` starts the episode's sandbox
+    (``envs.sandbox.prepare``), so it boots while the policy writes the answer and the scoring
+    run costs only the tests; it is the same fresh sandbox per run, killed unused by the next
+    ``reset`` or ``close``. Turn it on where generation leaves CPU cores idle (a GPU host, a
+    remote policy): on a CPU host whose cores generation keeps busy, the boot's CPU comes out
+    of generation and the rollout as a whole got slower (``benchmarks/overheads.py``).
 
 Tools
     None: one reply. The code is the last fenced block (```python, ```py or a bare ```; an
@@ -676,9 +682,10 @@ class CodeTestsEnv(ToolEnv):
 
     def __init__(self, backend: str = "auto",
                  limits: sandbox.Limits | Mapping[str, Any] | None = None, max_turns: int = 4,
-                 **kwargs: Any):
+                 prestart: bool = False, **kwargs: Any):
         """``backend``: the sandbox backend (``envs.sandbox.run``); ``limits``: a ``Limits`` or
-        a mapping of its fields, over ``DEFAULT_LIMITS``."""
+        a mapping of its fields, over ``DEFAULT_LIMITS``; ``prestart``: start each episode's
+        sandbox at ``reset`` (module doc)."""
         sandbox.choose_backend(backend)  # names a bad one; probes "auto" now, not in a step
         names = {f.name for f in fields(sandbox.Limits)}
         given = (dict(limits) if isinstance(limits, Mapping)
@@ -689,6 +696,24 @@ class CodeTestsEnv(ToolEnv):
         super().__init__(max_turns=max_turns, **kwargs)
         self.backend = backend
         self.limits = sandbox.Limits(**{**DEFAULT_LIMITS, **given})
+        self.prestart = bool(prestart)
+        self._guest: sandbox.Guest | None = None
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self._close_guest()
+        out = super().reset(seed=seed, options=options)
+        if self.prestart:
+            self._guest = sandbox.prepare(self.limits, self.backend)
+        return out
+
+    def close(self) -> None:
+        self._close_guest()
+        super().close()
+
+    def _close_guest(self) -> None:
+        guest, self._guest = self._guest, None
+        if guest is not None:
+            guest.close()
 
     def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
         return [make_task(seed, i) for i in range(n)]
@@ -717,9 +742,10 @@ class CodeTestsEnv(ToolEnv):
                              format=f"no top-level definition of `{function}` (or a syntax error)")
         nonce = secrets.token_hex(16)  # drawn after the agent's turn; never recorded
         try:
-            result = sandbox.run(harness(function, task.data["inputs"], nonce),
-                                 files={SOLUTION_FILE: code}, limits=self.limits,
-                                 backend=self.backend)
+            guest, self._guest = self._guest, None
+            guest = guest or sandbox.prepare(self.limits, self.backend)
+            result = guest.run(harness(function, task.data["inputs"], nonce),
+                               files={SOLUTION_FILE: code})
         except Exception as exc:  # the sandbox itself failed: infrastructure, not the agent
             return breakdown(0.0, Outcome.sandbox_error, passed=0, hack=[],
                              sandbox="sandbox_error",

@@ -15,6 +15,14 @@ given starts with ``sys.path.insert(0, "")``). The cwd is the writable work dir 
 bwrap and Docker) holding ``files``; ``HOME`` is the work dir, ``LANG=C.UTF-8``, stdin is empty.
 When this process is root, the guest runs as uid/gid 65534 on every backend.
 
+A sandbox can be started before its program is known: ``guest = prepare(limits, backend)``
+starts it (bwrap and subprocess: cgroups, rlimits, namespaces and the interpreter, which then
+waits for a go on its stdin), and ``guest.run(code, files)`` writes the program and files in
+place and lets it go: the same result, limits and isolation as ``run``, one fresh sandbox per
+program, but the start-up (most of a short run's cost) is paid while the caller does other work
+(CodeTests-v0 starts each episode's sandbox at ``reset``, while the policy writes the answer).
+``run`` itself is a guest started and let go at once. Docker containers are not started ahead.
+
 One status per run:
 
 * ``ok``: exit code 0 within every limit;
@@ -81,6 +89,7 @@ after the run), so a trusted caller can audit, say, a planted ``conftest.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import functools
@@ -99,6 +108,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -168,16 +178,158 @@ def run(code: str, files: Mapping[str, str | bytes] | None = None, limits: Limit
 
     Bad arguments (an unknown backend, absolute or escaping file names, limits that are not a
     ``Limits``) raise ``ValueError``/``TypeError`` before anything runs; everything else comes
-    back as a ``SandboxResult``.
+    back as a ``SandboxResult``. ``prepare(limits, backend).run(code, files)`` is the same run
+    with the sandbox started ahead.
     """
     backend = choose_backend(backend)
-    if not isinstance(code, str):
-        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    checked = _check_program(code, files)
+    with Guest(backend, _check_limits(limits), ahead=False) as guest:
+        return guest._run(code, checked)
+
+
+def prepare(limits: Limits | None = None, backend: str = "auto") -> Guest:
+    """A ``Guest``: a sandbox for one program, started now, before the program is known (the
+    caller has other work meanwhile, e.g. generating the agent's answer), so that its ``run``
+    costs only the program itself. Same arguments, checks and isolation as ``run``."""
+    return Guest(choose_backend(backend), _check_limits(limits), ahead=True)
+
+
+MAX_WAITING = 32
+"""Guests started ahead and not yet given their program, at most, per process (each holds an
+idle interpreter, ~10 MB); ``prepare`` beyond it gives a guest that starts in its ``run``."""
+_WAITING = 0
+_WAITING_LOCK = threading.Lock()
+
+
+_LAUNCHER: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+
+def _launcher_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread, kept for the process's life, that starts the guests of ``prepare``: bwrap's
+    ``--die-with-parent`` is the kernel's parent-death signal, sent when the *thread* that
+    started it exits, so a short-lived starter thread would kill its guest. (Made again in a
+    forked child, where the parent's thread does not exist.)"""
+    global _LAUNCHER
+    with _WAITING_LOCK:
+        if _LAUNCHER is None or _LAUNCHER[0] != os.getpid():
+            _LAUNCHER = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="sandbox-launcher"))
+        return _LAUNCHER[1]
+
+
+def _take_waiting_slot() -> bool:
+    global _WAITING
+    with _WAITING_LOCK:
+        if _WAITING >= MAX_WAITING:
+            return False
+        _WAITING += 1
+        return True
+
+
+def _give_waiting_slot() -> None:
+    global _WAITING
+    with _WAITING_LOCK:
+        _WAITING -= 1
+
+
+class Guest:
+    """One sandbox run, its sandbox started ahead of its program (``prepare``).
+
+    The process backends (``bwrap``, ``subprocess``) start the whole sandbox at once (cgroups,
+    rlimits, namespaces, the interpreter, which then waits); ``run(code, files)`` writes the
+    program and files in place and lets it go, so its result, limits (``wall_s`` counts from
+    the go) and isolation are exactly a ``run``'s: one fresh sandbox per program, never reused.
+    ``prepare`` returns at once (the launch runs on a thread, joined by ``run``). Docker is not
+    started ahead (its ``run`` creates the container). A guest runs one program;
+    ``close`` (or leaving a ``with`` block, or the guest being collected) kills one that never
+    ran and removes its work dir and cgroups. Past ``MAX_WAITING`` waiting guests, or where the
+    process has no pids cgroup (``RLIMIT_NPROC`` counts the guest uid's processes, waiting ones
+    too), the sandbox starts in ``run``."""
+
+    def __init__(self, backend: str, limits: Limits, ahead: bool = True):
+        self.backend, self.limits = backend, limits
+        self._process: _Process | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._starter: concurrent.futures.Future | None = None
+        self._failure = ""
+        self._used = False
+        if backend == "subprocess":
+            _warn_subprocess()
+        if ahead and backend != "docker" and _take_waiting_slot():
+            # on the launcher thread: the caller (an env's reset) does not wait for the launch
+            self._starter = _launcher_thread().submit(self._start, True)
+
+    def _start(self, waiting: bool = False) -> None:
+        try:
+            process = _Process(self.backend, self.limits, waiting)
+        except _LaunchFailed as exc:
+            self._failure = str(exc)
+            return
+        except OSError as exc:  # no work dir, no pipe: this host, never the program
+            self._failure = f"{self.backend} could not start: {exc}"
+            return
+        if waiting and "pids" not in process.cgroup.dirs:
+            process.close()  # its RLIMIT_NPROC counted only the processes then running: in run
+            return
+        self._process = process
+        self._finalizer = weakref.finalize(self, process.close)
+
+    def run(self, code: str, files: Mapping[str, str | bytes] | None = None) -> SandboxResult:
+        """Run ``code`` with ``files`` in this sandbox (``envs.sandbox.run``'s result); once."""
+        return self._run(code, _check_program(code, files))
+
+    def _run(self, code: str, files: dict[str, bytes]) -> SandboxResult:
+        if self._used:
+            raise RuntimeError("this sandbox Guest already ran its program; prepare() another")
+        self._used = True
+        self._join_starter()
+        try:
+            if self.backend == "docker":
+                return _run_docker(code, files, self.limits)
+            if self._process is None and not self._failure:
+                self._start()
+            if self._failure:
+                return _failed(self.backend, self._failure)
+            return self._process.run(code, files)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Kill the guest if it never ran; remove its work dir and cgroups. Idempotent; a
+        closed guest runs nothing."""
+        self._used = True
+        self._discard()
+
+    def _join_starter(self) -> None:
+        if self._starter is not None:
+            self._starter.result()
+            self._starter = None
+
+    def _discard(self) -> None:
+        self._join_starter()
+        if self._finalizer is not None:
+            self._finalizer()  # _Process.close, once
+            self._finalizer = None
+        self._process = None
+
+    def __enter__(self) -> Guest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_limits(limits: Limits | None) -> Limits:
     limits = Limits() if limits is None else limits
     if not isinstance(limits, Limits):
         raise TypeError(f"limits must be an envs.sandbox.Limits, got {type(limits).__name__}")
-    checked = _check_files(files)
-    return _RUNNERS[backend](code, checked, limits)
+    return limits
+
+
+def _check_program(code: str, files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    return _check_files(files)
 
 
 def choose_backend(backend: str = "auto") -> str:
@@ -238,9 +390,12 @@ def _digest(data: bytes) -> str:
 
 class _WorkDir:
     """A host temp dir: ``prog/main.py`` (the program, read-only) and ``work/`` (the guest's cwd,
-    holding the given files), handed to ``guest_uid`` when that is not us."""
+    holding the given files), handed to ``guest_uid`` when that is not us. Made empty (a guest
+    can be started before its program is known: ``prepare``), then ``fill``ed."""
 
-    def __init__(self, code: str, files: dict[str, bytes], guest_uid: int | None):
+    def __init__(self, guest_uid: int | None):
+        self.guest_uid = guest_uid
+        self.given: dict[str, str] = {}
         self.root = Path(tempfile.mkdtemp(prefix="agent-rl-sandbox-"))
         try:
             os.chmod(self.root, 0o711)
@@ -248,18 +403,20 @@ class _WorkDir:
             self.prog.mkdir(mode=0o755)
             self.work.mkdir(mode=0o755)
             self.main = self.prog / "main.py"
-            self.main.write_bytes(code.encode("utf-8", "surrogatepass"))
-            os.chmod(self.main, 0o444)
-            self.given = {rel: _digest(data) for rel, data in files.items()}
-            for rel, data in files.items():
-                target = self.work / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
-            if guest_uid is not None and guest_uid != os.geteuid():
-                self._hand_over(guest_uid)
         except BaseException:
             self.cleanup()
             raise
+
+    def fill(self, code: str, files: dict[str, bytes]) -> None:
+        self.main.write_bytes(code.encode("utf-8", "surrogatepass"))
+        os.chmod(self.main, 0o444)
+        self.given = {rel: _digest(data) for rel, data in files.items()}
+        for rel, data in files.items():
+            target = self.work / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        if self.guest_uid is not None and self.guest_uid != os.geteuid():
+            self._hand_over(self.guest_uid)
 
     def _hand_over(self, uid: int) -> None:
         paths = [self.work, *self.work.rglob("*")]
@@ -650,69 +807,186 @@ def _launcher(limits: Limits, cgroup: _Cgroup, uid: int | None, extra_processes:
     return argv + ["--"]
 
 
-def _run_process(backend: str, argv: list[str], env: dict[str, str], cwd: Path, workdir: _WorkDir,
-                 limits: Limits, extra_processes: int = 0, status_fd: int | None = None
-                 ) -> tuple[_Outcome, _Watch, float]:
-    """Start ``argv`` in a new session, watch it, wait for it and kill whatever is left."""
-    uid = _guest_uid()
-    cgroup = _Cgroup(limits.processes + extra_processes, limits.memory_mb * _MIB)
-    proc: subprocess.Popen | None = None
+# The guest's interpreter starts with this program (trusted) and waits: a ``g`` on stdin (the
+# host then closes it, so the program's stdin is empty) means its program is in place. It then
+# runs it as ``python3 -I -S PATH`` would: ``sys.argv`` [PATH], a fresh ``__main__`` namespace,
+# the code compiled under its path (tracebacks name it). EOF first: the host gave up on it.
+_BOOT = """\
+import sys
+def _boot():
+    if sys.stdin.buffer.read(1) != b"g":
+        raise SystemExit(0)
+    path = sys.argv[1]
+    sys.argv[:] = [path]
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    main = sys.modules["__main__"].__dict__
+    builtins = main["__builtins__"]
+    main.clear()
+    main.update(__name__="__main__", __doc__=None, __package__=None, __loader__=None,
+                __spec__=None, __file__=path, __cached__=None, __builtins__=builtins)
+    exec(code, main)
+_boot()
+"""
 
-    def kill() -> None:
-        if proc is not None:
+
+class _LaunchFailed(Exception):
+    """A process backend could not start its guest (a ``sandbox_error``, said in the message)."""
+
+
+class _Process:
+    """One run of a process backend (``subprocess``, ``bwrap``): ``__init__`` starts the guest
+    (cgroups, rlimits and uid through ``_launcher``, then bwrap and/or the interpreter, which
+    waits in ``_BOOT``), ``run`` gives it its program and files, times, watches and reaps it,
+    ``close`` kills whatever is left and removes the work dir and cgroups. Starting costs most
+    of a run's CPU (namespaces, the interpreter's start-up); once started, a guest runs only
+    its program."""
+
+    def __init__(self, backend: str, limits: Limits, waiting: bool = False):
+        self.waiting = waiting  # holds one of MAX_WAITING's slots until its program comes
+        self.backend, self.limits = backend, limits
+        self.proc: subprocess.Popen | None = None
+        self.cgroup: _Cgroup | None = None
+        self.status_r = self.status_w = -1
+        self.pumps: list[threading.Thread] = []
+        self.watch = _Watch(limits, self.kill)
+        uid = _guest_uid()
+        try:
+            self.workdir = _WorkDir(uid)
+        except OSError:
+            self._stop_waiting()
+            raise
+        try:
+            self._start(uid)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, uid: int | None) -> None:
+        main = str(self.workdir.main)
+        if self.backend == "bwrap":
+            bwrap = _system_tool("bwrap")
+            if bwrap is None:
+                raise _LaunchFailed("bwrap not found (apt-get install bubblewrap)")
+            self.status_r, self.status_w = os.pipe()
+            # bwrap's outer process and the namespace's pid 1 count against the pids limit too
+            argv, env, cwd, extra = (_bwrap_argv(bwrap, self.workdir, self.limits, self.status_w),
+                                     {}, self.workdir.root, 2)
+        else:
+            if not os.path.exists(PYTHON):
+                raise _LaunchFailed(f"{PYTHON} not found (the sandbox runs the system Python)")
+            argv, env, cwd, extra = ([PYTHON, *_GUEST_ARGS, "-c", _BOOT, main],
+                                     _guest_env(str(self.workdir.work)), self.workdir.work, 0)
+        self.cgroup = _Cgroup(self.limits.processes + extra, self.limits.memory_mb * _MIB)
+        try:
+            launch = _launcher(self.limits, self.cgroup, uid, extra)
+            self.proc = subprocess.Popen(
+                launch + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
+                pass_fds=() if self.status_w < 0 else (self.status_w,), start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise _LaunchFailed(f"{self.backend} could not start: {exc}") from None
+        if self.status_w >= 0:
+            os.close(self.status_w)
+            self.status_w = -1
+        self.pumps = [self.watch.pump(self.proc.stdout.fileno(), self.watch.stdout),
+                      self.watch.pump(self.proc.stderr.fileno(), self.watch.stderr)]
+
+    def kill(self) -> None:
+        if self.proc is not None:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        cgroup.kill()
+        if self.cgroup is not None:
+            self.cgroup.kill()
 
-    watch = _Watch(limits, kill)
-    t0 = time.monotonic()
-    try:
+    def run(self, code: str, files: dict[str, bytes]) -> SandboxResult:
+        """Give the started guest ``code`` and ``files`` and wait for it (at most once)."""
+        proc, limits = self.proc, self.limits
+        self._stop_waiting()
+        self.workdir.fill(code, files)
+        t0 = time.monotonic()
         try:
-            launch = _launcher(limits, cgroup, uid, extra_processes)
-            proc = subprocess.Popen(launch + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
-                                    pass_fds=() if status_fd is None else (status_fd,),
-                                    start_new_session=True)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return _Outcome(None, None, "", failure=f"{backend} could not start: {exc}"), watch, 0.0
-        pumps = [watch.pump(proc.stdout.fileno(), watch.stdout),
-                 watch.pump(proc.stderr.fileno(), watch.stderr)]
-        monitor = watch.monitor(t0 + limits.wall_s, workdir)
+            proc.stdin.write(b"g")
+            proc.stdin.close()
+        except OSError:  # the guest is gone: reaped below, said as the sandbox's failure
+            pass
+        monitor = self.watch.monitor(t0 + limits.wall_s, self.workdir)
         try:
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
         finally:  # on an interrupt too: nothing outlives the run
             wall_s = time.monotonic() - t0
-            watch.finish()
-            kill()  # the session's and the cgroup's leftovers, while the pgid is still ours
+            self.watch.finish()
+            self.kill()  # the session's and the cgroup's leftovers, while the pgid is still ours
             _, status, rusage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
-        for thread in pumps:
+        for thread in self.pumps:
             thread.join(timeout=5)
         monitor.join()
-        proc.stdout.close()
-        proc.stderr.close()
-        oom, pids_hit = cgroup.events()
-    finally:
-        cgroup.close()
-    code = proc.returncode
-    stderr = watch.stderr.decode("utf-8", "replace")
-    failure = ""
-    if status_fd is None and code in (125, 126, 127) and _LAUNCHER_FAILED.match(stderr):
-        # bwrap's status report tells its launch failures apart; without one, the launcher's
-        # own message does (a guest printing it only turns its own failure into this one)
-        failure = f"{backend} could not start: {stderr.strip()[-2000:]}"
-    outcome = _Outcome(
-        exit_code=code if code >= 0 else 128 - code,
-        stopped=watch.stopped,
-        stderr=stderr,
-        failure=failure,
-        cpu_s=rusage.ru_utime + rusage.ru_stime,
-        oom=oom, pids_hit=pids_hit,
-        disk_used=workdir.usage(),
-    )
-    return outcome, watch, wall_s
+        oom, pids_hit = self.cgroup.events()
+        code = proc.returncode
+        stderr = self.watch.stderr.decode("utf-8", "replace")
+        failure = ""
+        if self.backend != "bwrap" and code in (125, 126, 127) and _LAUNCHER_FAILED.match(stderr):
+            # bwrap's status report tells its launch failures apart; without one, the launcher's
+            # own message does (a guest printing it only turns its own failure into this one)
+            failure = f"{self.backend} could not start: {stderr.strip()[-2000:]}"
+        outcome = _Outcome(
+            exit_code=code if code >= 0 else 128 - code,
+            stopped=self.watch.stopped,
+            stderr=stderr,
+            failure=failure,
+            cpu_s=rusage.ru_utime + rusage.ru_stime,
+            oom=oom, pids_hit=pids_hit,
+            disk_used=self.workdir.usage(),
+        )
+        if self.backend == "bwrap":
+            outcome = self._bwrap_failure(outcome)
+        return _result(outcome, self.watch, wall_s, self.backend, self.workdir)
+
+    def _bwrap_failure(self, outcome: _Outcome) -> _Outcome:
+        with os.fdopen(self.status_r, "rb") as f:
+            self.status_r = -1
+            reports = f.read().decode("utf-8", "replace")
+        if not outcome.failure and outcome.stopped is None and '"exit-code"' not in reports:
+            # no exit report: bwrap died (killed from outside) or never started the program
+            if outcome.exit_code is not None and outcome.exit_code > 128:
+                why = f"bwrap was killed by {signal.Signals(outcome.exit_code - 128).name}"
+            else:
+                why = f"bwrap failed to start the program: {outcome.stderr.strip()[-2000:]}"
+            outcome = dataclasses.replace(outcome, failure=why)
+        return outcome
+
+    def _stop_waiting(self) -> None:
+        if self.waiting:
+            self.waiting = False
+            _give_waiting_slot()
+
+    def close(self) -> None:
+        """Kill and reap the guest (if it never ran), remove its cgroups and work dir."""
+        self._stop_waiting()
+        try:
+            if self.proc is not None:
+                self.watch.finish()
+                self.kill()
+                if self.proc.returncode is None:
+                    self.proc.wait()
+                for thread in self.pumps:  # their fds are closed next
+                    thread.join(timeout=5)
+                for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                    try:
+                        stream.close()
+                    except OSError:
+                        pass
+        finally:
+            if self.cgroup is not None:
+                self.cgroup.close()
+            for fd in (self.status_r, self.status_w):
+                if fd >= 0:
+                    os.close(fd)
+            self.status_r = self.status_w = -1
+            self.workdir.cleanup()
 
 
 def _guest_env(home: str) -> dict[str, str]:
@@ -722,24 +996,14 @@ def _guest_env(home: str) -> dict[str, str]:
 _WARNED_SUBPROCESS = False
 
 
-def _run_subprocess(code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
+def _warn_subprocess() -> None:
     global _WARNED_SUBPROCESS
     if not _WARNED_SUBPROCESS:
         _WARNED_SUBPROCESS = True
         warnings.warn("envs.sandbox: the 'subprocess' backend is not an isolation boundary (the "
                       "program sees this user's files and the network; only rlimits, cgroups and "
                       "a timeout apply); install bubblewrap or Docker for a sandbox",
-                      RuntimeWarning, stacklevel=3)
-    if not os.path.exists(PYTHON):
-        return _failed("subprocess", f"{PYTHON} not found (the sandbox runs the system Python)")
-    workdir = _WorkDir(code, files, _guest_uid())
-    try:
-        outcome, watch, wall_s = _run_process(
-            "subprocess", [PYTHON, *_GUEST_ARGS, str(workdir.main)], _guest_env(str(workdir.work)),
-            workdir.work, workdir, limits)
-        return _result(outcome, watch, wall_s, "subprocess", workdir)
-    finally:
-        workdir.cleanup()
+                      RuntimeWarning, stacklevel=4)
 
 
 def _bwrap_argv(bwrap: str, workdir: _WorkDir, limits: Limits, status_fd: int) -> list[str]:
@@ -759,46 +1023,15 @@ def _bwrap_argv(bwrap: str, workdir: _WorkDir, limits: Limits, status_fd: int) -
              "--size", str(limits.disk_mb * _MIB), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--ro-bind", str(workdir.prog), "/sandbox", "--bind", str(workdir.work), "/work",
              "--chdir", "/work", "--remount-ro", "/", "--json-status-fd", str(status_fd),
-             PYTHON, *_GUEST_ARGS, "/sandbox/main.py"]
+             PYTHON, *_GUEST_ARGS, "-c", _BOOT, "/sandbox/main.py"]
     return argv
-
-
-def _run_bwrap(code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
-    bwrap = _system_tool("bwrap")
-    if bwrap is None:
-        return _failed("bwrap", "bwrap not found (apt-get install bubblewrap)")
-    workdir = _WorkDir(code, files, _guest_uid())
-    status_r, status_w = os.pipe()
-    try:
-        # bwrap's outer process and the namespace's pid 1 count against the pids limit too
-        outcome, watch, wall_s = _run_process(
-            "bwrap", _bwrap_argv(bwrap, workdir, limits, status_w), {}, workdir.root, workdir,
-            limits, extra_processes=2, status_fd=status_w)
-        os.close(status_w)
-        status_w = -1
-        with os.fdopen(status_r, "rb") as f:
-            status_r = -1
-            reports = f.read().decode("utf-8", "replace")
-        if not outcome.failure and outcome.stopped is None and '"exit-code"' not in reports:
-            # no exit report: bwrap died (killed from outside) or never started the program
-            if outcome.exit_code is not None and outcome.exit_code > 128:
-                why = f"bwrap was killed by {signal.Signals(outcome.exit_code - 128).name}"
-            else:
-                why = f"bwrap failed to start the program: {outcome.stderr.strip()[-2000:]}"
-            outcome = dataclasses.replace(outcome, failure=why)
-        return _result(outcome, watch, wall_s, "bwrap", workdir)
-    finally:
-        for fd in (status_r, status_w):
-            if fd >= 0:
-                os.close(fd)
-        workdir.cleanup()
 
 
 def _probe_bwrap() -> bool:
     if _system_tool("bwrap") is None:
         _UNAVAILABLE_WHY["bwrap"] = "bwrap not found (apt-get install bubblewrap)"
         return False
-    result = _run_bwrap("print('ok')", {}, Limits(wall_s=30))
+    result = run("print('ok')", limits=Limits(wall_s=30), backend="bwrap")
     if result.status != "ok" or result.stdout != "ok\n":
         _UNAVAILABLE_WHY["bwrap"] = f"a trivial program failed in bwrap: {result.status}: " \
                                     f"{result.detail or result.stderr[-500:]}"
@@ -958,10 +1191,11 @@ def _run_docker(code: str, files: dict[str, bytes], limits: Limits) -> SandboxRe
     from docker.utils.socket import frames_iter
 
     errors = _docker_api_errors()
-    workdir = _WorkDir(code, files, GUEST_UID)
+    workdir = _WorkDir(GUEST_UID)
     container = None
     cpu, disk = _cpu_rlimit(limits), limits.disk_mb * _MIB
     try:
+        workdir.fill(code, files)
         try:
             container = client.containers.create(
                 image_tag(), [PYTHON, *_GUEST_ARGS, "/sandbox/main.py"],
@@ -1046,8 +1280,6 @@ def _run_docker(code: str, files: dict[str, bytes], limits: Limits) -> SandboxRe
         workdir.cleanup()
 
 
-_RUNNERS: dict[str, Callable[[str, dict[str, bytes], Limits], SandboxResult]] = {
-    "subprocess": _run_subprocess, "bwrap": _run_bwrap, "docker": _run_docker}
 _PROBES: dict[str, Callable[[], bool]] = {
     "subprocess": lambda: os.path.exists(PYTHON), "bwrap": _probe_bwrap, "docker": _probe_docker}
 _AVAILABLE: dict[str, bool] = {}

@@ -122,20 +122,22 @@ def test_rollout_throughput_runs_as_a_smoke(tmp_path):
 @pytest.mark.slow
 def test_overheads_runs_as_a_smoke(tmp_path):
     """benchmarks/overheads.py on the tiny model times every built-in env's batch apart:
-    policy + env + runner + post add up to the total, and the fraction is theirs."""
+    policy + env + runner + post add up to the total, and the fraction is theirs; CodeTests-v0
+    also with its sandboxes started ahead, on the same episodes."""
     import json
 
     import envs
 
     script = EXAMPLES.parent / "benchmarks" / "overheads.py"
     result = subprocess.run([sys.executable, str(script), "--model", "tiny", "--tasks", "1",
-                             "--group", "2", "--max-new-tokens", "8"], capture_output=True,
+                             "--group", "2", "--max-new-tokens", "8", "--repeats", "1"],
+                            capture_output=True,
                             text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     built_in = [e for e in envs.list_envs() if e.startswith("agent_rl/")]
     assert len(built_in) >= 5
-    for env_id in built_in:
+    for env_id in [*built_in, "agent_rl/CodeTests-v0 prestart on"]:
         r = summary[env_id]
         assert r["episodes"] == 2 and r["policy_s"] > 0
         parts = r["policy_s"] + r["env_s"] + r["runner_s"] + r["post_s"]

@@ -4,6 +4,7 @@ faults masked as infrastructure, tasks and splits, and the reference solver."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -177,12 +178,12 @@ def test_judge_reads_only_a_record_with_the_nonce():
 
 
 def test_a_sandbox_error_is_an_infrastructure_fault(monkeypatch):
-    def broken(code, files=None, limits=None, backend="auto"):
+    def broken(guest, code, files=None):
         return sandbox.SandboxResult(status="sandbox_error", stdout="", stderr="", exit_code=None,
-                                     wall_s=0.0, backend=backend, files_written=(),
+                                     wall_s=0.0, backend=guest.backend, files_written=(),
                                      detail="could not start the sandbox")
 
-    monkeypatch.setattr(codetests.sandbox, "run", broken)
+    monkeypatch.setattr(codetests.sandbox.Guest, "run", broken)
     breakdown = play(CORRECT)
     assert breakdown.outcome == Outcome.sandbox_error and breakdown.is_infrastructure_fault
     assert breakdown.total == 0.0 and breakdown.audit["detail"] == "could not start the sandbox"
@@ -190,7 +191,7 @@ def test_a_sandbox_error_is_an_infrastructure_fault(monkeypatch):
     def raising(*args, **kwargs):
         raise OSError("no such backend binary")
 
-    monkeypatch.setattr(codetests.sandbox, "run", raising)
+    monkeypatch.setattr(codetests.sandbox.Guest, "run", raising)
     breakdown = play(CORRECT)
     assert breakdown.outcome == Outcome.sandbox_error and "OSError" in breakdown.audit["detail"]
 
@@ -338,3 +339,24 @@ def test_isolated_backends_score_the_correct_solution_and_catch_hacks(backend):
         code, flag = HACKS[name]
         breakdown = play(code, backend=backend)
         assert breakdown.total == 0.0 and flag in breakdown.audit["hack"], breakdown.audit
+
+
+@pytest.mark.parametrize("backend", ["subprocess", "bwrap"])
+def test_sandboxes_started_at_reset_score_the_same(backend):
+    """prestart=True: reset starts the episode's sandbox and the answer runs in it, with the
+    breakdown of a sandbox started at scoring; an unused one is killed by the next reset and
+    by close."""
+    if not sandbox.available(backend):
+        pytest.skip(f"{backend}: {sandbox.unavailable_reason(backend)}")
+    for code in (CORRECT, "def int_square(n):\n    return n + n\n", "import os\nos._exit(0)\n"):
+        assert play(code, backend=backend, prestart=True) == play(code, backend=backend)
+    env = envs.make(CODETESTS, backend=backend, prestart=True)
+    pids = []
+    for seed in (0, 1):
+        env.reset(seed=seed, options={"task": SQUARE})
+        env.unwrapped._guest._join_starter()
+        pids.append(env.unwrapped._guest._process.proc.pid)
+        assert os.path.exists(f"/proc/{pids[-1]}")
+    assert not os.path.exists(f"/proc/{pids[0]}")  # the first episode's, never used
+    env.close()
+    assert not os.path.exists(f"/proc/{pids[1]}") and sandbox._WAITING == 0

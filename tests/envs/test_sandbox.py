@@ -7,6 +7,8 @@ bubblewrap first, so both run there)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import gc
 import os
 import socket
 import threading
@@ -77,6 +79,17 @@ def _marker() -> str:
     return "sbx" + uuid.uuid4().hex[:10]
 
 
+def go(code: str, backend: str, ahead: bool, files=None, limits: Limits | None = None
+       ) -> SandboxResult:
+    """``run``, or the same run through a sandbox started ahead (``prepare``), which waits a
+    moment before its program comes."""
+    if not ahead:
+        return run(code, files=files, limits=limits, backend=backend)
+    guest = sandbox.prepare(limits, backend)
+    time.sleep(0.2)
+    return guest.run(code, files=files)
+
+
 def _cgroups_here() -> set[str]:
     cgroup = sandbox._Cgroup(1, 1 << 30)
     cgroup.close()
@@ -140,6 +153,65 @@ def test_runs_at_once_stay_apart(backend):
         assert (r.status, r.stdout, r.files_written) == ("ok", f"{i}{i}\n", (f"w{i}",))
 
 
+# --- sandboxes started ahead of their program (prepare) --------------------------------------
+
+def test_a_guest_started_ahead_runs_like_run(backend):
+    """The sandbox starts first (bwrap, subprocess: its interpreter waits), the program comes
+    later: the result is ``run``'s (argv, __main__, files, files_written, exit code), the wait
+    is not the program's (it outlasts ``wall_s``), and a guest runs one program."""
+    code = ("import sys\n"
+            "print(sys.argv == [__file__], __name__, open('data.txt').read())\n"
+            "open('out.txt', 'w').write('made')\n"
+            "if __name__ == '__main__':\n"
+            "    sys.exit(4)\n")
+    cold = run(code, files={"data.txt": "hi"}, backend=backend)
+    guest = sandbox.prepare(Limits(wall_s=1.0), backend)
+    time.sleep(1.3)
+    warm = guest.run(code, files={"data.txt": "hi"})
+    assert warm == dataclasses.replace(cold, wall_s=warm.wall_s)
+    assert (warm.status, warm.exit_code, warm.stdout) == ("runtime_error", 4, "True __main__ hi\n")
+    assert warm.files_written == ("out.txt",) and warm.wall_s < 1.0
+    with pytest.raises(RuntimeError, match="already ran its program"):
+        guest.run("print(1)")
+
+
+@pytest.mark.parametrize("name", ["subprocess", "bwrap"])
+@pytest.mark.parametrize("how", ["close", "collected"])
+def test_a_guest_never_run_leaves_nothing(name, how):
+    """A guest closed (or garbage-collected) before its program: its interpreter killed and
+    reaped, its work dir and cgroups removed, and it runs nothing afterwards."""
+    _need(name)
+    guest = sandbox.prepare(Limits(), name)
+    guest._join_starter()  # prepare returned at once; the launch ran on a thread
+    process = guest._process
+    pid, root, cgroups = process.proc.pid, process.workdir.root, list(process.cgroup.dirs.values())
+    time.sleep(0.2)
+    assert Path(f"/proc/{pid}").exists() and root.exists()
+    if how == "close":
+        guest.close()
+        with pytest.raises(RuntimeError, match="already ran"):
+            guest.run("print(1)")
+    else:
+        del guest, process
+        gc.collect()
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped, not a zombie
+    assert not root.exists() and not any(d.exists() for d in cgroups)
+    assert sandbox._WAITING == 0
+
+
+def test_guests_waiting_are_capped(monkeypatch):
+    """Past MAX_WAITING guests waiting for their program, ``prepare`` gives one that starts in
+    its ``run``; both kinds run, and the count comes back to zero."""
+    _need("subprocess")
+    monkeypatch.setattr(sandbox, "MAX_WAITING", 1)
+    first, second = sandbox.prepare(Limits(), "subprocess"), sandbox.prepare(Limits(), "subprocess")
+    first._join_starter()
+    assert first._process is not None and second._process is None and second._starter is None
+    assert sandbox._WAITING == 1
+    assert second.run("print(2)").stdout == "2\n" and first.run("print(1)").stdout == "1\n"
+    assert sandbox._WAITING == 0
+
+
 # --- the escape corpus: bwrap and docker -----------------------------------------------------
 
 _CONNECT = """
@@ -160,9 +232,10 @@ def _listener() -> socket.socket:
     return srv
 
 
-def test_no_tcp_to_the_host(isolating):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_no_tcp_to_the_host(isolating, ahead):
     with _listener() as srv:
-        r = run(_CONNECT.format(port=srv.getsockname()[1]), backend=isolating)
+        r = go(_CONNECT.format(port=srv.getsockname()[1]), isolating, ahead)
         assert r.status == "ok", r.stderr
         assert r.stdout.startswith("failed"), r.stdout
         with pytest.raises(BlockingIOError):
@@ -192,7 +265,8 @@ def test_no_name_resolution(isolating):
     assert r.stdout.splitlines() == ["pypi.org failed gaierror", "example.com failed gaierror"]
 
 
-def test_files_outside_the_work_dir_are_invisible(isolating, tmp_path):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_files_outside_the_work_dir_are_invisible(isolating, tmp_path, ahead):
     secret = uuid.uuid4().hex
     planted = [tmp_path / "sentinel.txt", Path("/root") / f"agent-rl-sandbox-sentinel-{secret[:8]}"]
     targets = [*map(str, planted), str(REPO / "pyproject.toml"), "/etc/shadow",
@@ -211,7 +285,7 @@ def test_files_outside_the_work_dir_are_invisible(isolating, tmp_path):
                 "        print(d, os.listdir(d))\n"
                 "    except OSError as exc:\n"
                 "        print(d, type(exc).__name__)\n")
-        r = run(code, backend=isolating)
+        r = go(code, isolating, ahead)
     finally:
         for path in planted:
             path.unlink(missing_ok=True)
@@ -222,7 +296,8 @@ def test_files_outside_the_work_dir_are_invisible(isolating, tmp_path):
     assert all(line.endswith(("FileNotFoundError", "PermissionError")) for line in lines[:len(targets)])
 
 
-def test_writes_outside_the_work_dir_fail(isolating, tmp_path):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_writes_outside_the_work_dir_fail(isolating, tmp_path, ahead):
     victim = tmp_path / "victim.txt"
     victim.write_text("original")
     stray = Path("/tmp") / f"agent-rl-sandbox-stray-{uuid.uuid4().hex[:8]}"
@@ -234,7 +309,7 @@ def test_writes_outside_the_work_dir_fail(isolating, tmp_path):
             "        print(path, 'WROTE')\n"
             "    except OSError as exc:\n"
             "        print(path, type(exc).__name__)\n")
-    r = run(code, backend=isolating)
+    r = go(code, isolating, ahead)
     assert r.status == "ok", r.stderr
     assert "WROTE" not in r.stdout, r.stdout
     assert victim.read_text() == "original"
@@ -244,7 +319,8 @@ def test_writes_outside_the_work_dir_fail(isolating, tmp_path):
 # --- resource cases: every backend -----------------------------------------------------------
 
 @pytest.mark.slow
-def test_fork_bomb(backend):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_fork_bomb(backend, ahead):
     marker = _marker()
     code = _marked(marker) + ("import os\n"
                               "while True:\n"
@@ -252,7 +328,7 @@ def test_fork_bomb(backend):
                               "        os.fork()\n"
                               "    except OSError:\n"
                               "        os._exit(3)\n")
-    r = run(code, limits=Limits(wall_s=20, processes=32), backend=backend)
+    r = go(code, backend, ahead, limits=Limits(wall_s=20, processes=32))
     assert r.status in ("resource_limit", "runtime_error"), r
     assert r.wall_s < 20
     _assert_no_survivors(marker)
