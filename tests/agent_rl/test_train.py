@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -875,3 +875,60 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     with train.sparse_tied_lookup(TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0)), model):
         seen.append(lookup.sparse)
     assert seen == [True, False]
+
+
+def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monkeypatch):
+    """train.step_cast_cache: under bf16 autocast each trainable weight is cast once for the
+    whole step (micro-batches and recomputed layers), not in every forward pass, and the
+    gradients are bit for bit those of casting it every time; the cache is gone afterwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from agent_rl.distributed import TorchBackend
+    from agent_rl.policy import HFPolicy
+    from agent_rl.rollout import rollout_batch
+    from envs.runner import Sampling
+
+    class Capture(TorchBackend):
+        def step(self):
+            self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
+            return super().step()
+
+    contract = make_contract(tmp_path / "r", "model.dtype=bfloat16")
+    model, tokenizer = tiny_model(0)
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+                          envs.make(toy_env.ENV_ID).unwrapped.task_pool(4, seed=0),
+                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
+                          dynamic_sampling=False, truncation="keep")
+    sequences = [dataclasses.replace(q, advantage=1.0 if i % 2 else -0.5)
+                 for i, q in enumerate(batch.sequences)]
+    weights = {p.data_ptr(): n for n, p in model.named_parameters()}
+
+    class CountCasts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.casts = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
+                self.casts[weights[args[0].data_ptr()]] += 1
+            return func(*args, **(kwargs or {}))
+
+    def step():
+        backend = Capture(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        with CountCasts() as counted:
+            m = train.policy_update(backend, None, sequences, contract, pad_id=0, prox={},
+                                    micro_tokens=16)
+        return backend.grads, counted.casts, m
+
+    cached, cached_casts, m = step()
+    assert m["train/recomputed_frac"] > 0  # some layers were recomputed in backward
+    with monkeypatch.context() as mp:  # what autocast did before: a cast in every pass
+        mp.setattr(train, "step_cast_cache", lambda backend, dtype: contextlib.nullcontext())
+        every, every_casts, _ = step()
+    # every trainable weight (the head is tied to the embedding, named by it): cast in each
+    # forward pass, recomputed layers and update_kl's (after the optimizer step) included,
+    # against once for the step and once for update_kl
+    assert set(cached_casts) == set(every_casts) and "model.embed_tokens.weight" in every_casts
+    assert min(every_casts.values()) >= 3 and set(cached_casts.values()) == {2}
+    for key in every:
+        assert torch.equal(cached[key], every[key]), key
