@@ -29,6 +29,7 @@ import torch
 import envs
 from agent_rl import checkpoint, train
 from agent_rl.config import ExperimentContract
+from agent_rl.distributed import TorchBackend
 from agent_rl.models import tiny_model
 from agent_rl.rollout import TrainSequence, session_advantages
 from tests.agent_rl import toy_env
@@ -823,29 +824,38 @@ def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gr
     assert all(torch.equal(a, b) for a, b in zip(grads[10], grads[100], strict=True))
 
 
+def graded_sequences(model, tokenizer) -> list:
+    """A rolled-out batch of tests/Digits-v0 (4 tasks x 4 samples), advantages +1 / -0.5."""
+    from agent_rl.policy import HFPolicy
+    from agent_rl.rollout import rollout_batch
+    from envs.runner import Sampling
+
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+                          envs.make(toy_env.ENV_ID).unwrapped.task_pool(4, seed=0),
+                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
+                          dynamic_sampling=False, truncation="keep")
+    return [dataclasses.replace(q, advantage=1.0 if i % 2 else -0.5)
+            for i, q in enumerate(batch.sequences)]
+
+
+class GradCapture(TorchBackend):
+    """Keeps the summed gradient of the step (``grads``) before the optimizer takes it."""
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
+        return super().step()
+
+
 def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary(tmp_path, monkeypatch):
     """train.sparse_tied_lookup: with the tiny model's tied embeddings, policy_update's summed
     gradient is the same (to float rounding) as with the dense lookup gradient, and it stays
     dense for the clip and the optimizer; the lookup is dense again afterwards, and untied
     weights are left alone."""
     from agent_rl.distributed import TorchBackend
-    from agent_rl.policy import HFPolicy
-    from agent_rl.rollout import rollout_batch
-    from envs.runner import Sampling
-
-    class Capture(TorchBackend):
-        def step(self):
-            self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
-            return super().step()
 
     contract = make_contract(tmp_path / "r")
     model, tokenizer = tiny_model(0)
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
-                          envs.make(toy_env.ENV_ID).unwrapped.task_pool(4, seed=0),
-                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
-    sequences = [dataclasses.replace(q, advantage=1.0 if i % 2 else -0.5)
-                 for i, q in enumerate(batch.sequences)]
+    sequences = graded_sequences(model, tokenizer)
     lookup = model.get_input_embeddings()
     assert model.get_output_embeddings().weight is lookup.weight
 
@@ -853,7 +863,7 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     lookup.register_forward_hook(lambda module, args, out: modes.append(module.sparse))
 
     def grads():
-        backend = Capture(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
         train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
         return backend.grads
 
@@ -883,24 +893,9 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
     gradients are bit for bit those of casting it every time; the cache is gone afterwards."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from agent_rl.distributed import TorchBackend
-    from agent_rl.policy import HFPolicy
-    from agent_rl.rollout import rollout_batch
-    from envs.runner import Sampling
-
-    class Capture(TorchBackend):
-        def step(self):
-            self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
-            return super().step()
-
     contract = make_contract(tmp_path / "r", "model.dtype=bfloat16")
     model, tokenizer = tiny_model(0)
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
-                          envs.make(toy_env.ENV_ID).unwrapped.task_pool(4, seed=0),
-                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
-    sequences = [dataclasses.replace(q, advantage=1.0 if i % 2 else -0.5)
-                 for i, q in enumerate(batch.sequences)]
+    sequences = graded_sequences(model, tokenizer)
     weights = {p.data_ptr(): n for n, p in model.named_parameters()}
 
     class CountCasts(TorchDispatchMode):
@@ -914,7 +909,7 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
             return func(*args, **(kwargs or {}))
 
     def step():
-        backend = Capture(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
         with CountCasts() as counted:
             m = train.policy_update(backend, None, sequences, contract, pad_id=0, prox={},
                                     micro_tokens=16)
