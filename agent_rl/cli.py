@@ -536,75 +536,18 @@ def _canary_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="episode seeds and traffic split")
 
 
-CANARY_MARGIN = 0.05  # allowed drop of held-out reward against the baseline, offline and shadow
-
-
-def canary_criteria(contract) -> tuple[list, list]:
-    """(offline/shadow criteria, canary criteria) from the contract's ``acceptance`` (or its
-    defaults): no held-out reward regression beyond ``CANARY_MARGIN``, plus the acceptance
-    bounds; the canary arms serve different tasks, so it keeps only the min/max bounds."""
-    from agent_rl.config import AcceptanceSection
-    from evals.gates import Criterion, criteria_from_acceptance
-
-    acceptance = contract.acceptance if contract else AcceptanceSection()
-    bounds = criteria_from_acceptance(acceptance.holdout_min, acceptance.max_error_rate)
-    gate = [Criterion(name="no reward regression", metric="reward/mean", kind="no_regression",
-                      margin=CANARY_MARGIN), *bounds,
-            *criteria_from_acceptance(critical_slices=acceptance.critical_slices,
-                                      margin=CANARY_MARGIN)]
-    return gate, bounds
-
-
-def canary_plan(env_id: str, contract, n: int, fraction: float, seed: int, live_serving: str):
-    """All from the held-out split: the offline gate's ``n`` tasks, mirrored again in shadow
-    against copies of the live store; live: the next ones, enough that the candidate's share is
-    about ``n``. Tasks that carry their own stores (Records-v0) each act on their own entry of
-    the live store (``store_per_task``)."""
-    import math
-
-    from envs.runner import Sampling
-    from evals.canary import CanaryPlan, LiveSystem
-    from trajectories.hashing import canonical_hash
-
-    if not 0 < fraction < 1:
-        raise CLIError(f"--canary-fraction must be in (0, 1), got {fraction}")
-    tasks, env_kwargs = eval_tasks(env_id, "holdout", n + math.ceil(n / fraction), contract)
-    shadow, live = tasks[:n], tasks[n:]
-    if not live:
-        raise CLIError(f"the holdout split of {env_id} has {len(tasks)} tasks: too few for {n} "
-                       "offline and shadow tasks and a live stage; lower --n (or raise "
-                       "env.pool_size)")
-    per_task = len({canonical_hash(t.data) for t in tasks}) > 1
-    store = {t.task_id: t.data for t in tasks} if per_task else live[0].data
-    gate, bounds = canary_criteria(contract)
-    max_new = response_limit(contract)
-    return CanaryPlan(env_id=env_id, offline_tasks=shadow, criteria=gate, shadow_tasks=shadow,
-                      live_tasks=live, canary_fraction=fraction, canary_criteria=bounds,
-                      store_per_task=per_task,
-                      sampling=Sampling(temperature=0.0, max_new_tokens=max_new, seed=seed),
-                      seed=seed, env_kwargs=env_kwargs,
-                      live=LiveSystem(store=store, serving=live_serving))
-
-
-def release_candidate(loaded: LoadedPolicy):
-    """A canary ``Candidate`` of a loaded bundle; before promotion its whole bundle is verified
-    again (every file against the manifest, the COMPLETE marker present)."""
-    from functools import partial
-
-    from agent_rl.checkpoint import verify_bundle
-    from evals.canary import Candidate
-
-    return Candidate(loaded.name, loaded.bundle_hash, loaded.policy,
-                     current_hash=partial(verify_bundle, loaded.bundle))
-
-
 @command("canary", "release a bundle: offline gate -> shadow -> canary -> promote, or roll back",
          _canary_arguments)
 def canary(args: argparse.Namespace) -> int:
+    from agent_rl.config import AcceptanceSection
     from evals import canary as release
 
     if args.n < 1:
         raise CLIError(f"--n must be >= 1, got {args.n}")
+    try:  # before any bundle is loaded
+        count = args.n + release.live_task_count(args.n, args.canary_fraction)
+    except ValueError as exc:
+        raise CLIError(f"--canary-fraction: {exc}") from exc
     device = default_device()
     cand, base = (load_bundle_policy(p, args.model, device) for p in (args.candidate, args.baseline))
     if cand.bundle_hash == base.bundle_hash:
@@ -613,8 +556,15 @@ def canary(args: argparse.Namespace) -> int:
     env_id = args.env or (contract.env.id if contract else None)
     if env_id is None:
         raise CLIError("pass --env ID: neither bundle comes from a run with a contract")
-    plan = canary_plan(env_id, contract, args.n, args.canary_fraction, args.seed, base.bundle_hash)
-    result = release.run(release_candidate(cand), release_candidate(base), plan)
+    tasks, env_kwargs = eval_tasks(env_id, "holdout", count, contract)
+    try:
+        plan = release.release_plan(
+            env_id, tasks, args.n, args.canary_fraction,
+            contract.acceptance if contract else AcceptanceSection(), response_limit(contract),
+            args.seed, base.bundle_hash, env_kwargs)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    result = release.run(release.bundle_candidate(cand), release.bundle_candidate(base), plan)
     out = console()
     for stage in result.stages:
         out.print(f"[bold]{stage.stage}[/bold]: {stage.status.upper()}")

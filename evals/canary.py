@@ -64,6 +64,7 @@ must use ``min`` / ``max`` rules (absolute bounds set at the baseline's known le
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -533,3 +534,68 @@ def run(candidate: Candidate, baseline: Candidate, plan: CanaryPlan) -> CanaryRe
     if stages[-1].status != "pass":
         return end("rolled_back", before_canary)
     return end("promoted")
+
+
+# ---------------------------------------------------------------------------------------------
+# A release from held-out tasks (what `agent-rl canary` runs)
+# ---------------------------------------------------------------------------------------------
+
+MARGIN = 0.05
+"""Allowed drop of held-out reward against the baseline, offline and in shadow."""
+
+
+def live_task_count(n: int, fraction: float) -> int:
+    """Live tasks enough that the candidate's share of them (``fraction``) is about ``n``."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"canary fraction must be in (0, 1), got {fraction}")
+    return math.ceil(n / fraction)
+
+
+def release_criteria(acceptance) -> tuple[list[Criterion], list[Criterion]]:
+    """(offline/shadow criteria, canary criteria) from a contract's ``acceptance`` section (an
+    ``agent_rl.config.AcceptanceSection``): no held-out reward regression beyond ``MARGIN``,
+    plus the acceptance bounds; the canary arms serve different tasks, so it keeps only the
+    min/max bounds."""
+    from evals.gates import criteria_from_acceptance
+
+    bounds = criteria_from_acceptance(acceptance.holdout_min, acceptance.max_error_rate)
+    gate = [Criterion(name="no reward regression", metric="reward/mean", kind="no_regression",
+                      margin=MARGIN), *bounds,
+            *criteria_from_acceptance(critical_slices=acceptance.critical_slices, margin=MARGIN)]
+    return gate, bounds
+
+
+def release_plan(env_id: str, tasks: Sequence[TaskSpec], n: int, fraction: float,
+                 acceptance, max_new_tokens: int, seed: int, live_serving: str,
+                 env_kwargs: dict[str, Any] | None = None) -> CanaryPlan:
+    """A plan from held-out ``tasks``: the first ``n`` for the offline gate, mirrored again in
+    shadow against copies of the live store; live: the rest (``live_task_count(n,
+    fraction)`` of them make the candidate's share about ``n``). Tasks that carry their own
+    stores (Records-v0) each act on their own entry of the live store (``store_per_task``).
+    Greedy, ``max_new_tokens`` a reply."""
+    live_task_count(n, fraction)  # the fraction, checked
+    shadow, live = list(tasks[:n]), list(tasks[n:])
+    if not live:
+        raise ValueError(f"{len(tasks)} held-out tasks of {env_id}: too few for {n} offline and "
+                         "shadow tasks and a live stage; lower n (or raise env.pool_size)")
+    per_task = len({canonical_hash(t.data) for t in tasks}) > 1
+    store = {t.task_id: t.data for t in tasks} if per_task else live[0].data
+    gate, bounds = release_criteria(acceptance)
+    return CanaryPlan(env_id=env_id, offline_tasks=shadow, criteria=gate, shadow_tasks=shadow,
+                      live_tasks=live, canary_fraction=fraction, canary_criteria=bounds,
+                      store_per_task=per_task,
+                      sampling=Sampling(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed),
+                      seed=seed, env_kwargs=env_kwargs or {},
+                      live=LiveSystem(store=store, serving=live_serving))
+
+
+def bundle_candidate(loaded) -> Candidate:
+    """A ``Candidate`` of a bundle loaded for serving (``name``, ``bundle_hash``, ``policy``
+    and its folder, ``bundle``: ``agent_rl.cli.load_bundle_policy``'s); before promotion its
+    whole bundle is verified again (every file against the manifest, the COMPLETE marker)."""
+    from functools import partial
+
+    from agent_rl.checkpoint import verify_bundle
+
+    return Candidate(loaded.name, loaded.bundle_hash, loaded.policy,
+                     current_hash=partial(verify_bundle, loaded.bundle))

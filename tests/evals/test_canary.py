@@ -23,7 +23,7 @@ import torch
 
 import envs  # noqa: F401  (registers the environments)
 from agent_rl.checkpoint import bundle_hash, save_bundle, verify_bundle
-from agent_rl.cli import LoadedPolicy, release_candidate
+from agent_rl.cli import LoadedPolicy
 from envs import TaskMeta, TaskSpec
 from envs.arithmetic import ArithmeticEnv
 from envs.records.env import solver_plan, solver_progress
@@ -31,11 +31,15 @@ from envs.records.world import COLLECTIONS, STRUCTURES, _chain, _Draw, make_stor
 from envs.runner import Completion
 from evals.canary import (
     ARTIFACT_CHANGED,
+    MARGIN,
     CanaryPlan,
     Candidate,
     LiveSystem,
     RollbackError,
+    bundle_candidate,
     canary_split,
+    live_task_count,
+    release_plan,
     rollback_drill,
     run,
 )
@@ -384,7 +388,7 @@ def test_a_bundle_corrupted_after_the_gates_is_refused_at_promotion(tmp_path, ho
     address = verify_bundle(path)
     loaded = LoadedPolicy(SpoilsBundle(path, how), "candidate", path, address)
     plan = plan_for()
-    result = run(release_candidate(loaded), fixed("baseline", BASE, Agent()), plan)
+    result = run(bundle_candidate(loaded), fixed("baseline", BASE, Agent()), plan)
     assert bundle_hash(path) == address  # the manifest alone does not see the damage
     assert stage(result, "canary").status == "pass"
     assert (result.status, result.stage) == ("rolled_back", "promote")
@@ -484,3 +488,29 @@ def test_paired_canary_criteria_are_rejected():
 def test_the_baseline_must_be_what_is_served():
     with pytest.raises(ValueError, match="must be what is served"):
         run(fixed("candidate", CAND, Agent()), fixed("baseline", "f" * 64, Agent()), plan_for())
+
+
+def test_a_release_plan_from_held_out_tasks():
+    """release_plan (what `agent-rl canary` builds): the first n tasks offline and again in
+    shadow, the rest live, enough for the candidate's share to be about n; the gate is no
+    regression within MARGIN plus the acceptance bounds, the canary keeps only the bounds;
+    greedy replies. A fraction outside (0, 1) or too few tasks is refused, saying what to
+    change."""
+    from agent_rl.config import AcceptanceSection
+
+    tasks = HELD_OUT[:7]
+    assert live_task_count(3, 0.75) == 4 and live_task_count(2, 0.5) == 4
+    plan = release_plan("agent_rl/Arithmetic-v0", tasks, 3, 0.75,
+                        AcceptanceSection(max_error_rate=0.1), 16, 5, "base-hash")
+    assert plan.offline_tasks == plan.shadow_tasks == tasks[:3] and plan.live_tasks == tasks[3:]
+    assert plan.criteria[0].kind == "no_regression" and plan.criteria[0].margin == MARGIN
+    assert [c.name for c in plan.canary_criteria] == [c.name for c in plan.criteria[1:]]
+    assert plan.canary_criteria and all(c.kind != "no_regression" for c in plan.canary_criteria)
+    assert (plan.sampling.temperature, plan.sampling.max_new_tokens, plan.seed) == (0.0, 16, 5)
+    assert plan.live.serving == "base-hash" and plan.canary_fraction == 0.75
+    for fraction in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
+            live_task_count(3, fraction)
+    with pytest.raises(ValueError, match="too few for 3 offline and shadow tasks"):
+        release_plan("agent_rl/Arithmetic-v0", tasks[:3], 3, 0.75, AcceptanceSection(), 16, 5,
+                     "base-hash")
