@@ -536,6 +536,18 @@ def _canary_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="episode seeds and traffic split")
 
 
+def bundle_candidate(loaded: LoadedPolicy):
+    """A canary ``Candidate`` of a loaded bundle; before promotion its whole bundle is verified
+    again (every file against the manifest, the COMPLETE marker present)."""
+    from functools import partial
+
+    from agent_rl.checkpoint import verify_bundle
+    from evals.canary import Candidate
+
+    return Candidate(loaded.name, loaded.bundle_hash, loaded.policy,
+                     current_hash=partial(verify_bundle, loaded.bundle))
+
+
 @command("canary", "release a bundle: offline gate -> shadow -> canary -> promote, or roll back",
          _canary_arguments)
 def canary(args: argparse.Namespace) -> int:
@@ -564,7 +576,7 @@ def canary(args: argparse.Namespace) -> int:
             args.seed, base.bundle_hash, env_kwargs)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-    result = release.run(release.bundle_candidate(cand), release.bundle_candidate(base), plan)
+    result = release.run(bundle_candidate(cand), bundle_candidate(base), plan)
     out = console()
     for stage in result.stages:
         out.print(f"[bold]{stage.stage}[/bold]: {stage.status.upper()}")

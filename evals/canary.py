@@ -587,15 +587,3 @@ def release_plan(env_id: str, tasks: Sequence[TaskSpec], n: int, fraction: float
                       sampling=Sampling(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed),
                       seed=seed, env_kwargs=env_kwargs or {},
                       live=LiveSystem(store=store, serving=live_serving))
-
-
-def bundle_candidate(loaded) -> Candidate:
-    """A ``Candidate`` of a bundle loaded for serving (``name``, ``bundle_hash``, ``policy``
-    and its folder, ``bundle``: ``agent_rl.cli.load_bundle_policy``'s); before promotion its
-    whole bundle is verified again (every file against the manifest, the COMPLETE marker)."""
-    from functools import partial
-
-    from agent_rl.checkpoint import verify_bundle
-
-    return Candidate(loaded.name, loaded.bundle_hash, loaded.policy,
-                     current_hash=partial(verify_bundle, loaded.bundle))

@@ -23,7 +23,7 @@ import torch
 
 import envs  # noqa: F401  (registers the environments)
 from agent_rl.checkpoint import bundle_hash, save_bundle, verify_bundle
-from agent_rl.cli import LoadedPolicy
+from agent_rl.cli import LoadedPolicy, bundle_candidate
 from envs import TaskMeta, TaskSpec
 from envs.arithmetic import ArithmeticEnv
 from envs.records.env import solver_plan, solver_progress
@@ -36,7 +36,6 @@ from evals.canary import (
     Candidate,
     LiveSystem,
     RollbackError,
-    bundle_candidate,
     canary_split,
     live_task_count,
     release_plan,
