@@ -693,10 +693,12 @@ class CodeTestsEnv(ToolEnv):
         unknown = sorted(set(given) - names)
         if unknown:
             raise ValueError(f"unknown sandbox limits {unknown}; Limits has {sorted(names)}")
+        if not isinstance(prestart, bool):  # "false" from a config would be truthy
+            raise ValueError(f"prestart must be true or false, got {prestart!r}")
         super().__init__(max_turns=max_turns, **kwargs)
         self.backend = backend
         self.limits = sandbox.Limits(**{**DEFAULT_LIMITS, **given})
-        self.prestart = bool(prestart)
+        self.prestart = prestart
         self._guest: sandbox.Guest | None = None
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):

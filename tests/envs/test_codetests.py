@@ -360,3 +360,9 @@ def test_sandboxes_started_at_reset_score_the_same(backend):
     assert not os.path.exists(f"/proc/{pids[0]}")  # the first episode's, never used
     env.close()
     assert not os.path.exists(f"/proc/{pids[1]}") and sandbox._WAITING == 0
+
+
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_prestart_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="prestart must be true or false"):
+        envs.make(CODETESTS, backend="subprocess", prestart=value)
