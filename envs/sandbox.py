@@ -298,19 +298,16 @@ class Guest:
         """Kill the guest if it never ran; remove its work dir and cgroups. Idempotent; a
         closed guest runs nothing."""
         self._used = True
-        self._discard()
-
-    def _join_starter(self) -> None:
-        if self._starter is not None:
-            self._starter.result()
-            self._starter = None
-
-    def _discard(self) -> None:
         self._join_starter()
         if self._finalizer is not None:
             self._finalizer()  # _Process.close, once
             self._finalizer = None
         self._process = None
+
+    def _join_starter(self) -> None:
+        if self._starter is not None:
+            self._starter.result()
+            self._starter = None
 
     def __enter__(self) -> Guest:
         return self
