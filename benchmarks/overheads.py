@@ -14,10 +14,12 @@ For each env id, one GRPO batch (``--tasks`` tasks x ``--group`` samples) is rol
 
 and overhead = (env + runner + post) / total. The target is under 2%.
 
-CodeTests-v0 is measured both ways in the same run, alternating ``--repeats`` times (the median
-run of each is printed): as it is by default, and with ``prestart=True`` (each episode's sandbox
-started at ``reset``, booting while the policy generates). Compare the totals, not only the
-overheads: where the policy keeps every core busy, the boot's CPU comes out of generation.
+CodeTests-v0 is measured several ways in the same run, alternating ``--repeats`` times (the
+median run of each is printed): as it is by default (in bwrap: every run a fork of the sandbox's
+warm fork server, ``envs.sandbox.FORK_SERVER``), and, in bwrap, with a fresh bwrap and
+interpreter per run (``FORK_SERVER = False``), alone and with ``prestart=True`` (each episode's
+sandbox started at ``reset``, booting while the policy generates). Compare the totals, not only
+the overheads: where the policy keeps every core busy, the boot's CPU comes out of generation.
 
     python benchmarks/overheads.py                    # SmolLM2-135M-Instruct (GGUF)
     python benchmarks/overheads.py --model tiny       # a smoke run
@@ -139,23 +141,29 @@ def main() -> None:
     result: dict[str, Any] = {"model": args.model, "tasks": args.tasks, "group": args.group,
                               "sandbox": sandbox.choose_backend(args.sandbox)}
     measure("agent_rl/Arithmetic-v0", policy, 1, 2, 4, args.seed)  # warm-up
-    print(f"{'env':<38}{'total s':>9}{'policy s':>10}{'env s':>8}{'runner s':>10}{'post s':>8}"
+    print(f"{'env':<50}{'total s':>9}{'policy s':>10}{'env s':>8}{'runner s':>10}{'post s':>8}"
           f"{'overhead':>10}")
     for env_id in args.env or built_in:
         run = functools.partial(measure, env_id, policy, args.tasks, args.group,
                                 args.max_new_tokens, args.seed)
         if env_id == "agent_rl/CodeTests-v0":
-            runs: dict[str, list[dict[str, Any]]] = {"": [], "prestart on": []}
-            for _ in range(args.repeats):  # alternated: the machine's drift hits both
-                for label in runs:
-                    runs[label].append(run(backend=args.sandbox, prestart=label != ""))
+            ways = {"": (True, False), "prestart on": (True, True)}
+            if result["sandbox"] == "bwrap":  # the fork server's runs prestart nothing
+                ways = {"": (True, False), "fresh bwrap": (False, False),
+                        "fresh bwrap, prestart on": (False, True)}
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label in ways}
+            for _ in range(args.repeats):  # alternated: the machine's drift hits them all
+                for label, (forks, prestart) in ways.items():
+                    sandbox.FORK_SERVER = forks
+                    runs[label].append(run(backend=args.sandbox, prestart=prestart))
+            sandbox.FORK_SERVER = True
             rows = {f"{env_id} {label}".strip(): median_run(r) for label, r in runs.items()}
             result[env_id + " runs"] = {label or "default": r for label, r in runs.items()}
         else:
             rows = {env_id: run()}
         for name, r in rows.items():
             result[name] = r
-            print(f"{name:<38}{r['total_s']:>9.2f}{r['policy_s']:>10.2f}{r['env_s']:>8.3f}"
+            print(f"{name:<50}{r['total_s']:>9.2f}{r['policy_s']:>10.2f}{r['env_s']:>8.3f}"
                   f"{r['runner_s']:>10.3f}{r['post_s']:>8.3f}{r['overhead_frac']:>10.2%}",
                   flush=True)
     print(json.dumps(result))

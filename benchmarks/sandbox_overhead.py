@@ -4,8 +4,10 @@ against a plain ``subprocess.run([python, "-I", "-S", "-c", "pass"])`` measured 
     python benchmarks/sandbox_overhead.py            # median of 20 runs per backend
     python benchmarks/sandbox_overhead.py --runs 5 --backends subprocess bwrap
 
-Each figure is the median wall time of ``envs.sandbox.run("pass", backend=...)`` as the caller
-sees it (temp dir, cgroups, container create/start/wait/remove and the audit of the work dir
+``bwrap`` runs through its fork server (the default, ``envs.sandbox.FORK_SERVER``: each run
+a fork of a warm sandboxed interpreter), ``bwrap-fresh`` with a fresh bwrap and interpreter per
+run (``FORK_SERVER = False``). Each figure is the median wall time of
+``envs.sandbox.run("pass", backend=...)`` as the caller sees it (temp dir, cgroups, container create/start/wait/remove and the audit of the work dir
 included); ``overhead_ms`` is that minus the baseline's median. One warm-up run per backend is
 not counted (Docker's first run pays for the image check). Prints a table, then, last, one JSON
 line with every figure.
@@ -41,8 +43,14 @@ def baseline() -> None:
     subprocess.run([sandbox.PYTHON, "-I", "-S", "-c", "pass"], check=True)
 
 
-def through(backend: str):
+MODES = {"docker": "docker", "bwrap": "bwrap", "bwrap-fresh": "bwrap", "subprocess": "subprocess"}
+
+
+def through(mode: str):
+    backend = MODES[mode]
+
     def once() -> None:
+        sandbox.FORK_SERVER = mode != "bwrap-fresh"
         result = sandbox.run("pass", backend=backend)
         if result.status != "ok":
             raise RuntimeError(f"{backend}: {result.status}: {result.detail}")
@@ -52,8 +60,7 @@ def through(backend: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="timed runs per backend")
-    parser.add_argument("--backends", nargs="+", default=list(sandbox.BACKENDS),
-                        choices=sandbox.BACKENDS)
+    parser.add_argument("--backends", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
     warnings.filterwarnings("ignore", "envs.sandbox: the 'subprocess' backend", RuntimeWarning)
 
@@ -63,8 +70,8 @@ def main() -> None:
                      "baseline": {"median_ms": 1e3 * statistics.median(base),
                                   "min_ms": 1e3 * min(base)}}
     for backend in args.backends:
-        if not sandbox.available(backend):
-            summary[backend] = {"available": False, "why": sandbox.unavailable_reason(backend)}
+        if not sandbox.available(MODES[backend]):
+            summary[backend] = {"available": False, "why": sandbox.unavailable_reason(MODES[backend])}
             continue
         through(backend)()
         times = timed(through(backend), args.runs)

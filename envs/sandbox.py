@@ -21,7 +21,8 @@ waits for a go on its stdin), and ``guest.run(code, files)`` writes the program 
 place and lets it go: the same result, limits and isolation as ``run``, one fresh sandbox per
 program, but the start-up (most of a short run's cost) is paid while the caller does other work
 (CodeTests-v0 starts each episode's sandbox at ``reset``, while the policy writes the answer).
-``run`` itself is a guest started and let go at once. Docker containers are not started ahead.
+``run`` itself is a guest started and let go at once. Docker containers are not started ahead,
+nor are bwrap runs while the fork server (below) runs them: their start-up is a few forks.
 
 One status per run:
 
@@ -54,6 +55,21 @@ The process backends start the guest through ``/bin/sh`` (joins the run's cgroup
 child never runs Python, so starting a run costs the same in a process holding gigabytes
 (a forked trainer would copy its page tables: tens of milliseconds a run).
 
+bwrap's fork server (``FORK_SERVER``, on by default; ``envs/_fork_server.py``): as root, with a
+pids cgroup, the first bwrap run of a process starts one bwrap sandbox holding a warm guest
+interpreter (uid 65534, capabilities only inside that sandbox's user namespace), and every bwrap
+run is then three forks of it instead of a new bwrap and interpreter (~6 ms a run against
+~20). Each run's processes join the run's own cgroups, then get their own mount, pid, net
+(loopback only), ipc, uts and cgroup namespaces, a new ``/proc``, the run's ``/work`` and
+``/sandbox`` and nothing of any other run's, their rlimits, and no capabilities, before the
+program runs; the server itself never runs a program. What differs from a fresh interpreter:
+every run shares the server's hash seed (``str`` hashes, set order), ``sys.modules`` holds the
+server's few stdlib modules, and at exit the interpreter is not torn down (threads joined,
+``atexit`` run, streams flushed, then ``os._exit``: objects alive at exit are not finalized).
+A server that cannot start is said once (``RuntimeWarning``) and every run starts its own
+bwrap; a server that dies fails the runs in flight (``sandbox_error``) and the next run
+starts a fresh one.
+
 Cgroups (v1 ``pids`` and ``memory`` hierarchies, made under this process's own cgroups) need
 write access, in practice root; without them the rlimits stand alone. A memory limit hit inside
 one process surfaces as Python's ``MemoryError``; a run whose stderr ends with it counts as
@@ -68,7 +84,10 @@ What each backend isolates:
   ``/proc``, a minimal ``/dev`` (read-only, with a ``/dev/shm`` tmpfs of ``disk_mb``), the program
   read-only at ``/sandbox`` and a host temp dir bind-mounted at ``/work``; ``--die-with-parent``,
   ``--new-session``. Not given: a seccomp filter (the whole kernel syscall surface is reachable)
-  and a CPU share (the guest may use every core until ``cpu_s``).
+  and a CPU share (the guest may use every core until ``cpu_s``). Through the fork server the
+  same, per run as listed above, with one user namespace for all runs (the server's; none may
+  make another) and the root's empty mount points ``/runs`` and ``/cg`` covered by empty
+  read-only tmpfs.
 * ``docker``: ``network_mode="none"``, read-only image root (only the interpreter, its stdlib
   and its shared libraries), user 65534, all capabilities dropped, ``no-new-privileges``, an
   init process (so the container ends with the program), memory/pids/one-CPU limits, a
@@ -89,6 +108,7 @@ after the run), so a trusted caller can audit, say, a planted ``conftest.py``.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import enum
@@ -96,11 +116,14 @@ import functools
 import hashlib
 import io
 import itertools
+import json
 import math
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import tarfile
@@ -255,7 +278,8 @@ class Guest:
         self._used = False
         if backend == "subprocess":
             _warn_subprocess()
-        if ahead and backend != "docker" and _take_waiting_slot():
+        forked = backend == "bwrap" and ahead and _FORKS.get() is not None  # cheap to start
+        if ahead and backend != "docker" and not forked and _take_waiting_slot():
             # on the launcher thread: the caller (an env's reset) does not wait for the launch
             self._starter = _launcher_thread().submit(self._start, True)
 
@@ -286,6 +310,9 @@ class Guest:
         try:
             if self.backend == "docker":
                 return _run_docker(code, files, self.limits)
+            if self.backend == "bwrap" and self._process is None and not self._failure \
+                    and (server := _FORKS.get()) is not None:
+                return server.run(code, files, self.limits)
             if self._process is None and not self._failure:
                 self._start()
             if self._failure:
@@ -390,10 +417,10 @@ class _WorkDir:
     holding the given files), handed to ``guest_uid`` when that is not us. Made empty (a guest
     can be started before its program is known: ``prepare``), then ``fill``ed."""
 
-    def __init__(self, guest_uid: int | None):
+    def __init__(self, guest_uid: int | None, parent: Path | None = None):
         self.guest_uid = guest_uid
         self.given: dict[str, str] = {}
-        self.root = Path(tempfile.mkdtemp(prefix="agent-rl-sandbox-"))
+        self.root = Path(tempfile.mkdtemp(prefix="agent-rl-sandbox-", dir=parent))
         try:
             os.chmod(self.root, 0o711)
             self.prog, self.work = self.root / "prog", self.root / "work"
@@ -634,21 +661,25 @@ _CGROUP_IDS = itertools.count()
 _LIVE_CGROUPS: set[str] = set()  # this process's runs in progress
 
 
+def _cgroup_parents() -> dict[str, Path]:
+    """Where this process's run cgroups go, per controller (``pids``, ``memory``) it is in."""
+    return {controller: _CGROUP_ROOT / controller / path.lstrip("/") / "agent-rl-sandbox"
+            for controller, path in _own_cgroups().items() if controller in ("pids", "memory")}
+
+
 class _Cgroup:
     """One run's ``pids`` and ``memory`` cgroups (v1), each made under this process's own
-    cgroup of that hierarchy when writable; either may be missing."""
+    cgroup of that hierarchy when writable; either may be missing. ``owner``: the uid that may
+    move processes in (its ``cgroup.procs``; the fork server's runs join their own)."""
 
-    def __init__(self, processes: int, memory_bytes: int):
+    def __init__(self, processes: int, memory_bytes: int, owner: int | None = None):
         self.dirs: dict[str, Path] = {}
         self.name = name = f"{os.getpid()}-{next(_CGROUP_IDS)}"
         _LIVE_CGROUPS.add(name)
         settings = {"pids": [("pids.max", processes)],
                     "memory": [("memory.limit_in_bytes", memory_bytes),
                                ("memory.memsw.limit_in_bytes", memory_bytes)]}
-        for controller, path in _own_cgroups().items():
-            if controller not in settings:
-                continue
-            parent = _CGROUP_ROOT / controller / path.lstrip("/") / "agent-rl-sandbox"
+        for controller, parent in _cgroup_parents().items():
             _sweep(parent)
             d = parent / name
             try:
@@ -659,6 +690,8 @@ class _Cgroup:
                 for file, value in settings[controller]:
                     if (d / file).exists():
                         (d / file).write_text(str(value))
+                if owner is not None:
+                    os.chown(d / "cgroup.procs", owner, owner)
             except OSError:
                 d.rmdir()
                 continue
@@ -778,8 +811,16 @@ _JOIN_AND_EXEC = ('while [ "$1" != -- ]; do { echo $$ > "$1"; } 2>/dev/null || '
 _LAUNCHER_FAILED = re.compile(r"^(?:agent-rl-sandbox|\S*prlimit|\S*setpriv): ")
 
 
-def _launcher(limits: Limits, cgroup: _Cgroup, uid: int | None, extra_processes: int) -> list[str]:
-    """The argv prefix that puts the program in its cgroups, under its rlimits, as the guest.
+def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
+    """A run's rlimits, (soft, hard) by ``RLIMIT_`` name."""
+    cpu, memory, disk = _cpu_rlimit(limits), limits.memory_mb * _MIB, limits.disk_mb * _MIB
+    return {"CPU": (cpu, cpu + 1), "AS": (memory, memory), "FSIZE": (disk, disk), "CORE": (0, 0)}
+
+
+def _launcher(limits: Limits | None, cgroup: _Cgroup, uid: int | None, extra_processes: int
+              ) -> list[str]:
+    """The argv prefix that puts the program in its cgroups, under its rlimits (none for
+    ``limits=None``: the fork server, whose runs lower their own), as the guest.
 
     ``sh`` writes its pid into each cgroup, then execs util-linux's ``prlimit`` and (as root)
     ``setpriv``, which exec the program: three small execs in place of a ``preexec_fn``, which
@@ -787,16 +828,16 @@ def _launcher(limits: Limits, cgroup: _Cgroup, uid: int | None, extra_processes:
     costs tens of milliseconds; ``vfork`` cannot run Python code in the child).
     """
     tools = {name: _system_tool(name) for name in ("prlimit", "setpriv")}
-    missing = [name for name in ("prlimit",) + (("setpriv",) if uid is not None else ())
-               if tools[name] is None]
+    needed = (("prlimit",) if limits is not None else ()) + (("setpriv",) if uid is not None else ())
+    missing = [name for name in needed if tools[name] is None]
     if missing:
         raise FileNotFoundError(f"{' and '.join(missing)} not found (util-linux)")
-    cpu, memory, disk = _cpu_rlimit(limits), limits.memory_mb * _MIB, limits.disk_mb * _MIB
     argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "sh"]
     argv += [str(d / "cgroup.procs") for d in cgroup.dirs.values()]
-    argv += ["--", tools["prlimit"], f"--cpu={cpu}:{cpu + 1}", f"--as={memory}:{memory}",
-             f"--fsize={disk}:{disk}", "--core=0:0"]
-    if "pids" not in cgroup.dirs:  # per user: counts the uid's other processes too
+    if limits is not None:
+        argv += ["--", tools["prlimit"]]
+        argv += [f"--{name.lower()}={soft}:{hard}" for name, (soft, hard) in _rlimits(limits).items()]
+    if limits is not None and "pids" not in cgroup.dirs:  # per user: counts the uid's other processes
         nproc = limits.processes + extra_processes + len(_processes_of(os.geteuid() if uid is None else uid))
         argv.append(f"--nproc={nproc}:{nproc}")
     if uid is not None:
@@ -1003,7 +1044,9 @@ def _warn_subprocess() -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-def _bwrap_argv(bwrap: str, workdir: _WorkDir, limits: Limits, status_fd: int) -> list[str]:
+def _bwrap_root(bwrap: str) -> list[str]:
+    """bwrap's argv up to what differs between a run and the fork server: the namespaces, the
+    environment, the read-only ``/usr`` and its links, ``/proc`` and ``/dev``."""
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--clearenv"]
     for key, value in _guest_env("/work").items():
@@ -1015,9 +1058,13 @@ def _bwrap_argv(bwrap: str, workdir: _WorkDir, limits: Limits, status_fd: int) -
             argv += ["--symlink", os.readlink(host), host]
         elif os.path.isdir(host):
             argv += ["--ro-bind", host, host]
-    argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
-             "--proc", "/proc", "--dev", "/dev",
-             "--size", str(limits.disk_mb * _MIB), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+    return argv + ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+                   "--proc", "/proc", "--dev", "/dev"]
+
+
+def _bwrap_argv(bwrap: str, workdir: _WorkDir, limits: Limits, status_fd: int) -> list[str]:
+    argv = _bwrap_root(bwrap)
+    argv += ["--size", str(limits.disk_mb * _MIB), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--ro-bind", str(workdir.prog), "/sandbox", "--bind", str(workdir.work), "/work",
              "--chdir", "/work", "--remount-ro", "/", "--json-status-fd", str(status_fd),
              PYTHON, *_GUEST_ARGS, "-c", _BOOT, "/sandbox/main.py"]
@@ -1034,6 +1081,250 @@ def _probe_bwrap() -> bool:
                                     f"{result.detail or result.stderr[-500:]}"
         return False
     return True
+
+
+# --- bwrap through a fork server ------------------------------------------------------------
+
+FORK_SERVER = True
+"""bwrap runs are forks of one warm sandboxed interpreter per process (``envs/_fork_server.py``;
+the module doc says what each run still gets of its own). False: every run starts its own bwrap
+and interpreter. Read at each run; the server needs root, a pids cgroup and capabilities in
+bwrap's user namespace, and without them every run starts its own sandbox (said once)."""
+
+_FORK_SOURCE = Path(__file__).with_name("_fork_server.py")
+_SERVER_PROCESSES = 16  # the server's bwrap, its pid 1, itself, runs not yet in their cgroups
+_SERVER_MEMORY = 256 * _MIB
+
+
+class _ServerGone(Exception):
+    """The fork server died or cannot start (the message says why)."""
+
+
+class _ForkServer:
+    """One bwrap sandbox holding the fork server (``envs/_fork_server.py``), started through
+    ``_launcher`` (its cgroups, the guest uid, no rlimits: each run sets its own), and the host
+    side of its control socket: a run's request goes out with its three pipes' write ends, and
+    everything about the run comes back on them, read on the caller's thread (no thread per
+    run)."""
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.runs_dir = Path(tempfile.mkdtemp(prefix="agent-rl-forks-"))
+        self.cgroup: _Cgroup | None = None
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.gone = ""
+        self.stderr = bytearray()
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        os.chmod(self.runs_dir, 0o711)
+        parents = _cgroup_parents()
+        if os.geteuid() != 0 or "pids" not in parents:
+            raise _ServerGone("needs root and a writable pids cgroup")
+        bwrap = _system_tool("bwrap")
+        if bwrap is None:
+            raise _ServerGone("bwrap not found (apt-get install bubblewrap)")
+        for parent in parents.values():
+            parent.mkdir(parents=True, exist_ok=True)
+        self.cgroup = _Cgroup(_SERVER_PROCESSES, _SERVER_MEMORY)
+        if set(self.cgroup.dirs) != set(parents):
+            raise _ServerGone(f"could not make its cgroups under {', '.join(map(str, parents.values()))}")
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = _bwrap_root(bwrap) + ["--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                                     "--dir", "/work", "--dir", "/sandbox",
+                                     "--bind", str(self.runs_dir), "/runs"]
+        for controller, parent in parents.items():
+            argv += ["--bind", str(parent), f"/cg/{controller}"]
+        argv += ["--cap-add", "ALL", "--chdir", "/", "--remount-ro", "/",
+                 PYTHON, *_GUEST_ARGS, "-c", _FORK_SOURCE.read_text(), str(theirs.fileno())]
+        try:
+            launch = _launcher(None, self.cgroup, GUEST_UID, 0)
+            # on the launcher thread: bwrap's --die-with-parent follows the starting thread
+            self.proc = _launcher_thread().submit(
+                subprocess.Popen, launch + argv, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
+                pass_fds=(theirs.fileno(),), start_new_session=True).result()
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise _ServerGone(f"bwrap could not start: {exc}") from None
+        finally:
+            theirs.close()
+        threading.Thread(target=self._read_stderr, daemon=True, name="sandbox-forks").start()
+
+    def _read_stderr(self) -> None:
+        while data := self.proc.stderr.read1(1 << 16):
+            self.stderr = (self.stderr + data)[-4000:]
+
+    def alive(self) -> bool:
+        return not self.gone and self.proc.poll() is None
+
+    def _why_gone(self) -> str:
+        """Why the server is gone, once it is (waiting a moment for its exit), else ``""``."""
+        try:
+            code = self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return ""
+        self.gone = self.gone or (
+            f"bwrap was killed by {signal.Signals(-code).name}" if code < 0 else
+            f"the bwrap fork server exited with {code}: "
+            f"{self.stderr.decode('utf-8', 'replace').strip()[-2000:]}")
+        return self.gone
+
+    def run(self, code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
+        if not self.alive():
+            return _failed("bwrap", self.gone or self._why_gone() or "the bwrap fork server is gone")
+        workdir = _WorkDir(GUEST_UID, parent=self.runs_dir)
+        cgroup: _Cgroup | None = None
+        pipes: list[int] = []
+        try:
+            workdir.fill(code, files)
+            cgroup = _Cgroup(limits.processes + 2, limits.memory_mb * _MIB, owner=GUEST_UID)
+            if "pids" not in cgroup.dirs:
+                return _failed("bwrap", "could not make the run's pids cgroup")
+            for _ in range(3):
+                pipes += os.pipe()
+            out_r, out_w, err_r, err_w, status_r, status_w = pipes
+            request = {"dir": workdir.root.name, "shm": limits.disk_mb * _MIB,
+                       "cgroups": [f"/cg/{c}/{d.name}/cgroup.procs" for c, d in cgroup.dirs.items()],
+                       "rlimits": _rlimits(limits)}
+            watch = _Watch(limits, cgroup.kill)
+            status = bytearray()
+            t0 = time.monotonic()
+            try:
+                with self.lock:
+                    socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w, status_w])
+            except OSError as exc:
+                return _failed("bwrap", self._why_gone() or f"the bwrap fork server is unreachable: {exc}")
+            finally:
+                for fd in (out_w, err_w, status_w):
+                    os.close(fd)
+                    pipes.remove(fd)
+            _drain(watch, workdir, {out_r: watch.stdout, err_r: watch.stderr, status_r: status},
+                   t0 + limits.wall_s)
+            wall_s = time.monotonic() - t0
+            watch.finish()
+            cgroup.kill()
+            report = status.decode("utf-8", "replace")
+            ended = _REPORT.search(report)
+            failure = ""
+            if ended is None and watch.stopped is None:
+                failure = self._why_gone() or f"the run ended without a report: {report[-2000:]!r}"
+            elif ended is not None and not report.startswith("started\n"):
+                failure = f"bwrap could not start the program: {report[:ended.start()][-2000:]}"
+            oom, pids_hit = cgroup.events()
+            outcome = _Outcome(exit_code=None if ended is None else int(ended[1]),
+                               stopped=watch.stopped, stderr=watch.stderr.decode("utf-8", "replace"),
+                               failure=failure, cpu_s=None if ended is None else float(ended[2]),
+                               oom=oom, pids_hit=pids_hit, disk_used=workdir.usage())
+            return _result(outcome, watch, wall_s, "bwrap", workdir)
+        finally:
+            for fd in pipes:
+                os.close(fd)
+            if cgroup is not None:
+                cgroup.close()
+            workdir.cleanup()
+
+    def close(self) -> None:
+        """End the server (its socket closes: it exits, bwrap with it) and remove its folders.
+        Only in the process that started it."""
+        if os.getpid() != self.owner:
+            return
+        self.gone = self.gone or "the bwrap fork server was closed"
+        if self.sock is not None:
+            self.sock.close()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self.proc.stderr.close()
+        if self.cgroup is not None:
+            self.cgroup.close()
+        shutil.rmtree(self.runs_dir, ignore_errors=True)
+
+
+_REPORT = re.compile(r"\nexit (\d+) ([0-9.e+-]+)\n\Z")  # a fork server run's last words (its A)
+_STATUS_BYTES = 1 << 16
+_DRAIN_AFTER_STOP_S = 5.0
+
+
+def _drain(watch: _Watch, workdir: _WorkDir, streams: dict[int, bytearray], deadline: float) -> None:
+    """Read a fork server run's pipes until all end (every process holding them is gone), on
+    this thread: output through ``watch`` (its cap), the status fd whole; stop the run at
+    ``deadline`` or when the work dir outgrows ``disk_mb`` (polled every ``_DISK_POLL_S``)."""
+    poller = select.poll()
+    for fd in streams:
+        poller.register(fd, select.POLLIN)
+    status_fd = list(streams)[-1]
+    left, disk = set(streams), watch.limits.disk_mb * _MIB
+    next_poll, stopped_at = time.monotonic() + _DISK_POLL_S, None
+    while left:
+        now = time.monotonic()
+        if watch.stopped is None:
+            if now >= deadline:
+                watch.stop(_Stop.WALL)
+            elif now >= next_poll:
+                next_poll = now + _DISK_POLL_S
+                if workdir.usage() > disk:
+                    watch.stop(_Stop.DISK)
+        if watch.stopped is not None:
+            stopped_at = stopped_at or now
+            if now - stopped_at > _DRAIN_AFTER_STOP_S:
+                return
+        wake = min(deadline, next_poll) if watch.stopped is None else stopped_at + _DRAIN_AFTER_STOP_S
+        for fd, _ in poller.poll(max(0.0, wake - now) * 1000):
+            data = os.read(fd, 1 << 16)
+            if not data:
+                poller.unregister(fd)
+                left.discard(fd)
+            elif fd == status_fd:
+                streams[fd] += data[:max(0, _STATUS_BYTES - len(streams[fd]))]
+            else:
+                watch.feed(streams[fd], data)
+
+
+class _Forks:
+    """This process's fork server: started at the first bwrap run (and checked with a trivial
+    program), again after it died; off for the process, said once, when it cannot work here."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.server: _ForkServer | None = None
+        self.off = ""
+
+    def get(self) -> _ForkServer | None:
+        if not FORK_SERVER:
+            return None
+        with self.lock:
+            server = self.server
+            if server is not None and (server.owner != os.getpid() or not server.alive()):
+                self.server = server = None  # a forked child's copy, or dead: a fresh one
+            if server is None and not self.off:
+                try:
+                    server = _ForkServer()
+                    probe = server.run("print('ok')", {}, Limits(wall_s=30))
+                    if probe.status != "ok" or probe.stdout != "ok\n":
+                        server.close()
+                        raise _ServerGone(f"a trivial program failed: {probe.status}: "
+                                          f"{probe.detail or probe.stderr[-500:]}")
+                except _ServerGone as exc:
+                    self.off = str(exc)
+                    warnings.warn(f"envs.sandbox: the bwrap fork server is off ({self.off}); "
+                                  "every bwrap run starts its own sandbox", RuntimeWarning,
+                                  stacklevel=4)
+                    return None
+                self.server = server
+                atexit.register(server.close)
+            return server
+
+
+_FORKS = _Forks()
 
 
 # --- docker ----------------------------------------------------------------------------------

@@ -123,7 +123,8 @@ def test_rollout_throughput_runs_as_a_smoke(tmp_path):
 def test_overheads_runs_as_a_smoke(tmp_path):
     """benchmarks/overheads.py on the tiny model times every built-in env's batch apart:
     policy + env + runner + post add up to the total, and the fraction is theirs; CodeTests-v0
-    also with its sandboxes started ahead, on the same episodes."""
+    also the other ways (bwrap: a fresh sandbox per run, alone and started ahead; else started
+    ahead), on the same episodes."""
     import json
 
     import envs
@@ -137,7 +138,8 @@ def test_overheads_runs_as_a_smoke(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     built_in = [e for e in envs.list_envs() if e.startswith("agent_rl/")]
     assert len(built_in) >= 5
-    for env_id in [*built_in, "agent_rl/CodeTests-v0 prestart on"]:
+    ways = ["fresh bwrap", "fresh bwrap, prestart on"] if summary["sandbox"] == "bwrap" else ["prestart on"]
+    for env_id in [*built_in, *(f"agent_rl/CodeTests-v0 {way}" for way in ways)]:
         r = summary[env_id]
         assert r["episodes"] == 2 and r["policy_s"] > 0
         parts = r["policy_s"] + r["env_s"] + r["runner_s"] + r["post_s"]
@@ -219,7 +221,7 @@ def test_sandbox_overhead_runs_as_a_smoke(tmp_path):
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout.strip().splitlines()[-1])
     assert s["runs"] == 2 and s["baseline"]["median_ms"] > 0 and s["subprocess"]["available"]
-    for backend in ("docker", "bwrap", "subprocess"):
+    for backend in ("docker", "bwrap", "bwrap-fresh", "subprocess"):
         r = s[backend]
         if r["available"]:
             assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,10 @@ from envs.sandbox import Limits, SandboxResult, available, run
 
 REPO = Path(__file__).resolve().parents[2]
 ISOLATING = ("bwrap", "docker")
+# test ids -> (backend, sandbox.FORK_SERVER): bwrap runs both through its fork server (the
+# default) and each in its own fresh bwrap
+MODES = {"docker": ("docker", True), "bwrap": ("bwrap", True), "bwrap-fresh": ("bwrap", False),
+         "subprocess": ("subprocess", True)}
 
 
 def _need(backend: str) -> str:
@@ -32,14 +37,32 @@ def _need(backend: str) -> str:
     return backend
 
 
-@pytest.fixture(params=sandbox.BACKENDS)
-def backend(request) -> str:
-    return _need(request.param)
+def _mode(mode: str, monkeypatch) -> str:
+    """The backend of ``mode``, with the fork server on or off; as root the server must be up
+    (it is the default path: a silent fallback would leave it untested)."""
+    name, forks = MODES[mode]
+    _need(name)
+    monkeypatch.setattr(sandbox, "FORK_SERVER", forks)
+    if name == "bwrap" and forks and os.geteuid() == 0:
+        assert sandbox._FORKS.get() is not None, sandbox._FORKS.off
+    return name
 
 
-@pytest.fixture(params=ISOLATING)
-def isolating(request) -> str:
-    return _need(request.param)
+@pytest.fixture(params=list(MODES))
+def backend(request, monkeypatch) -> str:
+    return _mode(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["bwrap", "bwrap-fresh", "docker"])
+def isolating(request, monkeypatch) -> str:
+    return _mode(request.param, monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _fork_server_back_on():
+    """A test that breaks the host on purpose may turn the fork server off; not for the next."""
+    yield
+    sandbox._FORKS.off = ""
 
 
 @pytest.fixture(autouse=True)
@@ -137,18 +160,20 @@ def test_guest_interpreter_is_isolated_python(backend):
     assert second == ("nobody" if os.geteuid() == 0 or backend == "docker" else str(os.getuid()))
 
 
-def test_runs_at_once_stay_apart(backend):
+def _at_once(runs: int, one: Callable[[int], SandboxResult]) -> dict[int, SandboxResult]:
+    """``one(i)`` for each i, all on their own threads at once."""
     results: dict[int, SandboxResult] = {}
-
-    def one(i: int) -> None:
-        results[i] = run(f"print(open('n.txt').read() * 2)\nopen('w{i}', 'w')", files={"n.txt": str(i)},
-                         backend=backend)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, one(i))) for i in range(runs)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def test_runs_at_once_stay_apart(backend):
+    results = _at_once(4, lambda i: run(f"print(open('n.txt').read() * 2)\nopen('w{i}', 'w')",
+                                        files={"n.txt": str(i)}, backend=backend))
     for i, r in results.items():
         assert (r.status, r.stdout, r.files_written) == ("ok", f"{i}{i}\n", (f"w{i}",))
 
@@ -177,10 +202,10 @@ def test_a_guest_started_ahead_runs_like_run(backend):
 
 @pytest.mark.parametrize("name", ["subprocess", "bwrap"])
 @pytest.mark.parametrize("how", ["close", "collected"])
-def test_a_guest_never_run_leaves_nothing(name, how):
+def test_a_guest_never_run_leaves_nothing(name, how, monkeypatch):
     """A guest closed (or garbage-collected) before its program: its interpreter killed and
     reaped, its work dir and cgroups removed, and it runs nothing afterwards."""
-    _need(name)
+    _mode(name + "-fresh" if name == "bwrap" else name, monkeypatch)
     guest = sandbox.prepare(Limits(), name)
     guest._join_starter()  # prepare returned at once; the launch ran on a thread
     process = guest._process
@@ -210,6 +235,150 @@ def test_guests_waiting_are_capped(monkeypatch):
     assert sandbox._WAITING == 1
     assert second.run("print(2)").stdout == "2\n" and first.run("print(1)").stdout == "1\n"
     assert sandbox._WAITING == 0
+
+
+# --- bwrap's fork server ---------------------------------------------------------------------
+
+def _need_fork_server(monkeypatch) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the fork server needs root (a pids cgroup, the guest uid)")
+    _mode("bwrap", monkeypatch)
+
+
+def test_fork_server_runs_start_fresh_and_apart(monkeypatch):
+    """Runs at once, each a fork of the same warm interpreter: each its own pid namespace (its
+    init and itself), no capability, loopback only, no other run's folder nor any cgroup file,
+    and nothing an earlier program left in the interpreter."""
+    _need_fork_server(monkeypatch)
+    code = ("import os, sys\n"
+            "print(os.getpid(), sorted(p for p in os.listdir('/proc') if p.isdigit()), "
+            "os.listdir('/runs'), os.listdir('/cg'))\n"
+            "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+            "print([line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]])\n"
+            "print(hasattr(sys, 'left_behind'), sorted(os.listdir('.')))\n"
+            "sys.left_behind = True\nopen('mine', 'w')\n")
+    for _ in range(2):  # the second round runs after programs that set sys.left_behind
+        results = _at_once(4, lambda i: run(code, files={f"n{i}.txt": "x"}, backend="bwrap"))
+        for i, r in results.items():
+            assert r.status == "ok", r
+            assert r.stdout.splitlines() == ["2 ['1', '2'] [] []", "0000000000000000", "['lo']",
+                                             f"False ['n{i}.txt']"]
+            assert r.files_written == ("mine",)
+
+
+_EXITS = [
+    "import sys\nprint(sys.argv == ['/sandbox/main.py'], __name__, __file__)\nsys.exit(7)",
+    "import sys\nsys.exit('bye')",
+    "import sys\nsys.exit(300)",
+    "def f():\n    raise ValueError('boom')\nf()",
+    "raise KeyboardInterrupt",
+    "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
+    "import sys\nprint(repr(sys.stdin.read()))\nsys.stdout.write('no newline')",
+    "import threading, time\n"
+    "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+    "print('main done')",
+    "import atexit\natexit.register(print, 'atexit ran')\nraise SystemExit(3)",
+    "import __main__, sys\nprint(__main__.__file__, sys.modules['__main__'] is __main__)\n"
+    "class C: pass\nimport pickle\nprint(type(pickle.loads(pickle.dumps(C()))).__name__)",
+    "import socket\nserver = socket.create_server(('127.0.0.1', 0))\n"
+    "socket.create_connection(server.getsockname(), timeout=2)\nprint('loopback up')",
+]
+
+
+@pytest.mark.parametrize("code", _EXITS)
+def test_fork_server_runs_end_as_a_fresh_interpreter(code, monkeypatch):
+    """Each program's result through the fork server is the fresh bwrap's: exit codes,
+    SystemExit's message, an uncaught exception's traceback (less the boot's own frames),
+    KeyboardInterrupt's SIGINT, threads joined, atexit run, stdout flushed."""
+    _need_fork_server(monkeypatch)
+    forked = run(code, backend="bwrap")
+    monkeypatch.setattr(sandbox, "FORK_SERVER", False)
+    fresh = run(code, backend="bwrap")
+
+    def seen(r: SandboxResult) -> tuple:
+        stderr = "".join(line for line in r.stderr.splitlines(keepends=True)
+                         if not line.startswith('  File "<string>"'))
+        return r.status, r.exit_code, r.stdout, stderr, r.files_written, r.detail
+
+    assert seen(forked) == seen(fresh)
+
+
+def test_fork_server_that_cannot_start_is_said_once_and_runs_go_on(monkeypatch, tmp_path):
+    _need_fork_server(monkeypatch)
+    broken = tmp_path / "server.py"
+    broken.write_text("import sys\nsys.stderr.write('no server today')\nraise SystemExit(5)\n")
+    monkeypatch.setattr(sandbox, "_FORK_SOURCE", broken)
+    monkeypatch.setattr(sandbox, "_FORKS", sandbox._Forks())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run("print(1)", backend="bwrap").stdout == "1\n"  # in its own bwrap
+        assert run("print(2)", backend="bwrap").stdout == "2\n"
+    assert [str(w.message) for w in caught] == [
+        "envs.sandbox: the bwrap fork server is off (a trivial program failed: sandbox_error: "
+        "the bwrap fork server exited with 5: no server today); every bwrap run starts its own "
+        "sandbox"]
+
+
+def test_fork_server_run_that_cannot_be_set_up_is_a_sandbox_error(monkeypatch):
+    _need_fork_server(monkeypatch)
+    made = sandbox._Cgroup.__init__
+
+    def broken(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.dirs["pids"] = Path("/nonexistent/agent-rl-test-cgroup")
+
+    monkeypatch.setattr(sandbox._Cgroup, "__init__", broken)
+    r = run("print(1)", backend="bwrap")
+    assert r.status == "sandbox_error" and r.stdout == "" and r.exit_code is None
+    assert r.detail.startswith("bwrap could not start the program: namespaces: [Errno 2]"), r.detail
+    assert "/cg/pids/agent-rl-test-cgroup/cgroup.procs" in r.detail
+    monkeypatch.undo()
+    assert run("print(1)", backend="bwrap").stdout == "1\n"
+
+
+def test_fork_server_run_cannot_reach_its_init_or_the_server(monkeypatch):
+    """The program (no capabilities) cannot read its pid 1's memory, fds or root (pid 1 keeps
+    the capabilities it mounted with), signal it, mount, unmount the covers over ``/runs`` and
+    ``/cg``, or make a user namespace; it has no other process to signal; the server lives on."""
+    _need_fork_server(monkeypatch)
+    code = ("import ctypes, os, signal\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "for path in ('/proc/1/environ', '/proc/1/mem', '/proc/1/fd/2', '/proc/1/root/runs'):\n"
+            "    try:\n"
+            "        os.listdir(path) if path.endswith('runs') else open(path, 'rb').read(1)\n"
+            "        print(path, 'OPEN')\n"
+            "    except OSError as exc:\n"
+            "        print(path, type(exc).__name__)\n"
+            "print('mount', libc.mount(b'none', b'/work', b'tmpfs', 0, None), ctypes.get_errno())\n"
+            "print('umount', libc.umount2(b'/runs', 2), ctypes.get_errno())\n"
+            "print('userns', libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "os.kill(1, signal.SIGKILL)\n"
+            "print('init alive', os.path.exists('/proc/1'))\n"
+            "try:\n"
+            "    os.kill(-1, signal.SIGKILL)\n"
+            "except OSError as exc:\n"
+            "    print('kill -1', type(exc).__name__)\n")
+    r = run(code, backend="bwrap")
+    lines = r.stdout.splitlines()
+    assert lines[:4] == ["/proc/1/environ PermissionError", "/proc/1/mem PermissionError",
+                         "/proc/1/fd/2 PermissionError", "/proc/1/root/runs PermissionError"], r
+    assert lines[4:] == ["mount -1 1", "umount -1 1", "userns -1 28", "init alive True",
+                         "kill -1 ProcessLookupError"], r  # EPERM, EPERM, ENOSPC; no one to kill
+    assert r.status == "ok", r
+    assert run("print(1)", backend="bwrap").stdout == "1\n"
+
+
+def test_fork_server_closed_leaves_nothing(monkeypatch):
+    _need_fork_server(monkeypatch)
+    server = sandbox._ForkServer()
+    assert server.run("print(1)", {}, Limits()).stdout == "1\n"
+    cgroups = list(server.cgroup.dirs.values())
+    assert server.runs_dir.exists() and all(d.exists() for d in cgroups) and server.proc.poll() is None
+    server.close()
+    assert server.proc.poll() is not None and not server.runs_dir.exists()
+    assert not any(d.exists() for d in cgroups)
+    r = server.run("print(1)", {}, Limits())
+    assert r.status == "sandbox_error", r
 
 
 # --- the escape corpus: bwrap and docker -----------------------------------------------------
@@ -471,6 +640,7 @@ def test_engine_killed_mid_run_is_a_sandbox_error(isolating):
     assert r.detail in ("bwrap was killed by SIGKILL", "the container vanished mid-run",
                         "the container was killed from outside (exit code 137)")
     _assert_no_survivors(marker)
+    assert run("print(1)", backend=isolating).stdout == "1\n"  # a fresh fork server, if that died
 
 
 def test_docker_engine_unreachable_or_image_missing(monkeypatch):
@@ -486,7 +656,7 @@ def test_docker_engine_unreachable_or_image_missing(monkeypatch):
 
 
 def test_bwrap_that_cannot_start_is_a_sandbox_error(monkeypatch):
-    _need("bwrap")
+    _mode("bwrap-fresh", monkeypatch)
     monkeypatch.setattr(sandbox, "PYTHON", "/usr/bin/no-such-python")
     r = run("print(1)", backend="bwrap")
     assert r.status == "sandbox_error" and r.detail.startswith("bwrap failed to start the program")
@@ -494,10 +664,11 @@ def test_bwrap_that_cannot_start_is_a_sandbox_error(monkeypatch):
 
 
 
-@pytest.mark.parametrize("name", ["subprocess", "bwrap"])
-def test_the_guest_starts_under_its_rlimits_uid_and_cgroups(name):
-    """The launcher (sh, prlimit, setpriv: no ``preexec_fn``) sets what the guest sees."""
-    _need(name)
+@pytest.mark.parametrize("mode", ["subprocess", "bwrap-fresh", "bwrap"])
+def test_the_guest_starts_under_its_rlimits_uid_and_cgroups(mode, monkeypatch):
+    """The launcher (sh, prlimit, setpriv: no ``preexec_fn``), or the fork server's run
+    process, sets what the guest sees."""
+    name = _mode(mode, monkeypatch)
     limits = Limits(cpu_s=3.2, memory_mb=300, disk_mb=7)
     code = ("import os, resource\n"
             "print([resource.getrlimit(getattr(resource, 'RLIMIT_' + r)) for r in "
@@ -517,7 +688,7 @@ def test_the_guest_starts_under_its_rlimits_uid_and_cgroups(name):
 
 @pytest.mark.parametrize("name", ["subprocess", "bwrap"])
 def test_a_launch_that_cannot_join_its_cgroup_is_a_sandbox_error(name, monkeypatch):
-    _need(name)
+    _mode(name + "-fresh" if name == "bwrap" else name, monkeypatch)
     made = sandbox._Cgroup.__init__
 
     def broken(self, *args):

@@ -1,0 +1,277 @@
+"""The bwrap backend's fork server (``envs.sandbox``): a guest program, never imported.
+
+The host starts it as the guest (uid 65534) inside one bubblewrap sandbox, under the Debian
+interpreter (``python3 -I -S -c SOURCE``, stdlib only), with capabilities in that sandbox's
+user namespace (``--cap-add ALL``; no further user namespaces), its control socket's fd as
+its one argument,
+the host's runs folder at ``/runs`` and the run cgroups' parent folders at ``/cg/CONTROLLER``.
+
+Each request names one run (its folder under ``/runs``, its cgroups' ``cgroup.procs``, its
+rlimits, its ``/dev/shm`` size) and carries three fds (stdout, stderr, status). For each the
+server forks, and the program ends up three processes down, each fork a copy of this warm
+interpreter (no interpreter start-up, no bwrap start-up):
+
+* A, in the server's namespaces: joins the run's cgroups, then new mount, cgroup, uts, ipc,
+  pid and net namespaces; waits for B and reports its code.
+* B, pid 1 of the new pid namespace: brings loopback up (the net namespace's only device),
+  mounts a new ``/proc`` (``/proc/sys``, ``sysrq-trigger``,
+  ``irq``, ``bus`` read-only as bwrap does), the run's ``work`` at ``/work`` and its ``prog``
+  read-only at ``/sandbox``, empty read-only tmpfs over ``/runs`` and ``/cg`` (no other run's
+  folder, no cgroup file is reachable) and a fresh ``/dev/shm``; reaps orphans until C exits,
+  then exits with C's code (128 + N after signal N), which ends the namespace.
+* C, pid 2: sets its rlimits, stdin ``/dev/null``, stdout and stderr to the host's pipes, drops
+  every capability (bounding, ambient, effective, permitted, inheritable), writes ``started``
+  on the status fd, closes every other fd and runs ``/sandbox/main.py`` as ``python3 -I -S``
+  would: ``sys.argv`` [path], a fresh ``__main__``.
+
+Everything about a run comes back on its own pipes: C writes ``started`` on the status fd just
+before the program, and A, once B has ended, ``exit CODE CPU_SECONDS`` (B's and everything it
+reaped); a setup failure is written there instead of ``started`` (the run exits 125: a sandbox
+error). Only A can write that report (B and C close the status fd first). The server reaps
+nothing itself (``SIGCHLD`` ignored) and answers nothing; EOF on its control socket ends it.
+"""
+
+import ctypes
+import fcntl
+import gc
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+SETUP_FAILED = 125
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _encode(text):
+    return None if text is None else text.encode()
+
+
+def _mount(source, target, fstype, flags, data=None):
+    _check(_libc.mount(_encode(source), _encode(target), _encode(fstype), ctypes.c_ulong(flags),
+                       _encode(data)), f"mount {target}")
+
+
+def _bind_read_only(source, target):
+    _mount(source, target, None, MS_BIND)
+    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _loopback_up():
+    """Bring ``lo`` up in this (new, empty) net namespace, as bwrap does in its own."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH22x", b"lo", 0)  # struct ifreq: name, flags
+        flags = struct.unpack("16sH22x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+
+
+def _drop_capabilities():
+    cap = 0
+    while _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
+        cap += 1
+    _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: all zero
+    _check(_libc.capset(header, data), "capset")
+
+
+def _exit_code(status):
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def _setup_failed(status_fd, stage, exc, report=False):
+    """Say why on the status fd and exit 125; ``report``: in A, which reports itself."""
+    end = f"\nexit {SETUP_FAILED} 0\n" if report else ""
+    try:
+        os.write(status_fd, (f"{stage}: {exc}"[:4000] + end).encode("utf-8", "replace"))
+    finally:
+        os._exit(SETUP_FAILED)
+
+
+def _run(job, out, err, status):
+    """A, then B, then C; returns only in C."""
+    try:  # A
+        null = os.open("/dev/null", os.O_RDWR)
+        for target in (0, 1, 2):  # not the server's stderr (the host's pipe): nothing of it
+            os.dup2(null, target)
+        os.close(null)
+        for procs in job["cgroups"]:
+            with open(procs, "w") as f:
+                f.write("0")
+        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC
+                             | CLONE_NEWPID | CLONE_NEWNET), "unshare")
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)
+        pid_b = os.fork()
+    except BaseException as exc:
+        _setup_failed(status, "namespaces", exc, report=True)
+    if pid_b:
+        for fd in (out, err):
+            os.close(fd)
+        code = _exit_code(os.waitpid(pid_b, 0)[1])
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # B and all it reaped
+        os.write(status, f"\nexit {code} {usage.ru_utime + usage.ru_stime}\n".encode())
+        os._exit(0)
+    try:  # B: pid 1
+        _loopback_up()
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        for name in ("sys", "sysrq-trigger", "irq", "bus"):
+            if os.path.exists("/proc/" + name):
+                _bind_read_only("/proc/" + name, "/proc/" + name)
+        folder = "/runs/" + job["dir"]
+        _mount(folder + "/work", "/work", None, MS_BIND)
+        _bind_read_only(folder + "/prog", "/sandbox")
+        for hidden in ("/runs", "/cg"):
+            _mount("tmpfs", hidden, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                   "size=4k,mode=755")
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['shm']},mode=1777")
+        pid_c = os.fork()
+    except BaseException as exc:
+        _setup_failed(status, "mounts", exc)
+    if pid_c:
+        for fd in (out, err, status):
+            os.close(fd)
+        while True:  # as init: reap every orphan, end with the program
+            try:
+                pid, wait_status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                os._exit(SETUP_FAILED)
+            if pid == pid_c:
+                os._exit(_exit_code(wait_status))
+    try:  # C: the program's process
+        for name, (soft, hard) in job["rlimits"].items():
+            resource.setrlimit(getattr(resource, "RLIMIT_" + name), (soft, hard))
+        os.chdir("/work")
+        null = os.open("/dev/null", os.O_RDONLY)
+        for fd, target in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+        _drop_capabilities()
+        os.write(status, b"started")
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        gc.enable()
+    except BaseException as exc:
+        _setup_failed(status, "process", exc)
+    return job
+
+
+def _serve():
+    """The server's loop; returns only in a run's process C."""
+    control_fd = int(sys.argv[1])
+    control = socket.socket(fileno=control_fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps each A
+    gc.disable()
+    gc.freeze()  # a run's collections leave the server's objects (and their pages) alone
+    while True:
+        message, fds, _, _ = socket.recv_fds(control, 1 << 16, 3)
+        if not message:
+            os._exit(0)  # the host is gone
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            continue  # the host sees its status pipe end with no report
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.write(fds[2], f"fork: {exc}".encode())
+            pid = -1
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            control.detach()
+            os.close(control_fd)
+            return _run(json.loads(message), *fds)
+        for fd in fds:
+            os.close(fd)
+
+
+def _program(job):
+    """Run ``/sandbox/main.py`` as ``python3 -I -S /sandbox/main.py`` would (``envs.sandbox``'s
+    ``_BOOT`` does the same for a fresh interpreter): ``sys.argv`` [path], a fresh ``__main__``
+    module;
+    then exit as the interpreter does (``SystemExit``'s code, an uncaught exception's traceback
+    and 1, non-daemon threads joined, ``atexit`` run, stdout and stderr flushed) but without
+    tearing the interpreter down: that would write to every object this fork shares with the
+    server, copying its whole heap page by page (~7 ms a run)."""
+    path = "/sandbox/main.py"
+    sys.argv[:] = [path]
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    module = type(sys)("__main__")  # this file's own __main__ stays behind, unseen
+    module.__dict__.update(__file__=path, __cached__=None, __builtins__=__builtins__)
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+        status = 0
+    except SystemExit as exc:
+        status = _system_exit_status(exc)
+    except BaseException as exc:
+        status = _report(exc)
+    try:
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        import atexit
+        atexit._run_exitfuncs()
+    except SystemExit as exc:
+        status = _system_exit_status(exc)
+    except BaseException as exc:
+        status = _report(exc)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            status = status or 120  # as the interpreter when flushing at exit fails
+    os._exit(status)
+
+
+def _system_exit_status(exc):
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except BaseException:
+        pass
+    return 1
+
+
+def _report(exc):
+    """An uncaught exception: its traceback (this file's frames left out), exit status 1; a
+    KeyboardInterrupt ends the process by SIGINT, as the interpreter does."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+        tb = tb.tb_next
+    try:
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    except BaseException:
+        pass
+    if isinstance(exc, KeyboardInterrupt):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return 1
+
+
+if __name__ == "__main__":
+    _program(_serve())
