@@ -68,7 +68,9 @@ server's few stdlib modules, and at exit the interpreter is not torn down (threa
 ``atexit`` run, streams flushed, then ``os._exit``: objects alive at exit are not finalized).
 A server that cannot start is said once (``RuntimeWarning``) and every run starts its own
 bwrap; a server that dies fails the runs in flight (``sandbox_error``) and the next run
-starts a fresh one.
+starts a fresh one; one that stops reading fails each run it does not start within its
+``wall_s`` (``sandbox_error``, never the program's timeout). A process forked after the server
+started starts its own.
 
 Cgroups (v1 ``pids`` and ``memory`` hierarchies, made under this process's own cgroups) need
 write access, in practice root; without them the rlimits stand alone. A memory limit hit inside
@@ -1094,6 +1096,7 @@ bwrap's user namespace, and without them every run starts its own sandbox (said 
 _FORK_SOURCE = Path(__file__).with_name("_fork_server.py")
 _SERVER_PROCESSES = 16  # the server's bwrap, its pid 1, itself, runs not yet in their cgroups
 _SERVER_MEMORY = 256 * _MIB
+_SEND_TIMEOUT_S = 10.0
 
 
 class _ServerGone(Exception):
@@ -1136,6 +1139,7 @@ class _ForkServer:
         if set(self.cgroup.dirs) != set(parents):
             raise _ServerGone(f"could not make its cgroups under {', '.join(map(str, parents.values()))}")
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(_SEND_TIMEOUT_S)  # a server that stopped reading fails the run
         argv = _bwrap_root(bwrap) + ["--tmpfs", "/dev/shm", "--remount-ro", "/dev",
                                      "--dir", "/work", "--dir", "/sandbox",
                                      "--bind", str(self.runs_dir), "/runs"]
@@ -1166,7 +1170,7 @@ class _ForkServer:
     def _why_gone(self) -> str:
         """Why the server is gone, once it is (waiting a moment for its exit), else ``""``."""
         try:
-            code = self.proc.wait(timeout=2)
+            code = self.proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             return ""
         self.gone = self.gone or (
@@ -1214,6 +1218,9 @@ class _ForkServer:
             failure = ""
             if ended is None and watch.stopped is None:
                 failure = self._why_gone() or f"the run ended without a report: {report[-2000:]!r}"
+            elif ended is None and not report.startswith("started"):
+                failure = (self._why_gone() or "the bwrap fork server did not start the program "
+                           f"within {limits.wall_s:g} s: {report[-2000:]!r}")
             elif ended is not None and not report.startswith("started\n"):
                 failure = f"bwrap could not start the program: {report[:ended.start()][-2000:]}"
             oom, pids_hit = cgroup.events()
@@ -1251,7 +1258,8 @@ class _ForkServer:
 
 _REPORT = re.compile(r"\nexit (\d+) ([0-9.e+-]+)\n\Z")  # a fork server run's last words (its A)
 _STATUS_BYTES = 1 << 16
-_DRAIN_AFTER_STOP_S = 5.0
+_DRAIN_AFTER_STOP_S = 5.0  # after a stop: for the output of a program that started
+_UNSTARTED_AFTER_STOP_S = 0.5  # ... and for a run whose program never started
 
 
 def _drain(watch: _Watch, workdir: _WorkDir, streams: dict[int, bytearray], deadline: float) -> None:
@@ -1273,11 +1281,12 @@ def _drain(watch: _Watch, workdir: _WorkDir, streams: dict[int, bytearray], dead
                 next_poll = now + _DISK_POLL_S
                 if workdir.usage() > disk:
                     watch.stop(_Stop.DISK)
+        grace = _DRAIN_AFTER_STOP_S if streams[status_fd].startswith(b"started") else _UNSTARTED_AFTER_STOP_S
         if watch.stopped is not None:
             stopped_at = stopped_at or now
-            if now - stopped_at > _DRAIN_AFTER_STOP_S:
+            if now - stopped_at > grace:
                 return
-        wake = min(deadline, next_poll) if watch.stopped is None else stopped_at + _DRAIN_AFTER_STOP_S
+        wake = min(deadline, next_poll) if watch.stopped is None else stopped_at + grace
         for fd, _ in poller.poll(max(0.0, wake - now) * 1000):
             data = os.read(fd, 1 << 16)
             if not data:
@@ -1298,13 +1307,22 @@ class _Forks:
         self.server: _ForkServer | None = None
         self.off = ""
 
+    def forget_in_child(self) -> None:
+        """After ``os.fork``: the parent's server is not this process's (its socket closed
+        here, the server left to the parent); a lock another thread held is free."""
+        self.lock = threading.Lock()
+        if self.server is not None and self.server.sock is not None:
+            self.server.sock.close()
+        self.server = None
+
     def get(self) -> _ForkServer | None:
         if not FORK_SERVER:
             return None
         with self.lock:
             server = self.server
-            if server is not None and (server.owner != os.getpid() or not server.alive()):
-                self.server = server = None  # a forked child's copy, or dead: a fresh one
+            if server is not None and not server.alive():
+                server.close()  # its cgroups and folders; a fresh one below
+                self.server = server = None
             if server is None and not self.off:
                 try:
                     server = _ForkServer()
@@ -1325,6 +1343,7 @@ class _Forks:
 
 
 _FORKS = _Forks()
+os.register_at_fork(after_in_child=lambda: _FORKS.forget_in_child())
 
 
 # --- docker ----------------------------------------------------------------------------------

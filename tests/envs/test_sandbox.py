@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import gc
 import os
+import signal
 import socket
 import threading
 import time
@@ -366,6 +367,64 @@ def test_fork_server_run_cannot_reach_its_init_or_the_server(monkeypatch):
                          "kill -1 ProcessLookupError"], r  # EPERM, EPERM, ENOSPC; no one to kill
     assert r.status == "ok", r
     assert run("print(1)", backend="bwrap").stdout == "1\n"
+
+
+def test_a_forked_process_runs_through_its_own_fork_server(monkeypatch):
+    """``os.fork`` after the server started: the child starts its own (the parent's socket
+    closed in the child), the parent's goes on."""
+    _need_fork_server(monkeypatch)
+    parent_server = sandbox._FORKS.get()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without pytest's teardown
+        try:
+            r = run("print(2)", backend="bwrap")
+            mine = sandbox._FORKS.server
+            os.write(write_end, f"{r.stdout.strip()} {mine is not None and mine.proc.pid}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        stdout, server_pid = f.read().split()
+    os.waitpid(pid, 0)
+    assert stdout == "2" and int(server_pid) != parent_server.proc.pid
+    assert sandbox._FORKS.get() is parent_server and run("print(1)", backend="bwrap").stdout == "1\n"
+
+
+@pytest.mark.slow
+def test_a_fork_server_that_stops_reading_fails_the_run_not_the_program(monkeypatch):
+    """A server stopped (SIGSTOP) never starts the run: past ``wall_s`` that is a
+    ``sandbox_error``, not the program's timeout; once it goes on, so do runs."""
+    _need_fork_server(monkeypatch)
+    server = sandbox._FORKS.get()
+    interpreter = [p for p in _live_children_of(server.proc.pid)
+                   if Path(f"/proc/{p}/comm").read_text().strip() == "python3"]
+    assert len(interpreter) == 1
+    os.kill(interpreter[0], signal.SIGSTOP)
+    try:
+        r = run("print(1)", limits=Limits(wall_s=1), backend="bwrap")
+    finally:
+        os.kill(interpreter[0], signal.SIGCONT)
+    assert r.status == "sandbox_error" and r.exit_code is None, r
+    assert r.detail.startswith("the bwrap fork server did not start the program within 1 s"), r
+    assert run("print(1)", backend="bwrap").stdout == "1\n"
+
+
+def _live_children_of(pid: int) -> list[int]:
+    """Every live descendant of ``pid``."""
+    parents: dict[int, int] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        top = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == top]
+        found += kids
+        frontier += kids
+    return found
 
 
 def test_fork_server_closed_leaves_nothing(monkeypatch):
