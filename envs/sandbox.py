@@ -1094,7 +1094,7 @@ and interpreter. Read at each run; the server needs root, a pids cgroup and capa
 bwrap's user namespace, and without them every run starts its own sandbox (said once)."""
 
 _FORK_SOURCE = Path(__file__).with_name("_fork_server.py")
-_SERVER_PROCESSES = 16  # the server's bwrap, its pid 1, itself, runs not yet in their cgroups
+_SERVER_PROCESSES = 1024  # its bwrap, pid 1, itself, and each run's A until it joins its own
 _SERVER_MEMORY = 256 * _MIB
 _SEND_TIMEOUT_S = 10.0
 

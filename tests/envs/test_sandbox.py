@@ -267,6 +267,14 @@ def test_fork_server_runs_start_fresh_and_apart(monkeypatch):
             assert r.files_written == ("mine",)
 
 
+def test_fork_server_takes_many_runs_at_once(monkeypatch):
+    """48 runs at once through one server (each run's first process briefly counts in the
+    server's pids cgroup): every one runs."""
+    _need_fork_server(monkeypatch)
+    results = _at_once(48, lambda i: run(f"print({i})", backend="bwrap"))
+    assert [results[i].stdout for i in range(48)] == [f"{i}\n" for i in range(48)]
+
+
 _EXITS = [
     "import sys\nprint(sys.argv == ['/sandbox/main.py'], __name__, __file__)\nsys.exit(7)",
     "import sys\nsys.exit('bye')",
