@@ -242,19 +242,35 @@ def _launcher_thread() -> concurrent.futures.ThreadPoolExecutor:
         return _LAUNCHER[1]
 
 
-def _take_waiting_slot() -> bool:
+class _WaitingSlot:
+    """One of ``MAX_WAITING``'s places, held by a guest started ahead from ``prepare`` until its
+    program comes, it closes or it is collected; ``give`` hands it back, once."""
+
+    def __init__(self):
+        self._held = True
+
+    def give(self) -> None:
+        global _WAITING
+        with _WAITING_LOCK:
+            if self._held:
+                self._held = False
+                _WAITING -= 1
+
+
+def _take_waiting_slot() -> _WaitingSlot | None:
     global _WAITING
     with _WAITING_LOCK:
         if _WAITING >= MAX_WAITING:
-            return False
+            return None
         _WAITING += 1
-        return True
+        return _WaitingSlot()
 
 
-def _give_waiting_slot() -> None:
-    global _WAITING
-    with _WAITING_LOCK:
-        _WAITING -= 1
+def _close_unused(process: _Process, slot: _WaitingSlot | None) -> None:
+    """A guest's finalizer: its sandbox killed and removed, its waiting slot given back."""
+    if slot is not None:
+        slot.give()
+    process.close()
 
 
 class Guest:
@@ -269,7 +285,8 @@ class Guest:
     ``close`` (or leaving a ``with`` block, or the guest being collected) kills one that never
     ran and removes its work dir and cgroups. Past ``MAX_WAITING`` waiting guests, or where the
     process has no pids cgroup (``RLIMIT_NPROC`` counts the guest uid's processes, waiting ones
-    too), the sandbox starts in ``run``."""
+    too), the sandbox starts in ``run``. bwrap through the fork server (``FORK_SERVER``)
+    starts nothing ahead: its ``run`` is the server's run, a few forks."""
 
     def __init__(self, backend: str, limits: Limits, ahead: bool = True):
         self.backend, self.limits = backend, limits
@@ -278,27 +295,37 @@ class Guest:
         self._starter: concurrent.futures.Future | None = None
         self._failure = ""
         self._used = False
+        self._slot: _WaitingSlot | None = None
         if backend == "subprocess":
             _warn_subprocess()
         forked = backend == "bwrap" and ahead and _FORKS.get() is not None  # cheap to start
-        if ahead and backend != "docker" and not forked and _take_waiting_slot():
-            # on the launcher thread: the caller (an env's reset) does not wait for the launch
-            self._starter = _launcher_thread().submit(self._start, True)
+        if ahead and backend != "docker" and not forked:
+            self._slot = _take_waiting_slot()
+            if self._slot is not None:
+                # on the launcher thread: the caller (an env's reset) does not wait for the launch
+                self._starter = _launcher_thread().submit(self._start, True)
 
-    def _start(self, waiting: bool = False) -> None:
+    def _start(self, ahead: bool = False) -> None:
         try:
-            process = _Process(self.backend, self.limits, waiting)
+            process = _Process(self.backend, self.limits)
         except _LaunchFailed as exc:
             self._failure = str(exc)
+            self._give_slot()
             return
         except OSError as exc:  # no work dir, no pipe: this host, never the program
             self._failure = f"{self.backend} could not start: {exc}"
+            self._give_slot()
             return
-        if waiting and "pids" not in process.cgroup.dirs:
+        if ahead and "pids" not in process.cgroup.dirs:
             process.close()  # its RLIMIT_NPROC counted only the processes then running: in run
+            self._give_slot()
             return
         self._process = process
-        self._finalizer = weakref.finalize(self, process.close)
+        self._finalizer = weakref.finalize(self, _close_unused, process, self._slot)
+
+    def _give_slot(self) -> None:
+        if self._slot is not None:
+            self._slot.give()
 
     def run(self, code: str, files: Mapping[str, str | bytes] | None = None) -> SandboxResult:
         """Run ``code`` with ``files`` in this sandbox (``envs.sandbox.run``'s result); once."""
@@ -309,6 +336,7 @@ class Guest:
             raise RuntimeError("this sandbox Guest already ran its program; prepare() another")
         self._used = True
         self._join_starter()
+        self._give_slot()  # its program came: no longer waiting
         try:
             if self.backend == "docker":
                 return _run_docker(code, files, self.limits)
@@ -328,8 +356,9 @@ class Guest:
         closed guest runs nothing."""
         self._used = True
         self._join_starter()
+        self._give_slot()
         if self._finalizer is not None:
-            self._finalizer()  # _Process.close, once
+            self._finalizer()  # _close_unused, once
             self._finalizer = None
         self._process = None
 
@@ -882,8 +911,7 @@ class _Process:
     of a run's CPU (namespaces, the interpreter's start-up); once started, a guest runs only
     its program."""
 
-    def __init__(self, backend: str, limits: Limits, waiting: bool = False):
-        self.waiting = waiting  # holds one of MAX_WAITING's slots until its program comes
+    def __init__(self, backend: str, limits: Limits):
         self.backend, self.limits = backend, limits
         self.proc: subprocess.Popen | None = None
         self.cgroup: _Cgroup | None = None
@@ -891,11 +919,7 @@ class _Process:
         self.pumps: list[threading.Thread] = []
         self.watch = _Watch(limits, self.kill)
         uid = _guest_uid()
-        try:
-            self.workdir = _WorkDir(uid)
-        except OSError:
-            self._stop_waiting()
-            raise
+        self.workdir = _WorkDir(uid)
         try:
             self._start(uid)
         except BaseException:
@@ -944,7 +968,6 @@ class _Process:
     def run(self, code: str, files: dict[str, bytes]) -> SandboxResult:
         """Give the started guest ``code`` and ``files`` and wait for it (at most once)."""
         proc, limits = self.proc, self.limits
-        self._stop_waiting()
         self.workdir.fill(code, files)
         t0 = time.monotonic()
         try:
@@ -998,14 +1021,8 @@ class _Process:
             outcome = dataclasses.replace(outcome, failure=why)
         return outcome
 
-    def _stop_waiting(self) -> None:
-        if self.waiting:
-            self.waiting = False
-            _give_waiting_slot()
-
     def close(self) -> None:
         """Kill and reap the guest (if it never ran), remove its cgroups and work dir."""
-        self._stop_waiting()
         try:
             if self.proc is not None:
                 self.watch.finish()
