@@ -7,7 +7,7 @@ its one argument,
 the host's runs folder at ``/runs`` and the run cgroups' parent folders at ``/cg/CONTROLLER``.
 
 Each request names one run (its folder under ``/runs``, its cgroups' ``cgroup.procs``, its
-rlimits, its ``/dev/shm`` size) and carries three fds (stdout, stderr, status). For each the
+rlimits, its ``/dev/shm`` size) and carries four fds (stdout, stderr, status, go). For each the
 server forks, and the program ends up three processes down, each fork a copy of this warm
 interpreter (no interpreter start-up, no bwrap start-up):
 
@@ -20,9 +20,10 @@ interpreter (no interpreter start-up, no bwrap start-up):
   folder, no cgroup file is reachable) and a fresh ``/dev/shm``; reaps orphans until C exits,
   then exits with C's code (128 + N after signal N), which ends the namespace.
 * C, pid 2: sets its rlimits, stdin ``/dev/null``, stdout and stderr to the host's pipes, drops
-  every capability (bounding, ambient, effective, permitted, inheritable), writes ``started``
-  on the status fd, closes every other fd and runs ``/sandbox/main.py`` as ``python3 -I -S``
-  would: ``sys.argv`` [path], a fresh ``__main__``.
+  every capability (bounding, ambient, effective, permitted, inheritable), then waits for a
+  ``g`` on the go fd (the host writes the program first; EOF: the run was closed unused, exit
+  0), writes ``started`` on the status fd, closes every other fd and runs
+  ``/sandbox/main.py`` as ``python3 -I -S`` would: ``sys.argv`` [path], a fresh ``__main__``.
 
 Everything about a run comes back on its own pipes: C writes ``started`` on the status fd just
 before the program, and A, once B has ended, ``exit CODE CPU_SECONDS`` (B's and everything it
@@ -106,8 +107,8 @@ def _setup_failed(status_fd, stage, exc, report=False):
         os._exit(SETUP_FAILED)
 
 
-def _run(job, out, err, status):
-    """A, then B, then C; returns only in C."""
+def _run(job, out, err, status, go):
+    """A, then B, then C; returns only in C, once the host said go."""
     try:  # A
         null = os.open("/dev/null", os.O_RDWR)
         for target in (0, 1, 2):  # not the server's stderr (the host's pipe): nothing of it
@@ -123,7 +124,7 @@ def _run(job, out, err, status):
     except BaseException as exc:
         _setup_failed(status, "namespaces", exc, report=True)
     if pid_b:
-        for fd in (out, err):
+        for fd in (out, err, go):
             os.close(fd)
         code = _exit_code(os.waitpid(pid_b, 0)[1])
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # B and all it reaped
@@ -146,7 +147,7 @@ def _run(job, out, err, status):
     except BaseException as exc:
         _setup_failed(status, "mounts", exc)
     if pid_c:
-        for fd in (out, err, status):
+        for fd in (out, err, status, go):
             os.close(fd)
         while True:  # as init: reap every orphan, end with the program
             try:
@@ -163,6 +164,8 @@ def _run(job, out, err, status):
         for fd, target in ((null, 0), (out, 1), (err, 2)):
             os.dup2(fd, target)
         _drop_capabilities()
+        if os.read(go, 1) != b"g":
+            os._exit(0)  # the host closed the run unused
         os.write(status, b"started")
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         gc.enable()
@@ -179,10 +182,10 @@ def _serve():
     gc.disable()
     gc.freeze()  # a run's collections leave the server's objects (and their pages) alone
     while True:
-        message, fds, _, _ = socket.recv_fds(control, 1 << 16, 3)
+        message, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
         if not message:
             os._exit(0)  # the host is gone
-        if len(fds) != 3:
+        if len(fds) != 4:
             for fd in fds:
                 os.close(fd)
             continue  # the host sees its status pipe end with no report

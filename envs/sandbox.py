@@ -266,7 +266,7 @@ def _take_waiting_slot() -> _WaitingSlot | None:
         return _WaitingSlot()
 
 
-def _close_unused(process: _Process, slot: _WaitingSlot | None) -> None:
+def _close_unused(process: _Process | _ForkedRun, slot: _WaitingSlot | None) -> None:
     """A guest's finalizer: its sandbox killed and removed, its waiting slot given back."""
     if slot is not None:
         slot.give()
@@ -285,12 +285,13 @@ class Guest:
     ``close`` (or leaving a ``with`` block, or the guest being collected) kills one that never
     ran and removes its work dir and cgroups. Past ``MAX_WAITING`` waiting guests, or where the
     process has no pids cgroup (``RLIMIT_NPROC`` counts the guest uid's processes, waiting ones
-    too), the sandbox starts in ``run``. bwrap through the fork server (``FORK_SERVER``)
-    starts nothing ahead: its ``run`` is the server's run, a few forks."""
+    too), the sandbox starts in ``run``. bwrap through the fork server (``FORK_SERVER``):
+    ``prepare`` sets the run up there (its folder, cgroups, and the forked processes up to the
+    program's own, which waits for its go), a millisecond or so of this process's time."""
 
     def __init__(self, backend: str, limits: Limits, ahead: bool = True):
         self.backend, self.limits = backend, limits
-        self._process: _Process | None = None
+        self._process: _Process | _ForkedRun | None = None
         self._finalizer: weakref.finalize | None = None
         self._starter: concurrent.futures.Future | None = None
         self._failure = ""
@@ -298,12 +299,15 @@ class Guest:
         self._slot: _WaitingSlot | None = None
         if backend == "subprocess":
             _warn_subprocess()
-        forked = backend == "bwrap" and ahead and _FORKS.get() is not None  # cheap to start
-        if ahead and backend != "docker" and not forked:
+        server = _FORKS.get() if backend == "bwrap" and ahead else None
+        if ahead and backend != "docker":
             self._slot = _take_waiting_slot()
-            if self._slot is not None:
-                # on the launcher thread: the caller (an env's reset) does not wait for the launch
-                self._starter = _launcher_thread().submit(self._start, True)
+        if self._slot is not None and server is not None:  # set up at once: a few forks
+            self._process = server.prepare(limits)
+            self._finalizer = weakref.finalize(self, _close_unused, self._process, self._slot)
+        elif self._slot is not None:
+            # on the launcher thread: the caller (an env's reset) does not wait for the launch
+            self._starter = _launcher_thread().submit(self._start, True)
 
     def _start(self, ahead: bool = False) -> None:
         try:
@@ -524,7 +528,13 @@ class _WorkDir:
             return h.hexdigest()
 
     def cleanup(self) -> None:
-        def retry(func: Callable, path: str, _exc: object) -> None:
+        """Remove the whole dir (again: nothing). Only what lies inside it is ever chmod'ed."""
+        root = str(self.root)
+
+        def retry(func: Callable, path: str | Path, _exc: object) -> None:
+            path = os.fspath(path)
+            if path == root or not path.startswith(root + os.sep):
+                return  # never the folder holding ours (a second cleanup finds root gone)
             try:  # a guest may leave directories without permissions
                 os.chmod(os.path.dirname(path), 0o700)
                 if os.path.isdir(path) and not os.path.islink(path):
@@ -1184,7 +1194,7 @@ class _ForkServer:
     def alive(self) -> bool:
         return not self.gone and self.proc.poll() is None
 
-    def _why_gone(self) -> str:
+    def why_gone(self) -> str:
         """Why the server is gone, once it is (waiting a moment for its exit), else ``""``."""
         try:
             code = self.proc.wait(timeout=0.5)
@@ -1196,62 +1206,20 @@ class _ForkServer:
             f"{self.stderr.decode('utf-8', 'replace').strip()[-2000:]}")
         return self.gone
 
-    def run(self, code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
-        if not self.alive():
-            return _failed("bwrap", self.gone or self._why_gone() or "the bwrap fork server is gone")
-        workdir = _WorkDir(GUEST_UID, parent=self.runs_dir)
-        cgroup: _Cgroup | None = None
-        pipes: list[int] = []
+    def send(self, request: dict, fds: list[int]) -> None:
+        """One run's request, with our pipes' far ends; ``_ServerGone`` when it cannot go."""
         try:
-            workdir.fill(code, files)
-            cgroup = _Cgroup(limits.processes + 2, limits.memory_mb * _MIB, owner=GUEST_UID)
-            if "pids" not in cgroup.dirs:
-                return _failed("bwrap", "could not make the run's pids cgroup")
-            for _ in range(3):
-                pipes += os.pipe()
-            out_r, out_w, err_r, err_w, status_r, status_w = pipes
-            request = {"dir": workdir.root.name, "shm": limits.disk_mb * _MIB,
-                       "cgroups": [f"/cg/{c}/{d.name}/cgroup.procs" for c, d in cgroup.dirs.items()],
-                       "rlimits": _rlimits(limits)}
-            watch = _Watch(limits, cgroup.kill)
-            status = bytearray()
-            t0 = time.monotonic()
-            try:
-                with self.lock:
-                    socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w, status_w])
-            except OSError as exc:
-                return _failed("bwrap", self._why_gone() or f"the bwrap fork server is unreachable: {exc}")
-            finally:
-                for fd in (out_w, err_w, status_w):
-                    os.close(fd)
-                    pipes.remove(fd)
-            _drain(watch, workdir, {out_r: watch.stdout, err_r: watch.stderr, status_r: status},
-                   t0 + limits.wall_s)
-            wall_s = time.monotonic() - t0
-            watch.finish()
-            cgroup.kill()
-            report = status.decode("utf-8", "replace")
-            ended = _REPORT.search(report)
-            failure = ""
-            if ended is None and watch.stopped is None:
-                failure = self._why_gone() or f"the run ended without a report: {report[-2000:]!r}"
-            elif ended is None and not report.startswith("started"):
-                failure = (self._why_gone() or "the bwrap fork server did not start the program "
-                           f"within {limits.wall_s:g} s: {report[-2000:]!r}")
-            elif ended is not None and not report.startswith("started\n"):
-                failure = f"bwrap could not start the program: {report[:ended.start()][-2000:]}"
-            oom, pids_hit = cgroup.events()
-            outcome = _Outcome(exit_code=None if ended is None else int(ended[1]),
-                               stopped=watch.stopped, stderr=watch.stderr.decode("utf-8", "replace"),
-                               failure=failure, cpu_s=None if ended is None else float(ended[2]),
-                               oom=oom, pids_hit=pids_hit, disk_used=workdir.usage())
-            return _result(outcome, watch, wall_s, "bwrap", workdir)
-        finally:
-            for fd in pipes:
-                os.close(fd)
-            if cgroup is not None:
-                cgroup.close()
-            workdir.cleanup()
+            with self.lock:
+                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+        except OSError as exc:
+            raise _ServerGone(self.why_gone() or f"the bwrap fork server is unreachable: {exc}") from None
+
+    def prepare(self, limits: Limits) -> _ForkedRun:
+        """A run set up now, its program to come (``Guest``, ``prepare``)."""
+        return _ForkedRun(self, limits)
+
+    def run(self, code: str, files: dict[str, bytes], limits: Limits) -> SandboxResult:
+        return _ForkedRun(self, limits).run(code, files)
 
     def close(self) -> None:
         """End the server (its socket closes: it exits, bwrap with it) and remove its folders.
@@ -1271,6 +1239,100 @@ class _ForkServer:
         if self.cgroup is not None:
             self.cgroup.close()
         shutil.rmtree(self.runs_dir, ignore_errors=True)
+
+
+class _ForkedRun:
+    """One run through the fork server. ``__init__`` makes its folder, cgroups and pipes and
+    sends the request: the server's three processes set the run up and its last waits for a
+    go. ``run`` writes the program and files in place, sends the go (``wall_s`` counts from
+    there) and reads the run's pipes to their end on this thread; ``close`` (after ``run``, or
+    instead of it: the waiting process sees its go pipe close and exits) removes what it made."""
+
+    def __init__(self, server: _ForkServer, limits: Limits):
+        self.server, self.limits = server, limits
+        self.workdir: _WorkDir | None = None
+        self.cgroup: _Cgroup | None = None
+        self.ours: dict[str, int] = {}  # our ends: stdout, stderr, status (read), go (write)
+        self.failure = ""
+        if not server.alive():
+            self.failure = server.gone or server.why_gone() or "the bwrap fork server is gone"
+            return
+        try:
+            self.workdir = _WorkDir(GUEST_UID, parent=server.runs_dir)
+            self.cgroup = _Cgroup(limits.processes + 2, limits.memory_mb * _MIB, owner=GUEST_UID)
+            if "pids" not in self.cgroup.dirs:
+                self.failure = "could not make the run's pids cgroup"
+                return
+            theirs = []
+            for name in ("stdout", "stderr", "status", "go"):
+                r, w = os.pipe()
+                self.ours[name], far = (w, r) if name == "go" else (r, w)
+                theirs.append(far)
+            request = {"dir": self.workdir.root.name, "shm": limits.disk_mb * _MIB,
+                       "rlimits": _rlimits(limits),
+                       "cgroups": [f"/cg/{c}/{d.name}/cgroup.procs" for c, d in self.cgroup.dirs.items()]}
+            try:
+                server.send(request, theirs)
+            except _ServerGone as exc:
+                self.failure = str(exc)
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, code: str, files: dict[str, bytes]) -> SandboxResult:
+        try:
+            if self.failure:
+                return _failed("bwrap", self.failure)
+            limits, cgroup, workdir = self.limits, self.cgroup, self.workdir
+            workdir.fill(code, files)
+            watch = _Watch(limits, cgroup.kill)
+            status = bytearray()
+            t0 = time.monotonic()
+            try:
+                os.write(self.ours["go"], b"g")
+            except OSError:  # the run's process is gone: its report (or none) says why
+                pass
+            os.close(self.ours.pop("go"))
+            _drain(watch, workdir, {self.ours["stdout"]: watch.stdout, self.ours["stderr"]: watch.stderr,
+                                    self.ours["status"]: status}, t0 + limits.wall_s)
+            wall_s = time.monotonic() - t0
+            watch.finish()
+            cgroup.kill()
+            report = status.decode("utf-8", "replace")
+            ended = _REPORT.search(report)
+            failure, why_gone = "", self.server.why_gone
+            if ended is None and watch.stopped is None:
+                failure = why_gone() or f"the run ended without a report: {report[-2000:]!r}"
+            elif ended is None and not report.startswith("started"):
+                failure = (why_gone() or "the bwrap fork server did not start the program "
+                           f"within {limits.wall_s:g} s: {report[-2000:]!r}")
+            elif ended is not None and not report.startswith("started\n"):
+                failure = f"bwrap could not start the program: {report[:ended.start()][-2000:]}"
+            oom, pids_hit = cgroup.events()
+            outcome = _Outcome(exit_code=None if ended is None else int(ended[1]),
+                               stopped=watch.stopped, stderr=watch.stderr.decode("utf-8", "replace"),
+                               failure=failure, cpu_s=None if ended is None else float(ended[2]),
+                               oom=oom, pids_hit=pids_hit, disk_used=workdir.usage())
+            return _result(outcome, watch, wall_s, "bwrap", workdir)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """End the run if it never went (its go pipe closes), kill what is left, remove its
+        cgroups, pipes and folder. Idempotent."""
+        ours, self.ours = self.ours, {}
+        if "go" in ours:
+            os.close(ours.pop("go"))
+        if self.cgroup is not None:
+            self.cgroup.close()
+            self.cgroup = None
+        for fd in ours.values():
+            os.close(fd)
+        if self.workdir is not None:
+            self.workdir.cleanup()
 
 
 _REPORT = re.compile(r"\nexit (\d+) ([0-9.e+-]+)\n\Z")  # a fork server run's last words (its A)

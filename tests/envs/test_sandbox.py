@@ -201,18 +201,24 @@ def test_a_guest_started_ahead_runs_like_run(backend):
         guest.run("print(1)")
 
 
-@pytest.mark.parametrize("name", ["subprocess", "bwrap"])
+@pytest.mark.parametrize("mode", ["subprocess", "bwrap-fresh", "bwrap"])
 @pytest.mark.parametrize("how", ["close", "collected"])
-def test_a_guest_never_run_leaves_nothing(name, how, monkeypatch):
-    """A guest closed (or garbage-collected) before its program: its interpreter killed and
-    reaped, its work dir and cgroups removed, and it runs nothing afterwards."""
-    _mode(name + "-fresh" if name == "bwrap" else name, monkeypatch)
-    guest = sandbox.prepare(Limits(), name)
-    guest._join_starter()  # prepare returned at once; the launch ran on a thread
+def test_a_guest_never_run_leaves_nothing(mode, how, monkeypatch):
+    """A guest closed (or garbage-collected) before its program: its processes (an interpreter
+    waiting for its go; through the fork server, the run's three) killed and reaped, its work
+    dir and cgroups removed, and it runs nothing afterwards."""
+    _mode(mode, monkeypatch)
+    guest = sandbox.prepare(Limits(), MODES[mode][0])
+    guest._join_starter()  # prepare returned at once; a fresh launch ran on a thread
     process = guest._process
-    pid, root, cgroups = process.proc.pid, process.workdir.root, list(process.cgroup.dirs.values())
+    root, cgroups = process.workdir.root, list(process.cgroup.dirs.values())
     time.sleep(0.2)
-    assert Path(f"/proc/{pid}").exists() and root.exists()
+    if isinstance(process, sandbox._ForkedRun):
+        pids = [int(p) for p in (cgroups[0] / "cgroup.procs").read_text().split()]
+        assert mode == "bwrap" and len(pids) == 3  # A, B and the program's process, waiting
+    else:
+        pids = [process.proc.pid]
+    assert all(Path(f"/proc/{pid}").exists() for pid in pids) and root.exists()
     if how == "close":
         guest.close()
         with pytest.raises(RuntimeError, match="already ran"):
@@ -220,7 +226,10 @@ def test_a_guest_never_run_leaves_nothing(name, how, monkeypatch):
     else:
         del guest, process
         gc.collect()
-    assert not Path(f"/proc/{pid}").exists()  # killed and reaped, not a zombie
+    deadline = time.monotonic() + 2  # the fork server's processes are reaped by the server
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # killed and reaped
     assert not root.exists() and not any(d.exists() for d in cgroups)
     assert sandbox._WAITING == 0
 
@@ -433,6 +442,19 @@ def _live_children_of(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+def test_a_work_dir_cleaned_twice_leaves_its_parent_alone(tmp_path):
+    """A second cleanup finds the dir gone and changes nothing around it (it once chmod'ed the
+    parent, the fork server's runs folder, to 0700: every later run failed to mount)."""
+    tmp_path.chmod(0o755)
+    workdir = sandbox._WorkDir(None, parent=tmp_path)
+    locked = workdir.work / "locked" / "deeper"
+    locked.mkdir(parents=True)
+    locked.parent.chmod(0o000)  # a guest may leave a dir like this
+    workdir.cleanup()
+    workdir.cleanup()
+    assert not workdir.root.exists() and (tmp_path.stat().st_mode & 0o777) == 0o755
 
 
 def test_fork_server_closed_leaves_nothing(monkeypatch):
