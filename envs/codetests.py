@@ -24,9 +24,9 @@ Description
     run costs only the tests; it is the same fresh sandbox per run, killed unused by the next
     ``reset`` or ``close``. Turn it on where generation leaves CPU cores idle (a GPU host, a
     remote policy): on a CPU host whose cores generation keeps busy, the boot's CPU comes out
-    of generation and the rollout as a whole got slower (``benchmarks/overheads.py``). bwrap
-    through its fork server (``envs.sandbox.FORK_SERVER``, the default where it can run)
-    starts nothing ahead: a run there is a few forks, cheaper than any boot.
+    of generation and the rollout as a whole got slower (``benchmarks/overheads.py``). Through
+    bwrap's fork server (``envs.sandbox.FORK_SERVER``, the default where it can run) what
+    ``reset`` does ahead is only the run's setup (a few forks, its mounts and cgroups).
 
 Tools
     None: one reply. The code is the last fenced block (```python, ```py or a bare ```; an

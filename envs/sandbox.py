@@ -21,8 +21,9 @@ waits for a go on its stdin), and ``guest.run(code, files)`` writes the program 
 place and lets it go: the same result, limits and isolation as ``run``, one fresh sandbox per
 program, but the start-up (most of a short run's cost) is paid while the caller does other work
 (CodeTests-v0 starts each episode's sandbox at ``reset``, while the policy writes the answer).
-``run`` itself is a guest started and let go at once. Docker containers are not started ahead,
-nor are bwrap runs while the fork server (below) runs them: their start-up is a few forks.
+``run`` itself is a guest started and let go at once. Docker containers are not started ahead.
+Through bwrap's fork server (below), ``prepare`` sets the run up there: its folder, cgroups and
+processes, the program's own waiting for its go.
 
 One status per run:
 
