@@ -608,17 +608,20 @@ class _Watch:
         thread.start()
         return thread
 
-    def monitor(self, deadline: float, workdir: _WorkDir) -> threading.Thread:
-        """Stop the run at ``deadline`` or when the work dir outgrows ``disk_mb``."""
-        limit = self.limits.disk_mb * _MIB
+    def check(self, deadline: float, workdir: _WorkDir) -> bool:
+        """Stop the run if ``deadline`` passed or the work dir outgrew ``disk_mb``; whether the
+        run is stopped (for any reason)."""
+        if time.monotonic() >= deadline:
+            self.stop(_Stop.WALL)
+        elif workdir.usage() > self.limits.disk_mb * _MIB:
+            self.stop(_Stop.DISK)
+        return self.stopped is not None
 
+    def monitor(self, deadline: float, workdir: _WorkDir) -> threading.Thread:
+        """``check`` every ``_DISK_POLL_S`` (and at ``deadline``) on a thread of its own."""
         def loop() -> None:
             while not self.done.wait(max(0.0, min(_DISK_POLL_S, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    self.stop(_Stop.WALL)
-                    return
-                if workdir.usage() > limit:
-                    self.stop(_Stop.DISK)
+                if self.check(deadline, workdir):
                     return
 
         thread = threading.Thread(target=loop, daemon=True, name="sandbox-monitor")
@@ -1350,17 +1353,13 @@ def _drain(watch: _Watch, workdir: _WorkDir, streams: dict[int, bytearray], dead
     for fd in streams:
         poller.register(fd, select.POLLIN)
     status_fd = list(streams)[-1]
-    left, disk = set(streams), watch.limits.disk_mb * _MIB
+    left = set(streams)
     next_poll, stopped_at = time.monotonic() + _DISK_POLL_S, None
     while left:
         now = time.monotonic()
-        if watch.stopped is None:
-            if now >= deadline:
-                watch.stop(_Stop.WALL)
-            elif now >= next_poll:
-                next_poll = now + _DISK_POLL_S
-                if workdir.usage() > disk:
-                    watch.stop(_Stop.DISK)
+        if watch.stopped is None and now >= min(deadline, next_poll):
+            next_poll = now + _DISK_POLL_S
+            watch.check(deadline, workdir)
         grace = _DRAIN_AFTER_STOP_S if streams[status_fd].startswith(b"started") else _UNSTARTED_AFTER_STOP_S
         if watch.stopped is not None:
             stopped_at = stopped_at or now
