@@ -45,9 +45,10 @@ Reward
     on the trusted side first (``ast``, never executed there): no top-level ``def``/assignment
     of the function name, a syntax error or code over ``MAX_CODE_CHARS`` is a
     ``format_error`` without a sandbox run. Otherwise the code is written as ``solution.py``
-    into the sandbox's work dir, and the trusted harness (``harness``) runs as main. The
-    harness holds only the test *inputs* and a random nonce drawn after the agent's turn,
-    imports ``solution`` (no bytecode written, warnings silenced), calls the function once per
+    into the sandbox's work dir, and the trusted harness (``HARNESS``, one program for every
+    task, ``envs.sandbox.preload``ed) runs as main. The harness reads from ``TESTS_FILE``
+    (``harness``: ``marshal``, beside ``solution.py``) only the function's name, the test
+    *inputs* and a random nonce drawn after the agent's turn, imports ``solution`` (no bytecode written, warnings silenced), calls the function once per
     input inside ``try/except BaseException``, and writes one record to stdout: the nonce and
     a JSON list with, per test, the returned value in a tagged encoding that admits only exact
     types (``type(x) in (bool, int, float, str, NoneType)`` and exact ``list``/``tuple``/
@@ -102,9 +103,11 @@ from __future__ import annotations
 
 import ast
 import json
+import marshal
 import math
 import re
 import secrets
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -335,10 +338,18 @@ def fenced_blocks(reply: str) -> list[str]:
     return ["\n".join(lines).strip("\n") + "\n" for lang, lines in blocks if lang in _CODE_LANGS]
 
 
+_AST_LOCK = threading.RLock()
+"""Held around every ``ast`` parse: CPython 3.11 keeps the AST constructor's recursion depth in
+interpreter-wide state, so two threads parsing at once (a thread switch inside one parse, e.g.
+at a garbage collection running a finalizer: concurrent env steps) can fail with
+``SystemError: AST constructor recursion depth mismatch``."""
+
+
 def defines(code: str, name: str) -> bool:
     """Does ``code`` parse and bind ``name`` at top level (``def``, an assignment, an import)?"""
     try:
-        tree = ast.parse(code)
+        with _AST_LOCK:
+            tree = ast.parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     for node in tree.body:
@@ -370,11 +381,14 @@ def extract_code(reply: str, name: str) -> str:
 _HARNESS = r'''
 import sys
 sys.dont_write_bytecode = True
-import posix, warnings  # built in / tiny: json, os and importlib would cost ~10 ms a run
+import marshal, posix, warnings  # built in / tiny: json, os, importlib would cost ~10 ms a run
 warnings.simplefilter("ignore")
-NONCE = __NONCE__
-FUNCTION = __FUNCTION__
-INPUTS = __INPUTS__
+_fd, _raw = posix.open(__TESTS__, posix.O_RDONLY), b""
+while _chunk := posix.read(_fd, 65536):
+    _raw += _chunk
+posix.close(_fd)
+NONCE, FUNCTION, INPUTS = marshal.loads(_raw)
+del _fd, _raw, _chunk
 _type, _str, _vars, _issubclass, _len, _ord = type, str, vars, issubclass, len, ord
 _write, _exit, _BaseException = posix.write, posix._exit, BaseException
 _PLAIN = (bool, int, float, str, list, tuple, dict)
@@ -515,23 +529,32 @@ _exit(0)
 '''
 
 
-def harness(function: str, inputs: Sequence[Sequence[Any]], nonce: str) -> str:
-    """The trusted program: the test inputs and ``nonce`` in, one results record out."""
-    return (_HARNESS.replace("__NONCE__", repr(nonce)).replace("__FUNCTION__", repr(function))
-            .replace("__INPUTS__", _literal(list(map(list, inputs)))))
+TESTS_FILE = "tests.marshal"
+HARNESS = _HARNESS.replace("__TESTS__", repr(TESTS_FILE))
+"""The trusted program, one text for every task (``envs.sandbox.preload``ed: bwrap's fork server
+compiles it once): it reads ``TESTS_FILE`` and writes one results record."""
 
 
-def _literal(value: Any) -> str:
-    """``value`` as Python source the harness can run (plain data only, checked)."""
+def harness(function: str, inputs: Sequence[Sequence[Any]], nonce: str) -> tuple[str, dict[str, bytes]]:
+    """``(HARNESS, {TESTS_FILE: ...})``: the program and its input, the function's name, the
+    test inputs and ``nonce`` (``marshal``, which the guest interpreter has built in)."""
+    inputs = list(map(list, inputs))
+    _check_plain(inputs)
+    return HARNESS, {TESTS_FILE: marshal.dumps((nonce, function, inputs), 4)}
+
+
+def _check_plain(value: Any) -> None:
+    """Plain data only (what ``marshal`` carries, compared exactly): a literal's repr comes back
+    equal (no NaN, no inf, no other types)."""
     text = repr(value)
     try:
-        same_back = ast.literal_eval(text) == value
+        with _AST_LOCK:
+            same_back = ast.literal_eval(text) == value
     except (ValueError, SyntaxError):
         same_back = False
     if not same_back:
         raise ValueError(f"test inputs must be plain literals (int, float, str, bool, None, "
                          f"list, tuple, dict); got {text[:200]}")
-    return text
 
 
 _SKIPS = frozenset({"SkipTest", "Skipped", "SkipException", "SkipTestException"})
@@ -702,6 +725,7 @@ class CodeTestsEnv(ToolEnv):
         self.limits = sandbox.Limits(**{**DEFAULT_LIMITS, **given})
         self.prestart = prestart
         self._guest: sandbox.Guest | None = None
+        sandbox.preload(HARNESS)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self._close_guest()
@@ -748,8 +772,8 @@ class CodeTestsEnv(ToolEnv):
         try:
             guest, self._guest = self._guest, None
             guest = guest or sandbox.prepare(self.limits, self.backend)
-            result = guest.run(harness(function, task.data["inputs"], nonce),
-                               files={SOLUTION_FILE: code})
+            program, tests = harness(function, task.data["inputs"], nonce)
+            result = guest.run(program, files={**tests, SOLUTION_FILE: code})
         except Exception as exc:  # the sandbox itself failed: infrastructure, not the agent
             return breakdown(0.0, Outcome.sandbox_error, passed=0, hack=[],
                              sandbox="sandbox_error",

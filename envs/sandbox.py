@@ -67,6 +67,8 @@ program runs; the server itself never runs a program. What differs from a fresh 
 every run shares the server's hash seed (``str`` hashes, set order), ``sys.modules`` holds the
 server's few stdlib modules, and at exit the interpreter is not torn down (threads joined,
 ``atexit`` run, streams flushed, then ``os._exit``: objects alive at exit are not finalized).
+``preload(code)`` has the server compile a trusted program run many times (a test harness)
+once, so that its runs skip compiling it (~2 ms for 4 KB in a fork).
 A server that cannot start is said once (``RuntimeWarning``) and every run starts its own
 bwrap; a server that dies fails the runs in flight (``sandbox_error``) and the next run
 starts a fresh one; one that stops reading fails each run it does not start within its
@@ -1218,6 +1220,14 @@ class _ForkServer:
         except OSError as exc:
             raise _ServerGone(self.why_gone() or f"the bwrap fork server is unreachable: {exc}") from None
 
+    def preload(self, code: str) -> None:
+        """Have the server compile ``code`` (``preload``); unanswered, like every message."""
+        try:
+            with self.lock:
+                self.sock.send(json.dumps({"preload": code}).encode())
+        except OSError:
+            pass  # a server gone: its next run says so, and its successor gets every preload
+
     def prepare(self, limits: Limits) -> _ForkedRun:
         """A run set up now, its program to come (``Guest``, ``prepare``)."""
         return _ForkedRun(self, limits)
@@ -1405,6 +1415,8 @@ class _Forks:
             if server is None and not self.off:
                 try:
                     server = _ForkServer()
+                    for code in _PRELOADED:
+                        server.preload(code)
                     probe = server.run("print('ok')", {}, Limits(wall_s=30))
                     if probe.status != "ok" or probe.stdout != "ok\n":
                         server.close()
@@ -1423,6 +1435,29 @@ class _Forks:
 
 _FORKS = _Forks()
 os.register_at_fork(after_in_child=lambda: _FORKS.forget_in_child())
+MAX_PRELOADED = 16
+_PRELOAD_BYTES = 1 << 16
+_PRELOADED: list[str] = []
+
+
+def preload(code: str) -> None:
+    """Let bwrap's fork server compile ``code``, a program run many times (a test harness), once,
+    in the server: each later run of exactly this program executes that code instead of
+    compiling it in its fork (~2 ms saved for a 4 KB program; the result is the same). Only
+    for programs the caller wrote, never an agent's: the compiling happens outside any run.
+    Other backends, and bwrap without the fork server, compile every run as before. At most
+    ``MAX_PRELOADED`` programs (more are ignored) of at most 64 KiB as JSON; a program with a
+    syntax error or a compile-time warning is left to compile in its runs."""
+    if not isinstance(code, str):
+        raise TypeError(f"preload takes the program's source as a str, got {type(code).__name__}")
+    if len(json.dumps({"preload": code})) > _PRELOAD_BYTES:
+        raise ValueError(f"a preloaded program is at most {_PRELOAD_BYTES} bytes as JSON")
+    with _FORKS.lock:
+        if code in _PRELOADED or len(_PRELOADED) >= MAX_PRELOADED:
+            return
+        _PRELOADED.append(code)
+        if _FORKS.server is not None and _FORKS.server.alive():
+            _FORKS.server.preload(code)
 
 
 # --- docker ----------------------------------------------------------------------------------

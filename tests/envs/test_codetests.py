@@ -3,14 +3,18 @@ faults masked as infrastructure, tasks and splits, and the reference solver."""
 
 from __future__ import annotations
 
+import gc
 import json
+import marshal
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import envs
 from envs import codetests, sandbox
-from envs.codetests import N_TESTS, defines, extract_code, harness, judge, same
+from envs.codetests import HARNESS, N_TESTS, TESTS_FILE, defines, extract_code, harness, judge, same
 from envs.core import TaskMeta, TaskSpec
 from evals.splits import default_splits
 from trajectories import Outcome
@@ -147,8 +151,10 @@ def test_exit_codes_never_count():
 
 
 def test_expected_values_never_enter_the_sandbox():
-    program = harness("int_square", SQUARE.data["inputs"], "n0nce")
-    assert "100" not in program and "[[0], [1], [-2], [3], [10]]" in program
+    program, files = harness("int_square", SQUARE.data["inputs"], "n0nce")
+    assert program == HARNESS and list(files) == [TESTS_FILE]
+    assert marshal.loads(files[TESTS_FILE]) == ("n0nce", "int_square", [[0], [1], [-2], [3], [10]])
+    assert b"100" not in files[TESTS_FILE] and "100" not in program
     for task in envs.make(CODETESTS).unwrapped.task_pool(40, seed=1):
         name = task.data["function"]
         assert all(f"{name}({x!r})" not in task.prompt for (x,) in task.data["inputs"])
@@ -248,9 +254,9 @@ def test_the_harness_writes_the_record_json_would():
         "function": "str_pick", "inputs": [[i] for i in range(5)]}})
     breakdown = play(f"def str_pick(i):\n    return {AWKWARD!r}[i]\n", task)
     assert breakdown.total == 1.0 and breakdown.audit["results"] == ["pass"] * 5
-    result = sandbox.run(harness("str_pick", [[i] for i in range(5)], "n0nce"),
-                         files={"solution.py": f"def str_pick(i):\n    return {AWKWARD!r}[i]\n"},
-                         backend="subprocess")
+    program, files = harness("str_pick", [[i] for i in range(5)], "n0nce")
+    result = sandbox.run(program, backend="subprocess", files={
+        **files, "solution.py": f"def str_pick(i):\n    return {AWKWARD!r}[i]\n"})
     record = next(line for line in result.stdout.split("\n") if line.startswith("n0nce "))
     results = [["value", ["str", text]] for text in AWKWARD]
     assert record == "n0nce " + json.dumps({"import_error": None, "results": results})
@@ -368,3 +374,39 @@ def test_sandboxes_started_at_reset_score_the_same(backend, monkeypatch):
 def test_prestart_must_be_a_bool(value):
     with pytest.raises(ValueError, match="prestart must be true or false"):
         envs.make(CODETESTS, backend="subprocess", prestart=value)
+
+
+class _Yields:
+    """Garbage in a cycle whose finalizer lets other threads run (as a Guest's does)."""
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        time.sleep(0)
+
+
+def test_parsing_in_many_threads_at_once_never_fails():
+    """Concurrent steps parse at once; CPython 3.11's AST constructor keeps its recursion depth
+    interpreter-wide, so a thread switch inside one parse (a collection running a finalizer)
+    broke another's with SystemError until parses took a lock."""
+    code = "def f(x):\n" + "".join(f"    y{i} = [[x, {{'a': (x, [x])}}] for _ in range(3)]\n"
+                                   for i in range(60)) + "    return x\n"
+    errors = []
+
+    def work(_):
+        try:
+            for _ in range(20):
+                _Yields(), _Yields()
+                assert defines(code, "f") and codetests._check_plain([[{"a": (1, [2.5])}]]) is None
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(work, range(12)))
+    finally:
+        gc.set_threshold(*threshold)
+    assert errors == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import importlib.util
 import os
 import signal
 import socket
@@ -308,12 +309,17 @@ _EXITS = [
 ]
 
 
+@pytest.mark.parametrize("preloaded", [False, True], ids=["compiled", "preloaded"])
 @pytest.mark.parametrize("code", _EXITS)
-def test_fork_server_runs_end_as_a_fresh_interpreter(code, monkeypatch):
+def test_fork_server_runs_end_as_a_fresh_interpreter(code, preloaded, monkeypatch):
     """Each program's result through the fork server is the fresh bwrap's: exit codes,
     SystemExit's message, an uncaught exception's traceback (less the boot's own frames),
-    KeyboardInterrupt's SIGINT, threads joined, atexit run, stdout flushed."""
+    KeyboardInterrupt's SIGINT, threads joined, atexit run, stdout flushed; the same when the
+    server compiled the program beforehand (``preload``)."""
     _need_fork_server(monkeypatch)
+    if preloaded:
+        monkeypatch.setattr(sandbox, "_PRELOADED", [])
+        sandbox.preload(code)
     forked = run(code, backend="bwrap")
     monkeypatch.setattr(sandbox, "FORK_SERVER", False)
     fresh = run(code, backend="bwrap")
@@ -324,6 +330,55 @@ def test_fork_server_runs_end_as_a_fresh_interpreter(code, monkeypatch):
         return r.status, r.exit_code, r.stdout, stderr, r.files_written, r.detail
 
     assert seen(forked) == seen(fresh)
+
+
+def _fork_server_module():
+    """``envs/_fork_server.py`` imported here (the guest program's functions, nothing run)."""
+    spec = importlib.util.spec_from_file_location("fork_server_under_test", sandbox._FORK_SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_preloaded_program_is_compiled_once_and_used_only_for_its_exact_text(tmp_path):
+    server = _fork_server_module()
+    server._preload("x = 1\nprint(x)\n")
+    server._preload("def f(:\n")  # a syntax error: its runs report it
+    server._preload("print(1 is 1)\n")  # a compile-time SyntaxWarning: its runs print it
+    assert list(server._COMPILED) == [b"x = 1\nprint(x)\n"]
+    main = tmp_path / "main.py"
+    main.write_bytes(b"x = 1\nprint(x)\n")
+    assert server._code(str(main)) is server._COMPILED[b"x = 1\nprint(x)\n"]
+    assert server._COMPILED[b"x = 1\nprint(x)\n"].co_filename == "/sandbox/main.py"
+    main.write_bytes(b"x = 1\nprint(x)\n\n")  # one byte more: compiled as it is
+    code = server._code(str(main))
+    assert code is not server._COMPILED[b"x = 1\nprint(x)\n"] and code.co_filename == str(main)
+
+
+def test_preload_keeps_what_runs_would_print_and_reaches_a_new_server(monkeypatch):
+    _need_fork_server(monkeypatch)
+    monkeypatch.setattr(sandbox, "_PRELOADED", [])
+    sandbox.preload("print(1 is 1)\n")
+    result = run("print(1 is 1)\n", backend="bwrap")
+    assert result.stdout == "True\n" and "SyntaxWarning" in result.stderr
+    sent = []
+    original = sandbox._ForkServer.preload
+    monkeypatch.setattr(sandbox._ForkServer, "preload",
+                        lambda self, code: (sent.append(code), original(self, code)))
+    sandbox._FORKS.server.close()  # gone: the next run starts a server, given every preload
+    assert run("print(2)", backend="bwrap").stdout == "2\n" and sent == ["print(1 is 1)\n"]
+
+
+def test_preload_refuses_bad_arguments_and_holds_at_most_its_cap(monkeypatch):
+    monkeypatch.setattr(sandbox, "_PRELOADED", [])
+    with pytest.raises(TypeError, match="source as a str"):
+        sandbox.preload(b"print(1)")
+    with pytest.raises(ValueError, match="at most 65536 bytes"):
+        sandbox.preload("x = 1\n" * 20000)
+    for i in range(sandbox.MAX_PRELOADED + 3):
+        sandbox.preload(f"print({i})")
+    sandbox.preload("print(0)")  # again: once
+    assert sandbox._PRELOADED == [f"print({i})" for i in range(sandbox.MAX_PRELOADED)]
 
 
 def test_fork_server_that_cannot_start_is_said_once_and_runs_go_on(monkeypatch, tmp_path):
