@@ -8,12 +8,12 @@ the host's runs folder at ``/runs`` and the run cgroups' parent folders at ``/cg
 
 Each request names one run (its folder under ``/runs``, its cgroups' ``cgroup.procs``, its
 rlimits, its ``/dev/shm`` size) and carries four fds (stdout, stderr, status, go). For each the
-server forks, and the program ends up three processes down, each fork a copy of this warm
+server makes a new pid namespace for its next child only (``unshare``, then ``setns`` back to
+its own) and forks; the program ends up two processes down, each fork a copy of this warm
 interpreter (no interpreter start-up, no bwrap start-up):
 
-* A, in the server's namespaces: joins the run's cgroups, then new mount, cgroup, uts, ipc,
-  pid and net namespaces; waits for B and reports its code.
-* B, pid 1 of the new pid namespace: brings loopback up (the net namespace's only device),
+* B, pid 1 of the new pid namespace: joins the run's cgroups, then new mount, cgroup, uts, ipc
+  and net namespaces; brings loopback up (the net namespace's only device),
   mounts a new ``/proc`` (``/proc/sys``, ``sysrq-trigger``,
   ``irq``, ``bus`` read-only as bwrap does), the run's ``work`` at ``/work`` and its ``prog``
   read-only at ``/sandbox``, empty read-only tmpfs over ``/runs`` and ``/cg`` (no other run's
@@ -26,10 +26,11 @@ interpreter (no interpreter start-up, no bwrap start-up):
   ``/sandbox/main.py`` as ``python3 -I -S`` would: ``sys.argv`` [path], a fresh ``__main__``.
 
 Everything about a run comes back on its own pipes: C writes ``started`` on the status fd just
-before the program, and A, once B has ended, ``exit CODE CPU_SECONDS`` (B's and everything it
-reaped); a setup failure is written there instead of ``started`` (the run exits 125: a sandbox
-error). Only A can write that report (B and C close the status fd first). The server reaps
-nothing itself (``SIGCHLD`` ignored) and answers nothing; EOF on its control socket ends it.
+before the program, and the server, once B has ended (a pidfd says so; ``wait4`` reaps it),
+``exit CODE CPU_SECONDS`` (B's and everything it reaped); a setup failure is written there
+instead of ``started`` (the run exits 125: a sandbox error). Only the server can write that
+report (B and C close the status fd first). The server answers nothing; EOF on its control
+socket ends it (and with it, bwrap's init, every run still going).
 
 A message with no fds, ``{"preload": SOURCE}`` (``envs.sandbox.preload``), has the server
 compile a trusted program once: a run whose ``/sandbox/main.py`` holds exactly that text
@@ -45,6 +46,7 @@ import gc
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import struct
@@ -106,18 +108,17 @@ def _exit_code(status):
     return os.WEXITSTATUS(status)
 
 
-def _setup_failed(status_fd, stage, exc, report=False):
-    """Say why on the status fd and exit 125; ``report``: in A, which reports itself."""
-    end = f"\nexit {SETUP_FAILED} 0\n" if report else ""
+def _setup_failed(status_fd, stage, exc):
+    """Say why on the status fd and exit 125 (the server reports the exit)."""
     try:
-        os.write(status_fd, (f"{stage}: {exc}"[:4000] + end).encode("utf-8", "replace"))
+        os.write(status_fd, f"{stage}: {exc}"[:4000].encode("utf-8", "replace"))
     finally:
         os._exit(SETUP_FAILED)
 
 
 def _run(job, out, err, status, go):
-    """A, then B, then C; returns only in C, once the host said go."""
-    try:  # A
+    """B, then C; returns only in C, once the host said go."""
+    try:  # B: pid 1 of its own pid namespace
         null = os.open("/dev/null", os.O_RDWR)
         for target in (0, 1, 2):  # not the server's stderr (the host's pipe): nothing of it
             os.dup2(null, target)
@@ -127,19 +128,11 @@ def _run(job, out, err, status, go):
             os.write(fd, b"0")
             os.close(fd)
         _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC
-                             | CLONE_NEWPID | CLONE_NEWNET), "unshare")
+                             | CLONE_NEWNET), "unshare")
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        pid_b = os.fork()
     except BaseException as exc:
-        _setup_failed(status, "namespaces", exc, report=True)
-    if pid_b:
-        for fd in (out, err, go):
-            os.close(fd)
-        code = _exit_code(os.waitpid(pid_b, 0)[1])
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # B and all it reaped
-        os.write(status, f"\nexit {code} {usage.ru_utime + usage.ru_stime}\n".encode())
-        os._exit(0)
-    try:  # B: pid 1
+        _setup_failed(status, "namespaces", exc)
+    try:
         _loopback_up()
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         for name in ("sys", "sysrq-trigger", "irq", "bus"):
@@ -188,7 +181,7 @@ def _warm():
     pages they share with the server): the compiler's first use, the C functions looked up,
     the ioctl format parsed, a socket and a file opened, ``warnings`` (a common import)."""
     compile(b"pass\n", "/sandbox/main.py", "exec")
-    for name in ("mount", "unshare", "prctl", "capset"):
+    for name in ("mount", "unshare", "setns", "prctl", "capset"):
         getattr(_libc, name)
     struct.calcsize(_IFREQ)
     socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
@@ -211,40 +204,73 @@ def _preload(source):
 
 
 def _serve():
-    """The server's loop; returns only in a run's process C."""
+    """The server's loop: runs started, their ends reported; returns only in a run's C."""
     control_fd = int(sys.argv[1])
+    # pid 1 of a pid namespace of its own: one owned by the user namespace it holds its
+    # capabilities in (bwrap's --disable-userns nests one under the pid namespace's owner),
+    # so that it may setns back into it after each run's
+    _check(_libc.unshare(CLONE_NEWPID), "unshare")
+    server = os.fork()
+    if server:
+        os.close(control_fd)
+        os._exit(_exit_code(os.waitpid(server, 0)[1]))
     control = socket.socket(fileno=control_fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps each A
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     _warm()
     gc.disable()
     gc.freeze()  # a run's collections leave the server's objects (and their pages) alone
+    poller = select.poll()
+    poller.register(control_fd, select.POLLIN)
+    running = {}  # a run's B: pidfd -> (pid, status fd)
     while True:
-        message, fds, _, _ = socket.recv_fds(control, 1 << 17, 4)
-        if not message:
-            os._exit(0)  # the host is gone
-        job = json.loads(message)
-        if "preload" in job:
-            for fd in fds:
+        for fd, _ in poller.poll():
+            if fd in running:
+                poller.unregister(fd)
                 os.close(fd)
-            _preload(job["preload"])
-            gc.freeze()
-            continue
-        if len(fds) != 4:
-            for fd in fds:
-                os.close(fd)
-            continue  # the host sees its status pipe end with no report
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            os.write(fds[2], f"fork: {exc}".encode())
+                _report_end(*running.pop(fd))
+                continue
+            message, fds, _, _ = socket.recv_fds(control, 1 << 17, 4)
+            if not message:
+                os._exit(0)  # the host is gone
+            job = json.loads(message)
+            if "preload" in job or len(fds) != 4:  # a run without its 4 fds: no report comes
+                for fd in fds:
+                    os.close(fd)
+                if "preload" in job:
+                    _preload(job["preload"])
+                    gc.freeze()
+                continue
             pid = -1
-        if pid == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            control.detach()
-            os.close(control_fd)
-            return _run(job, *fds)
-        for fd in fds:
-            os.close(fd)
+            try:
+                _check(_libc.unshare(CLONE_NEWPID), "unshare")  # for the next child only
+                pid = os.fork()
+            except OSError as exc:
+                os.write(fds[2], f"fork: {exc}".encode())
+            if pid == 0:
+                control.detach()
+                for fd in (control_fd, own_pid_ns, *running,
+                           *(status for _, status in running.values())):
+                    os.close(fd)
+                return _run(job, *fds)
+            _check(_libc.setns(own_pid_ns, CLONE_NEWPID), "setns")  # later children: ours
+            for fd in fds[:2] + fds[3:]:
+                os.close(fd)
+            if pid < 0:
+                os.close(fds[2])
+                continue
+            pidfd = os.pidfd_open(pid)
+            running[pidfd] = (pid, fds[2])
+            poller.register(pidfd, select.POLLIN)
+
+
+def _report_end(pid, status):
+    """Reap a run's B; write its exit code and CPU seconds (B's and all it reaped)."""
+    _, wait_status, usage = os.wait4(pid, 0)
+    try:
+        os.write(status, f"\nexit {_exit_code(wait_status)} {usage.ru_utime + usage.ru_stime}\n".encode())
+    except OSError:
+        pass  # the host closed the run
+    os.close(status)
 
 
 def _program(job):

@@ -59,7 +59,7 @@ child never runs Python, so starting a run costs the same in a process holding g
 bwrap's fork server (``FORK_SERVER``, on by default; ``envs/_fork_server.py``): as root, with a
 pids cgroup, the first bwrap run of a process starts one bwrap sandbox holding a warm guest
 interpreter (uid 65534, capabilities only inside that sandbox's user namespace), and every bwrap
-run is then three forks of it instead of a new bwrap and interpreter (~6 ms a run against
+run is then two forks of it instead of a new bwrap and interpreter (~4 ms a run against
 ~20). Each run's processes join the run's own cgroups, then get their own mount, pid, net
 (loopback only), ipc, uts and cgroup namespaces, a new ``/proc``, the run's ``/work`` and
 ``/sandbox`` and nothing of any other run's, their rlimits, and no capabilities, before the
@@ -755,18 +755,22 @@ class _Cgroup:
             pids = int(fields.get("max", "0")) > 0
         return oom, pids
 
-    def kill(self) -> None:
+    def kill(self) -> bool:
+        """SIGKILL every process in them until none is left; whether there was any."""
+        found = False
         for d in self.dirs.values():
             for _ in range(1000):
                 pids = [int(p) for p in _read(d / "cgroup.procs")]
                 if not pids:
                     break
+                found = True
                 for pid in pids:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                 time.sleep(0.001)
+        return found
 
     def close(self) -> None:
         self.kill()
@@ -1257,7 +1261,7 @@ class _ForkServer:
 
 class _ForkedRun:
     """One run through the fork server. ``__init__`` makes its folder, cgroups and pipes and
-    sends the request: the server's three processes set the run up and its last waits for a
+    sends the request: the server's two processes set the run up and the second waits for a
     go. ``run`` writes the program and files in place, sends the go (``wall_s`` counts from
     there) and reads the run's pipes to their end on this thread; ``close`` (after ``run``, or
     instead of it: the waiting process sees its go pipe close and exits) removes what it made."""
@@ -1302,7 +1306,8 @@ class _ForkedRun:
                 return _failed("bwrap", self.failure)
             limits, cgroup, workdir = self.limits, self.cgroup, self.workdir
             workdir.fill(code, files)
-            watch = _Watch(limits, cgroup.kill)
+            alive_at_stop: list[bool] = []
+            watch = _Watch(limits, lambda: alive_at_stop.append(cgroup.kill()))
             status = bytearray()
             t0 = time.monotonic()
             try:
@@ -1323,6 +1328,9 @@ class _ForkedRun:
             elif ended is None and not report.startswith("started"):
                 failure = (why_gone() or "the bwrap fork server did not start the program "
                            f"within {limits.wall_s:g} s: {report[-2000:]!r}")
+            elif ended is None and alive_at_stop == [False]:  # the program had ended unreported
+                failure = (why_gone() or "the bwrap fork server did not report the end of the "
+                           f"run (its processes had all ended by the {watch.stopped.value} stop)")
             elif ended is not None and not report.startswith("started\n"):
                 failure = f"bwrap could not start the program: {report[:ended.start()][-2000:]}"
             oom, pids_hit = cgroup.events()
@@ -1349,7 +1357,7 @@ class _ForkedRun:
             self.workdir.cleanup()
 
 
-_REPORT = re.compile(r"\nexit (\d+) ([0-9.e+-]+)\n\Z")  # a fork server run's last words (its A)
+_REPORT = re.compile(r"\nexit (\d+) ([0-9.e+-]+)\n\Z")  # a fork server run's last words (the server's)
 _STATUS_BYTES = 1 << 16
 _DRAIN_AFTER_STOP_S = 5.0  # after a stop: for the output of a program that started
 _UNSTARTED_AFTER_STOP_S = 0.5  # ... and for a run whose program never started

@@ -211,7 +211,7 @@ def test_a_guest_started_ahead_runs_like_run(backend):
 @pytest.mark.parametrize("how", ["close", "collected"])
 def test_a_guest_never_run_leaves_nothing(mode, how, monkeypatch):
     """A guest closed (or garbage-collected) before its program: its processes (an interpreter
-    waiting for its go; through the fork server, the run's three) killed and reaped, its work
+    waiting for its go; through the fork server, the run's two) killed and reaped, its work
     dir and cgroups removed, and it runs nothing afterwards."""
     _mode(mode, monkeypatch)
     guest = sandbox.prepare(Limits(), MODES[mode][0])
@@ -221,7 +221,7 @@ def test_a_guest_never_run_leaves_nothing(mode, how, monkeypatch):
     time.sleep(0.2)
     if isinstance(process, sandbox._ForkedRun):
         pids = [int(p) for p in (cgroups[0] / "cgroup.procs").read_text().split()]
-        assert mode == "bwrap" and len(pids) == 3  # A, B and the program's process, waiting
+        assert mode == "bwrap" and len(pids) == 2  # its init and the program's process, waiting
     else:
         pids = [process.proc.pid]
     assert all(Path(f"/proc/{pid}").exists() for pid in pids) and root.exists()
@@ -473,18 +473,51 @@ def test_a_fork_server_that_stops_reading_fails_the_run_not_the_program(monkeypa
     """A server stopped (SIGSTOP) never starts the run: past ``wall_s`` that is a
     ``sandbox_error``, not the program's timeout; once it goes on, so do runs."""
     _need_fork_server(monkeypatch)
-    server = sandbox._FORKS.get()
-    interpreter = [p for p in _live_children_of(server.proc.pid)
-                   if Path(f"/proc/{p}/comm").read_text().strip() == "python3"]
-    assert len(interpreter) == 1
-    os.kill(interpreter[0], signal.SIGSTOP)
+    serving = _serving_interpreter()
+    os.kill(serving, signal.SIGSTOP)
     try:
         r = run("print(1)", limits=Limits(wall_s=1), backend="bwrap")
     finally:
-        os.kill(interpreter[0], signal.SIGCONT)
+        os.kill(serving, signal.SIGCONT)
     assert r.status == "sandbox_error" and r.exit_code is None, r
     assert r.detail.startswith("the bwrap fork server did not start the program within 1 s"), r
     assert run("print(1)", backend="bwrap").stdout == "1\n"
+
+
+def test_a_fork_server_stopped_mid_run_fails_the_run_not_the_program(monkeypatch):
+    """The server reports each run's end; stopped after the run started, it reports nothing:
+    the run's processes have ended by the wall-clock stop, so it is a ``sandbox_error``, not
+    the program's timeout."""
+    _need_fork_server(monkeypatch)
+    monkeypatch.setattr(sandbox, "_DRAIN_AFTER_STOP_S", 0.5)
+    guest = sandbox.prepare(Limits(wall_s=1.5), "bwrap")  # its processes made, waiting
+    time.sleep(0.2)
+    serving = _serving_interpreter()
+    os.kill(serving, signal.SIGSTOP)
+    try:
+        r = guest.run("print('done')")
+    finally:
+        os.kill(serving, signal.SIGCONT)
+    assert r.status == "sandbox_error" and r.exit_code is None and r.stdout == "done\n", r
+    assert r.detail.startswith("the bwrap fork server did not report the end of the run"), r
+    assert run("print(1)", backend="bwrap").stdout == "1\n"
+
+
+def _serving_interpreter() -> int:
+    """The fork server's serving process: the interpreter bwrap started forks it (pid 1 of a pid
+    namespace of its own) and waits."""
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    def named(pid: int) -> str:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+
+    live = _live_children_of(sandbox._FORKS.get().proc.pid)
+    started = [p for p in live if named(p) == "python3" and named(parent(p)) == "bwrap"]
+    assert len(started) == 1, live
+    serving = [p for p in live if parent(p) == started[0]]
+    assert len(serving) == 1 and named(serving[0]) == "python3", live
+    return serving[0]
 
 
 def _live_children_of(pid: int) -> list[int]:
