@@ -735,8 +735,14 @@ class _Cgroup:
                 continue
             try:
                 for file, value in settings[controller]:
-                    if (d / file).exists():
-                        (d / file).write_text(str(value))
+                    try:
+                        fd = os.open(d / file, os.O_WRONLY)
+                    except FileNotFoundError:  # memsw: no swap accounting in this kernel
+                        continue
+                    try:
+                        os.write(fd, str(value).encode())
+                    finally:
+                        os.close(fd)
                 if owner is not None:
                     os.chown(d / "cgroup.procs", owner, owner)
             except OSError:
@@ -786,9 +792,17 @@ class _Cgroup:
         _LIVE_CGROUPS.discard(self.name)
 
 
+_SWEPT: dict[Path, float] = {}  # a cgroup parent: when it was last swept
+_SWEEP_EVERY_S = 1.0
+
+
 def _sweep(parent: Path) -> None:
     """Remove cgroups left by runs of processes that are gone (a zombie the host's init has not
-    reaped yet can keep one busy past its run's ``close``)."""
+    reaped yet can keep one busy past its run's ``close``); at most every ``_SWEEP_EVERY_S``."""
+    now = time.monotonic()
+    if now - _SWEPT.get(parent, -_SWEEP_EVERY_S) < _SWEEP_EVERY_S:
+        return
+    _SWEPT[parent] = now
     try:
         with os.scandir(parent) as entries:  # d_type: no stat per control file
             names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
@@ -804,11 +818,21 @@ def _sweep(parent: Path) -> None:
                 pass
 
 
-def _read(path: Path) -> list[str]:
+def _read(path: Path | str) -> list[str]:
+    """A small kernel file's lines (cgroup and /proc files); none when it cannot be read."""
     try:
-        return path.read_text().splitlines()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return []
+    try:
+        data = b""
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace").splitlines()
 
 
 _OWN_CGROUPS: dict[int, dict[str, str]] = {}  # pid -> its cgroups (a forked child reads its own)
