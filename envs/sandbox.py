@@ -446,6 +446,18 @@ def _check_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
     return out
 
 
+def _write_new(path: str, data: bytes, mode: int) -> None:
+    """A new file holding ``data``, with exactly ``mode`` (whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -470,26 +482,31 @@ class _WorkDir:
             raise
 
     def fill(self, code: str, files: dict[str, bytes]) -> None:
-        self.main.write_bytes(code.encode("utf-8", "surrogatepass"))
-        os.chmod(self.main, 0o444)
+        _write_new(str(self.main), code.encode("utf-8", "surrogatepass"), 0o444)
         self.given = {rel: _digest(data) for rel, data in files.items()}
+        work = str(self.work)
+        dirs = {work}
         for rel, data in files.items():
-            target = self.work / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+            for parent in reversed(PurePosixPath(rel).parents[:-1]):  # made as they were given
+                path = os.path.join(work, parent)
+                if path not in dirs:
+                    os.makedirs(path, exist_ok=True)
+                    dirs.add(path)
+            _write_new(os.path.join(work, rel), data, 0o644)
         if self.guest_uid is not None and self.guest_uid != os.geteuid():
-            self._hand_over(self.guest_uid)
+            self._hand_over(self.guest_uid, dirs, [os.path.join(work, rel) for rel in files])
 
-    def _hand_over(self, uid: int) -> None:
-        paths = [self.work, *self.work.rglob("*")]
-        for path in paths:
+    def _hand_over(self, uid: int, dirs: set[str], files: list[str]) -> None:
+        """Give the fresh work dir and everything ``fill`` made in it to ``uid``."""
+        for path in [*dirs, *files]:
             if os.geteuid() == 0:
                 os.chown(path, uid, uid, follow_symlinks=False)
             else:  # Docker as a non-root user: the guest's uid differs and cannot be chown'ed to
-                os.chmod(path, 0o777 if path.is_dir() else 0o666)
+                os.chmod(path, 0o777 if path in dirs else 0o666)
 
     def _entries(self) -> Iterator[tuple[str, os.stat_result]]:
-        stack = [self.work]
+        work = str(self.work)
+        stack, cut = [work], len(work) + 1
         while stack:
             top = stack.pop()
             try:
@@ -500,8 +517,8 @@ class _WorkDir:
                         except OSError:
                             continue
                         if stat.S_ISDIR(st.st_mode):
-                            stack.append(Path(entry.path))
-                        yield os.path.relpath(entry.path, self.work), st
+                            stack.append(entry.path)
+                        yield entry.path[cut:], st  # relative to the work dir
             except OSError:
                 continue
 
