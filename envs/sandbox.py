@@ -738,6 +738,7 @@ class _Cgroup:
 
     def __init__(self, processes: int, memory_bytes: int, owner: int | None = None):
         self.dirs: dict[str, Path] = {}
+        self.emptied = False  # known empty for good (close need not kill)
         self.name = name = f"{os.getpid()}-{next(_CGROUP_IDS)}"
         _LIVE_CGROUPS.add(name)
         settings = {"pids": [("pids.max", processes)],
@@ -796,7 +797,8 @@ class _Cgroup:
         return found
 
     def close(self) -> None:
-        self.kill()
+        if not self.emptied:
+            self.kill()
         for d in self.dirs.values():
             for _ in range(200):
                 try:
@@ -1190,7 +1192,8 @@ class _ForkServer:
 
     def __init__(self):
         self.owner = os.getpid()
-        self.runs_dir = Path(tempfile.mkdtemp(prefix="agent-rl-forks-"))
+        _sweep_runs_dirs()
+        self.runs_dir = Path(tempfile.mkdtemp(prefix=f"{_RUNS_PREFIX}{self.owner}-"))
         self.cgroup: _Cgroup | None = None
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
@@ -1300,6 +1303,18 @@ class _ForkServer:
         shutil.rmtree(self.runs_dir, ignore_errors=True)
 
 
+_RUNS_PREFIX = "agent-rl-forks-"
+
+
+def _sweep_runs_dirs() -> None:
+    """Remove the runs folders of fork servers whose process is gone (one that left without
+    ``atexit``, e.g. a forked child's ``os._exit``: its server died with it, its folder stayed)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_RUNS_PREFIX}*-*"):
+        pid = path.name[len(_RUNS_PREFIX):].split("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class _ForkedRun:
     """One run through the fork server. ``__init__`` makes its folder, cgroups and pipes and
     sends the request: the server's two processes set the run up and the second waits for a
@@ -1360,9 +1375,12 @@ class _ForkedRun:
                                     self.ours["status"]: status}, t0 + limits.wall_s)
             wall_s = time.monotonic() - t0
             watch.finish()
-            cgroup.kill()
+            left = cgroup.kill()
             report = status.decode("utf-8", "replace")
             ended = _REPORT.search(report)
+            # reported: the server reaped the run's init, so every process of the run is gone
+            # and none can join its cgroups again
+            cgroup.emptied = ended is not None and not left
             failure, why_gone = "", self.server.why_gone
             if ended is None and watch.stopped is None:
                 failure = why_gone() or f"the run ended without a report: {report[-2000:]!r}"

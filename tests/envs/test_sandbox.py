@@ -13,6 +13,7 @@ import importlib.util
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -466,6 +467,10 @@ def test_a_forked_process_runs_through_its_own_fork_server(monkeypatch):
     os.waitpid(pid, 0)
     assert stdout == "2" and int(server_pid) != parent_server.proc.pid
     assert sandbox._FORKS.get() is parent_server and run("print(1)", backend="bwrap").stdout == "1\n"
+    left = list(Path(tempfile.gettempdir()).glob(f"agent-rl-forks-{pid}-*"))
+    assert len(left) == 1  # the child left by os._exit: no atexit, its runs folder stayed
+    sandbox._sweep_runs_dirs()  # as every server start does
+    assert not any(p.exists() for p in left) and parent_server.runs_dir.exists()
 
 
 @pytest.mark.slow
