@@ -20,7 +20,8 @@ interpreter (no interpreter start-up, no bwrap start-up):
   folder, no cgroup file is reachable) and a fresh ``/dev/shm``; reaps orphans until C exits,
   then exits with C's code (128 + N after signal N), which ends the namespace.
 * C, pid 2: sets its rlimits, stdin ``/dev/null``, stdout and stderr to the host's pipes, drops
-  every capability (bounding, ambient, effective, permitted, inheritable), then waits for a
+  every capability (ambient, effective, permitted, inheritable; the server emptied the bounding
+  set all its forks inherit when it started), then waits for a
   ``g`` on the go fd (the host writes the program first; EOF: the run was closed unused, exit
   0), writes ``started`` on the status fd, closes every other fd and runs
   ``/sandbox/main.py`` as ``python3 -I -S`` would: ``sys.argv`` [path], a fresh ``__main__``.
@@ -92,10 +93,16 @@ def _loopback_up():
         fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | IFF_UP))
 
 
-def _drop_capabilities():
+def _empty_bounding_set():
+    """Once, in the server: no capability can come back through an exec in any process forked
+    from it (its own, effective and permitted, stay for B's namespaces and mounts)."""
     cap = 0
     while _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
         cap += 1
+
+
+def _drop_capabilities():
+    """C's: ambient, effective, permitted and inheritable (the bounding set is empty already)."""
     _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: all zero
@@ -216,6 +223,7 @@ def _serve():
         os._exit(_exit_code(os.waitpid(server, 0)[1]))
     control = socket.socket(fileno=control_fd)
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    _empty_bounding_set()
     _warm()
     gc.disable()
     gc.freeze()  # a run's collections leave the server's objects (and their pages) alone

@@ -383,14 +383,20 @@ import sys
 sys.dont_write_bytecode = True
 import marshal, posix, warnings  # built in / tiny: json, os, importlib would cost ~10 ms a run
 warnings.simplefilter("ignore")
-_fd, _raw = posix.open(__TESTS__, posix.O_RDONLY), b""
-while _chunk := posix.read(_fd, 65536):
-    _raw += _chunk
-posix.close(_fd)
-NONCE, FUNCTION, INPUTS = marshal.loads(_raw)
-del _fd, _raw, _chunk
+
+
+def _slurp(name):
+    fd, data = posix.open(name, posix.O_RDONLY), b""
+    while chunk := posix.read(fd, 65536):
+        data += chunk
+    posix.close(fd)
+    return data
+
+
+NONCE, FUNCTION, INPUTS = marshal.loads(_slurp(__TESTS__))
 _type, _str, _vars, _issubclass, _len, _ord = type, str, vars, issubclass, len, ord
 _write, _exit, _BaseException = posix.write, posix._exit, BaseException
+_getattr, _modules = getattr, sys.modules
 _PLAIN = (bool, int, float, str, list, tuple, dict)
 _NONE = type(None)
 
@@ -501,8 +507,13 @@ def _entry(out):
 import_error = None
 fn = None
 sys.path.insert(0, posix.getcwd())
-try:
-    fn = getattr(__import__("solution"), FUNCTION)
+try:  # import solution as importlib would, without its machinery (~0.5 ms of a short run)
+    _path = posix.getcwd() + "/solution.py"
+    _module = type(sys)("solution")
+    _module.__file__, _module.__cached__, _module.__package__ = _path, None, ""
+    sys.modules["solution"] = _module
+    exec(compile(_slurp("solution.py"), _path, "exec"), _module.__dict__)
+    fn = _getattr(_modules["solution"], FUNCTION)  # the module may have replaced itself
 except _BaseException as exc:
     import_error = _name(_type(exc))
 results = []
