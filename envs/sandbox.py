@@ -427,10 +427,13 @@ def _check_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
     for name, content in (files or {}).items():
         if not isinstance(name, str) or not name or "\x00" in name:
             raise ValueError(f"file name {name!r}: must be a non-empty str without NUL bytes")
-        path = PurePosixPath(name)
-        if path.is_absolute() or not path.parts or ".." in path.parts:
-            raise ValueError(f"file name {name!r}: must be relative to the work dir, without '..'")
-        key = str(path)
+        if "/" not in name and name not in (".", ".."):
+            key = name  # a plain name: what PurePosixPath would make of it
+        else:
+            path = PurePosixPath(name)
+            if path.is_absolute() or not path.parts or ".." in path.parts:
+                raise ValueError(f"file name {name!r}: must be relative to the work dir, without '..'")
+            key = str(path)
         if key in out:
             raise ValueError(f"file name {name!r}: given twice (as {key!r})")
         if isinstance(content, str):
@@ -440,7 +443,7 @@ def _check_files(files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
         else:
             raise TypeError(f"file {name!r}: content must be str or bytes, got {type(content).__name__}")
     for key in out:
-        for parent in PurePosixPath(key).parents:
+        for parent in PurePosixPath(key).parents if "/" in key else ():
             if str(parent) in out:
                 raise ValueError(f"file name {key!r}: {str(parent)!r} is also given as a file")
     return out
@@ -470,13 +473,14 @@ class _WorkDir:
     def __init__(self, guest_uid: int | None, parent: Path | None = None):
         self.guest_uid = guest_uid
         self.given: dict[str, str] = {}
-        self.root = Path(tempfile.mkdtemp(prefix="agent-rl-sandbox-", dir=parent))
+        root = tempfile.mkdtemp(prefix="agent-rl-sandbox-", dir=parent)
+        self.root = Path(root)
         try:
-            os.chmod(self.root, 0o711)
-            self.prog, self.work = self.root / "prog", self.root / "work"
-            self.prog.mkdir(mode=0o755)
-            self.work.mkdir(mode=0o755)
-            self.main = self.prog / "main.py"
+            os.chmod(root, 0o711)
+            os.mkdir(root + "/prog", 0o755)
+            os.mkdir(root + "/work", 0o755)
+            self.prog, self.work = Path(root + "/prog"), Path(root + "/work")
+            self.main = Path(root + "/prog/main.py")
         except BaseException:
             self.cleanup()
             raise
@@ -565,7 +569,8 @@ class _WorkDir:
             except OSError:
                 pass
 
-        shutil.rmtree(self.root, onerror=retry)
+        if os.path.lexists(root):
+            shutil.rmtree(root, onerror=retry)
 
 
 # --- the run's bookkeeping, shared by every backend -----------------------------------------
@@ -727,8 +732,15 @@ _LIVE_CGROUPS: set[str] = set()  # this process's runs in progress
 
 def _cgroup_parents() -> dict[str, Path]:
     """Where this process's run cgroups go, per controller (``pids``, ``memory``) it is in."""
-    return {controller: _CGROUP_ROOT / controller / path.lstrip("/") / "agent-rl-sandbox"
-            for controller, path in _own_cgroups().items() if controller in ("pids", "memory")}
+    own = _own_cgroups()  # read again in a forked child
+    if _PARENTS.get("of") is not own:
+        _PARENTS.update(of=own, parents={
+            controller: _CGROUP_ROOT / controller / path.lstrip("/") / "agent-rl-sandbox"
+            for controller, path in own.items() if controller in ("pids", "memory")})
+    return dict(_PARENTS["parents"])
+
+
+_PARENTS: dict[str, dict] = {}
 
 
 class _Cgroup:
@@ -746,15 +758,18 @@ class _Cgroup:
                                ("memory.memsw.limit_in_bytes", memory_bytes)]}
         for controller, parent in _cgroup_parents().items():
             _sweep(parent)
-            d = parent / name
+            d = f"{parent}/{name}"
             try:
-                d.mkdir(parents=True)
+                try:
+                    os.mkdir(d)
+                except FileNotFoundError:  # the parent too, at first
+                    os.makedirs(d)
             except OSError:
                 continue
             try:
                 for file, value in settings[controller]:
                     try:
-                        fd = os.open(d / file, os.O_WRONLY)
+                        fd = os.open(f"{d}/{file}", os.O_WRONLY)
                     except FileNotFoundError:  # memsw: no swap accounting in this kernel
                         continue
                     try:
@@ -762,20 +777,20 @@ class _Cgroup:
                     finally:
                         os.close(fd)
                 if owner is not None:
-                    os.chown(d / "cgroup.procs", owner, owner)
+                    os.chown(f"{d}/cgroup.procs", owner, owner)
             except OSError:
-                d.rmdir()
+                os.rmdir(d)
                 continue
-            self.dirs[controller] = d
+            self.dirs[controller] = Path(d)
 
     def events(self) -> tuple[bool, bool]:
         """(an OOM kill happened, a fork was refused)."""
         oom = pids = False
         if "memory" in self.dirs:
-            fields = dict(line.split() for line in _read(self.dirs["memory"] / "memory.oom_control"))
+            fields = dict(line.split() for line in _read(f"{self.dirs['memory']}/memory.oom_control"))
             oom = int(fields.get("oom_kill", "0")) > 0
         if "pids" in self.dirs:
-            fields = dict(line.split() for line in _read(self.dirs["pids"] / "pids.events"))
+            fields = dict(line.split() for line in _read(f"{self.dirs['pids']}/pids.events"))
             pids = int(fields.get("max", "0")) > 0
         return oom, pids
 
@@ -783,8 +798,9 @@ class _Cgroup:
         """SIGKILL every process in them until none is left; whether there was any."""
         found = False
         for d in self.dirs.values():
+            procs = f"{d}/cgroup.procs"
             for _ in range(1000):
-                pids = [int(p) for p in _read(d / "cgroup.procs")]
+                pids = [int(p) for p in _read(procs)]
                 if not pids:
                     break
                 found = True
