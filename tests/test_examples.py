@@ -212,12 +212,14 @@ def test_vs_trl_runs_as_a_smoke(tmp_path):
 @pytest.mark.slow
 def test_sandbox_overhead_runs_as_a_smoke(tmp_path):
     """benchmarks/sandbox_overhead.py, two runs per backend: every available backend timed
-    against the baseline measured in the same run, its overhead the difference of the medians."""
+    against the baseline measured in the same run, its overhead the difference of the medians;
+    then CodeTests-v0 scored through each bwrap mode here (a wrong verdict fails the script),
+    its CPU counted."""
     import json
 
     script = EXAMPLES.parent / "benchmarks" / "sandbox_overhead.py"
-    result = subprocess.run([sys.executable, str(script), "--runs", "2"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=300)
+    result = subprocess.run([sys.executable, str(script), "--runs", "2", "--score-runs", "6"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout.strip().splitlines()[-1])
     assert s["runs"] == 2 and s["baseline"]["median_ms"] > 0 and s["subprocess"]["available"]
@@ -228,6 +230,12 @@ def test_sandbox_overhead_runs_as_a_smoke(tmp_path):
             assert r["overhead_ms"] == pytest.approx(r["median_ms"] - s["baseline"]["median_ms"])
         else:
             assert r["why"]
+    scored = [m for m in ("bwrap", "bwrap-fresh") if s[m]["available"]]
+    assert sorted(k for k in s if k.startswith("codetests")) == [f"codetests {m}" for m in scored]
+    for mode in scored:
+        r = s[f"codetests {mode}"]
+        assert r["runs"] == 6 and r["wall_ms_per_run"] > 0
+        assert r["machine_cpu_ms_per_run"] > 0 and r["own_cpu_ms_per_run"] >= 0  # clock ticks
 
 
 @pytest.mark.slow
