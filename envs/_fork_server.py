@@ -37,8 +37,9 @@ A message with no fds, ``{"preload": SOURCE}`` (``envs.sandbox.preload``), has t
 compile a trusted program once: a run whose ``/sandbox/main.py`` holds exactly that text
 executes the compiled code instead of compiling it in its fork (a fork's first compile touches
 a few hundred of the server's pages: ~2 ms for a 4 KB program). Work every run's forks would
-otherwise each repeat (the compiler's first-use set-up, looking up the C functions, the
-``warnings`` import) is done once, before the first request (``_warm``).
+otherwise each repeat (the compiler's first-use set-up, looking up the C functions) is done
+once, before the first request (``_warm``); ``warnings``, which preloading uses, is imported
+here, so a run's ``import warnings`` (a common one) costs nothing.
 """
 
 import ctypes
@@ -52,6 +53,7 @@ import signal
 import socket
 import struct
 import sys
+import warnings
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
@@ -186,7 +188,7 @@ def _run(job, out, err, status, go):
 def _warm():
     """Set up once, here, what each run's forks would otherwise each set up again (writing to
     pages they share with the server): the compiler's first use, the C functions looked up,
-    the ioctl format parsed, a socket and a file opened, ``warnings`` (a common import)."""
+    the ioctl format parsed, a socket and a file opened."""
     compile(b"pass\n", "/sandbox/main.py", "exec")
     for name in ("mount", "unshare", "setns", "prctl", "capset"):
         getattr(_libc, name)
@@ -194,14 +196,12 @@ def _warm():
     socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
     with open("/dev/null", "rb") as f:
         f.read()
-    import warnings  # noqa: F401
 
 
 def _preload(source):
     """Compile a trusted program now (``_program`` then skips compiling it). One that does not
     compile cleanly (an error, or a warning its runs should print) is left to its runs."""
     data = source.encode("utf-8", "surrogatepass")
-    import warnings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
