@@ -47,9 +47,10 @@ Reward
     ``format_error`` without a sandbox run. Otherwise the code is written as ``solution.py``
     into the sandbox's work dir, and the trusted harness (``HARNESS``, one program for every
     task, ``envs.sandbox.preload``ed) runs as main. The harness reads from ``TESTS_FILE``
-    (``harness``: ``marshal``, beside ``solution.py``) only the function's name, the test
-    *inputs* and a random nonce drawn after the agent's turn, imports ``solution`` (no bytecode written, warnings silenced), calls the function once per
-    input inside ``try/except BaseException``, and writes one record to stdout: the nonce and
+    (beside ``solution.py``, written by ``harness`` with ``marshal``) only the function's
+    name, the test *inputs* and a random nonce drawn after the agent's turn, imports
+    ``solution`` as importlib would (no bytecode written, warnings silenced), calls the
+    function once per input inside ``try/except BaseException``, and writes one record to stdout: the nonce and
     a JSON list with, per test, the returned value in a tagged encoding that admits only exact
     types (``type(x) in (bool, int, float, str, NoneType)`` and exact ``list``/``tuple``/
     ``dict`` with ``str`` keys, nested up to 32 deep), or the exception's type name, or
@@ -511,7 +512,7 @@ try:  # import solution as importlib would, without its machinery (~0.5 ms of a 
     _path = posix.getcwd() + "/solution.py"
     _module = type(sys)("solution")
     _module.__file__, _module.__cached__, _module.__package__ = _path, None, ""
-    sys.modules["solution"] = _module
+    _modules["solution"] = _module
     exec(compile(_slurp("solution.py"), _path, "exec"), _module.__dict__)
     fn = _getattr(_modules["solution"], FUNCTION)  # the module may have replaced itself
 except _BaseException as exc:

@@ -732,15 +732,15 @@ _LIVE_CGROUPS: set[str] = set()  # this process's runs in progress
 
 def _cgroup_parents() -> dict[str, Path]:
     """Where this process's run cgroups go, per controller (``pids``, ``memory``) it is in."""
-    own = _own_cgroups()  # read again in a forked child
-    if _PARENTS.get("of") is not own:
-        _PARENTS.update(of=own, parents={
-            controller: _CGROUP_ROOT / controller / path.lstrip("/") / "agent-rl-sandbox"
-            for controller, path in own.items() if controller in ("pids", "memory")})
-    return dict(_PARENTS["parents"])
+    pid = os.getpid()
+    if pid not in _PARENTS:  # a forked child works out its own
+        _PARENTS.clear()
+        _PARENTS[pid] = {controller: _CGROUP_ROOT / controller / path.lstrip("/") / "agent-rl-sandbox"
+                         for controller, path in _own_cgroups().items() if controller in ("pids", "memory")}
+    return dict(_PARENTS[pid])
 
 
-_PARENTS: dict[str, dict] = {}
+_PARENTS: dict[int, dict[str, Path]] = {}  # pid -> its run cgroups' parents
 
 
 class _Cgroup:
