@@ -28,6 +28,11 @@ rows x chunks. Measured on the Relay-v0 step above (the trainer's micro-batches 
 tokens): 0.91M pairs computed instead of 4.31M, attention forward + backward per layer 0.11 s
 instead of 0.27 s.
 
+Half precision (bf16 autocast, or a bf16 model) runs the chunks in float32 on the CPU: SDPA's
+bf16 kernel there was slower than its float32 one at these shapes (a layer's attention forward
++ backward on that step, alternated: 0.136 s against 0.103 s), and float32 rounds only the
+output, once. The output is in the dtype SDPA would have returned.
+
 transformers picks an attention function by ``config._attn_implementation``; ``blocked(model)``
 switches an SDPA model on the CPU to ``BLOCKED`` (this module's function, registered with
 transformers) for the duration of a training step: forward, backward and the layers it
@@ -54,6 +59,7 @@ from transformers.masking_utils import sdpa_mask
 BLOCKED = "agent_rl_blocked"  # the attention implementation's name in transformers' registry
 SPLIT = 128  # queries per piece of a long segment
 CALL_PAIRS = 1000  # query x key pairs one more SDPA call is worth (forward + backward)
+HALF = frozenset({torch.bfloat16, torch.float16})  # chunks in these dtypes run in float32 on the CPU
 
 
 @dataclass
@@ -162,16 +168,24 @@ def blocked_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         raise ValueError(f"attention_blocks plan {len(attention_blocks.rows)} rows for a batch of "
                          f"{R} x {T} tokens: plan the batch's own mask")
     gqa = key.shape[1] != H
+    # the dtype SDPA would return; half-precision chunks on the CPU run in float32 (module
+    # docstring: faster there than SDPA's half-precision kernel, and exact up to the inputs)
+    out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    widen = query.device.type == "cpu" and HALF & {query.dtype, key.dtype, value.dtype, out_dtype}
+    if widen:
+        query, key, value = query.float(), key.float(), value.float()
     rows = []
-    for q, k, v, plan in zip(query, key, value, attention_blocks.rows, strict=True):  # [H, T, D]
-        ks = k.index_select(1, plan.keys).split(plan.key_counts, 1)  # [H_kv, k_c, D] each
-        vs = v.index_select(1, plan.keys).split(plan.key_counts, 1)  # [H_kv, k_c, D] each
-        parts = [F.scaled_dot_product_attention(qc.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0),
-                                                attn_mask=m, dropout_p=dropout, scale=scaling,
-                                                enable_gqa=gqa)  # [1, H, q_c, D]
-                 for qc, kc, vc, m in zip(q.split(plan.query_counts, 1), ks, vs, plan.masks, strict=True)]
-        rows.append(torch.cat(parts, 2))  # [1, H, T, D]
-    return torch.cat(rows, 0).transpose(1, 2).contiguous(), None  # [R, T, H, D]
+    with torch.autocast("cpu", enabled=False) if widen else contextlib.nullcontext():
+        for q, k, v, plan in zip(query, key, value, attention_blocks.rows, strict=True):  # [H, T, D]
+            ks = k.index_select(1, plan.keys).split(plan.key_counts, 1)  # [H_kv, k_c, D] each
+            vs = v.index_select(1, plan.keys).split(plan.key_counts, 1)  # [H_kv, k_c, D] each
+            parts = [F.scaled_dot_product_attention(qc.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0),
+                                                    attn_mask=m.float() if widen and m.is_floating_point() else m,
+                                                    dropout_p=dropout, scale=scaling,
+                                                    enable_gqa=gqa)  # [1, H, q_c, D]
+                     for qc, kc, vc, m in zip(q.split(plan.query_counts, 1), ks, vs, plan.masks, strict=True)]
+            rows.append(torch.cat(parts, 2))  # [1, H, T, D]
+    return torch.cat(rows, 0).transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), None  # [R, T, H, D]
 
 
 AttentionInterface.register(BLOCKED, blocked_attention_forward)

@@ -106,6 +106,40 @@ def test_blocked_attention_equals_sdpa_values_and_gradients(heads, kv_heads):
         blocked_attention_forward(module, q[:1], k[:1], v[:1], mask[:1], attention_blocks=plan)
 
 
+@pytest.mark.parametrize("autocast", [True, False])
+def test_half_precision_chunks_run_in_float32_and_return_the_sdpa_dtype(autocast):
+    """bf16 inputs, or any inputs under bf16 autocast (the trainer's q and k come out of the
+    rotary embedding in float32, v in bf16): the chunks are computed in float32 from the
+    inputs as given, the output is bf16 as SDPA's would be, gradients reach every input in
+    its own dtype."""
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]])  # [1, 10]
+    prefix = torch.tensor([[-1, -1, -1, 0, 0, 0, 0, 0, 0, 0]])  # rests 1 and 2 share prompt 0
+    mask = packed_attention_mask(seq, torch.float32, prefix=prefix)  # [1, 1, 10, 10]
+    q = torch.randn(1, 6, 10, 8, generator=gen)
+    k = torch.randn(1, 2, 10, 8, generator=gen)
+    v = torch.randn(1, 2, 10, 8, generator=gen).bfloat16()
+    if not autocast:
+        q, k = q.bfloat16(), k.bfloat16()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    plan = plan_blocks(mask, split=3, call_pairs=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out, _ = blocked_attention_forward(module, q, k, v, mask, scaling=0.3, attention_blocks=plan)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape == (1, 10, 6, 8)
+    # float32 SDPA on the same values, rounded once at the end: exactly what was computed
+    expect = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(3, 1),
+                                            v.float().repeat_interleave(3, 1), attn_mask=mask,
+                                            scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(out.float(), expect.bfloat16().float(), rtol=0, atol=0)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [q.dtype, k.dtype, v.dtype]
+    theirs = torch.autograd.grad(expect.sum(), (q, k, v))
+    for a, b in zip(grads, theirs, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_the_trainer_forward_runs_blocked_chunks_with_the_same_logits_and_gradients(monkeypatch):
     """trained_token_logits inside blocked(model): SDPA is called on chunks (queries shorter
     than the row), the logits and every gradient equal the dense forward's; outside, the
