@@ -1,6 +1,7 @@
 """Our compiled CPU kernels (``agent_rl/csrc/kernels.cpp``): ``blocked_linear``, ``y = x W^T +
 b`` for a frozen weight held in panels of 32 output columns, ``[P, K, 32]``; ``rms_norm``, a
-decode step's RMSNorm as one pass (``F.rms_norm`` runs as five ops on the CPU); ``sample``, a
+decode step's RMSNorm as one pass (``F.rms_norm`` runs as five ops on the CPU), and
+``RMSNorm``, the trainer's, forward and backward one pass each; ``sample``, a
 decode step's inverse-CDF draw over the vocabulary without the four ``[B, V]`` tensors the
 tensor ops write; ``decode_attention``, a decode step's attention reading each row's keys and
 values once, in place, from a prompt held once per group or the row's own buffer
@@ -131,6 +132,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm of ``x`` [..., H], float32: ``weight * (x / sqrt(mean(x^2) + eps))``."""
     y = torch.ops.agent_rl_kernels.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps)
     return y.view(x.shape)
+
+
+class RMSNorm(torch.autograd.Function):
+    """Llama's RMSNorm for training, float32 on the CPU: ``RMSNorm.apply(x, weight, eps)``, the
+    forward as ``rms_norm`` keeping each row's reciprocal root, the backward as one pass over
+    the rows (``dx = r (dn - n mean(dn n))`` with ``n = x r``, ``dn = grad * weight``; the
+    weight's gradient summed over the rows). Saves ``x`` and ``[M]`` roots, where the tensor
+    ops keep ``x`` and the normalized rows. ``train.kernel_norms`` switches a model's norms to
+    it for a step."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, H]
+        y, rstd = torch.ops.agent_rl_kernels.rms_norm_forward(rows, weight, eps)  # [M, H], [M]
+        ctx.save_for_backward(rows, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dweight = torch.ops.agent_rl_kernels.rms_norm_backward(
+            grad.reshape(rows.shape).float().contiguous(), rows, weight, rstd)  # [M, H], [H]
+        return (dx.view(grad.shape) if ctx.needs_input_grad[0] else None,
+                dweight if ctx.needs_input_grad[1] else None, None)
 
 
 def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

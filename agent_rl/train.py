@@ -26,7 +26,8 @@ takes the weights after every update (``sync_weights``).
 
 Devices and numerics: everything runs on ``model.device``; ``model.dtype: bfloat16`` keeps
 fp32 master weights and runs forward passes under bf16 autocast, each weight cast once a step
-(``step_cast_cache``). The trainer's log-probs of
+(``step_cast_cache``). On the CPU, RMSNorms run as our kernel (``kernel_norms``) and attention
+only where the packed mask allows (``attention.blocked``). The trainer's log-probs of
 the trained tokens, before its update, are compared with the rollout's on every step
 (``rollout/logprob_diff_mean|max``); ``rollout.correction`` decides what to do about the
 difference (``grpo.behaviour_correction``).
@@ -42,6 +43,7 @@ import json
 import math
 import random
 import time
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +55,7 @@ import torch.utils.checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import envs
-from agent_rl import checkpoint, curriculum
+from agent_rl import checkpoint, curriculum, kernels
 from agent_rl.attention import BLOCKED, blocked, plan_blocks
 from agent_rl.config import EnvSection, ExperimentContract, ModelSection
 from agent_rl.distributed import (
@@ -484,8 +486,9 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     device, dtype = next(model.parameters()).device, contract.model.dtype
     layers = len(checkpointing_layers(model))  # decoder layers, for train/recomputed_frac
     # the same gradient, fewer [V, H] temporaries, one bf16 cast of each weight a step;
-    # attention only where the packed mask allows
-    with sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype), blocked(model):
+    # attention only where the packed mask allows; RMSNorms as one pass each way
+    with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype), blocked(model),
+          kernel_norms(backend, model)):
         for k in range(passes):
             if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
                 batch = device_batch(micro[0], rendered, pad_id, device)
@@ -556,7 +559,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     if finite:
         # every rank runs the forward (ZeRO-3 gathers weights collectively); rank 0 trained
         # micro-batch 0, so it holds its pre-update log-probs, and its value is everyone's
-        with blocked(model):  # prox's numerics
+        with blocked(model), kernel_norms(backend, model):  # prox's numerics
             kl = update_kl(model, micro[0], rendered, pad_id, temperature, prox.get(0), dtype)
         sums["kl/update"] = backend.all_gather_object(kl)[0]
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
@@ -656,6 +659,39 @@ def step_cast_cache(backend: Backend, dtype: str):
     finally:
         if torch.autocast_decrement_nesting() == 0:
             torch.clear_autocast_cache()
+
+
+@contextlib.contextmanager
+def kernel_norms(backend: Backend, model):
+    """While inside, the Llama-style RMSNorms of ``model`` (a ``variance_epsilon`` and a
+    ``[H]`` weight: Llama, Qwen2 and their kin; ``decode`` runs the same ones as its kernel)
+    compute float32 rows on the CPU as our kernel, forward and backward one pass each
+    (``kernels.RMSNorm``; ~0.6 against ~3.1 ms for 1000 x 576 rows, forward + backward); any
+    other input (bf16 rows, another device) goes through the module's own forward. The same
+    values but for float summation order (tested). Not on another device, without the
+    kernel, or under another backend than ``TorchBackend`` (DeepSpeed's ZeRO-3 manages the
+    weights inside forward): nothing changes."""
+    norms = [m for m in model.modules() if getattr(m, "variance_epsilon", None) is not None
+             and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.dim() == 1]
+    if (not norms or not isinstance(backend, TorchBackend)
+            or norms[0].weight.device.type != "cpu" or not kernels.load()):
+        yield
+        return
+    for norm in norms:
+        norm.forward = types.MethodType(_kernel_norm_forward, norm)
+    try:
+        yield
+    finally:
+        for norm in norms:
+            del norm.forward
+
+
+def _kernel_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``kernel_norms``' forward of one norm module: float32 rows and weight as our kernel,
+    anything else as the module's own forward."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return kernels.RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
+    return type(norm).forward(norm, x)
 
 
 def trained_token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

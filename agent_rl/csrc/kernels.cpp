@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -171,15 +172,16 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels,
 // rms_norm: y = weight * (x / sqrt(mean(x^2) + eps)) per row of x [M, H] (Llama's RMSNorm,
 // in its order: x times the reciprocal root, then the weight), float32. What it replaces:
 // F.rms_norm on the CPU runs as five ops (pow, mean, add, rsqrt, two muls), ~90 us at a
-// decode step's 32 x 576, where reading and writing the rows takes a few.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// decode step's 32 x 576, where reading and writing the rows takes a few. rstd, when given
+// ([M]), receives each row's reciprocal root (what the backward needs).
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
+                   float* rstd) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "rms_norm: x must be a contiguous 2-d float32 tensor");
   TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.size(0) == x.size(1),
               "rms_norm: weight must be contiguous float32 [H] with H = x.size(1)");
   const int64_t M = x.size(0), H = x.size(1);
-  at::Tensor y = at::empty({M, H}, x.options());
   const float* xs = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* ys = y.data_ptr<float>();
@@ -191,11 +193,78 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #pragma omp simd reduction(+ : squares)
       for (int64_t h = 0; h < H; ++h) squares += row[h] * row[h];
       const float r = 1.0f / std::sqrt(squares / static_cast<float>(H) + static_cast<float>(eps));
+      if (rstd != nullptr) rstd[m] = r;
 #pragma omp simd
       for (int64_t h = 0; h < H; ++h) out[h] = w[h] * (row[h] * r);
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  rms_norm_rows(x, weight, eps, y, nullptr);
   return y;
+}
+
+// The trainer's RMSNorm (agent_rl.kernels.RMSNorm): the forward above, keeping each row's
+// reciprocal root r, and its backward in one pass over the rows. With n = x r and
+// dn = grad * weight:  dx = r (dn - n mean(dn n)),  dweight = sum over rows of grad * n
+// (per-thread partial sums, added at the end). The tensor ops took ~4.3 ms for the forward
+// and backward of 1000 x 576 rows (seven ops forward, more backward).
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight,
+                                                    double eps) {
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor rstd = at::empty({x.size(0)}, x.options());
+  rms_norm_rows(x, weight, eps, y, rstd.data_ptr<float>());
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                     const at::Tensor& weight,
+                                                     const at::Tensor& rstd) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  grad.sizes() == x.sizes() && grad.scalar_type() == at::kFloat &&
+                  grad.is_contiguous(),
+              "rms_norm_backward: x and grad must be contiguous float32 [M, H] alike");
+  TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1) && rstd.dim() == 1 &&
+                  rstd.scalar_type() == at::kFloat && rstd.size(0) == x.size(0),
+              "rms_norm_backward: weight must be float32 [H], rstd float32 [M]");
+  const int64_t M = x.size(0), H = x.size(1);
+  at::Tensor dx = at::empty({M, H}, x.options());
+  const int threads = at::get_num_threads();
+  std::vector<float> partial(static_cast<size_t>(threads) * H, 0.0f);
+  const float* xs = x.data_ptr<float>();
+  const float* gs = grad.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* rs = rstd.data_ptr<float>();
+  float* dxs = dx.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    float* dw = partial.data() + static_cast<size_t>(at::get_thread_num()) * H;
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xs + m * H;
+      const float* g = gs + m * H;
+      float* out = dxs + m * H;
+      const float r = rs[m];
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t h = 0; h < H; ++h) {
+        const float n = row[h] * r;
+        dot += g[h] * w[h] * n;
+        dw[h] += g[h] * n;
+      }
+      const float mean = dot / static_cast<float>(H);
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) out[h] = r * (g[h] * w[h] - row[h] * r * mean);
+    }
+  });
+  at::Tensor dweight = at::zeros({H}, x.options());
+  float* dws = dweight.data_ptr<float>();
+  for (int t = 0; t < threads; ++t) {
+    const float* part = partial.data() + static_cast<size_t>(t) * H;
+    for (int64_t h = 0; h < H; ++h) dws[h] += part[h];
+  }
+  return {dx, dweight};
 }
 
 // exp(x) for x <= 0 (below -87: 0, as -inf gives), 16 lanes: Cody-Waite reduction x = n ln2
@@ -557,6 +626,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
 TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("blocked_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
   m.def("sample(Tensor logits, Tensor uniforms, float temperature) -> (Tensor, Tensor)");
   m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, int slot) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
@@ -566,6 +637,8 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
 TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("blocked_linear", &blocked_linear);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_forward", &rms_norm_forward);
+  m.impl("rms_norm_backward", &rms_norm_backward);
   m.impl("sample", &sample);
   m.impl("decode_attention", &decode_attention);
   m.impl("rotary_write", &rotary_write);

@@ -1,6 +1,7 @@
 """agent_rl.kernels: the CPU kernels (built here: this machine has a compiler). blocked_linear
 against hand-computed products and F.linear, its panel layout, and decode.PackedGroup;
-rms_norm and sample against hand-computed numbers and the tensor ops they replace."""
+rms_norm (and its training form, RMSNorm) and sample against hand-computed numbers and the
+tensor ops they replace."""
 
 from __future__ import annotations
 
@@ -133,6 +134,42 @@ def test_rms_norm_by_hand_and_against_llama():
         kernels.rms_norm(x, torch.ones(575), 1e-5)
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-d float32"):
         torch.ops.agent_rl_kernels.rms_norm(x.double().view(5, 576), torch.ones(576), 1e-5)
+
+
+def test_training_rms_norm_by_hand_and_against_llama():
+    """kernels.RMSNorm: forward as rms_norm, backward by hand on [3, 4] and against the
+    tensor ops' autograd on Llama's module."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = kernels.RMSNorm.apply(x, w, 0.0)
+    torch.testing.assert_close(y.detach(), torch.tensor([[0.848528, 2.262742]]), atol=1e-6, rtol=0)
+    y.sum().backward()
+    # r = 1 / sqrt(12.5) = 0.282843, n = x r = [3 r, 4 r], dn = 1 * w = [1, 2],
+    # mean(dn n) = (3 r + 8 r) / 2 = 5.5 r, n mean(dn n) = [16.5, 22] r^2 = [1.32, 1.76],
+    # dx = r (dn - [1.32, 1.76]) = r [-0.32, 0.24] = [-0.090510, 0.067882]
+    torch.testing.assert_close(x.grad, torch.tensor([[-0.090510, 0.067882]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(w.grad, torch.tensor([0.848528, 1.131371]), atol=1e-6, rtol=0)
+
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    rows = (torch.randn(2, 67, 576) * 3).requires_grad_()
+    grad = torch.randn(2, 67, 576)
+    theirs = torch.autograd.grad(norm(rows), (rows, norm.weight), grad)
+    out = kernels.RMSNorm.apply(rows, norm.weight, 1e-5)
+    assert out.shape == (2, 67, 576)
+    torch.testing.assert_close(out, norm(rows), atol=2e-6, rtol=1e-6)
+    mine = torch.autograd.grad(out, (rows, norm.weight), grad)
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # a frozen weight gets no gradient
+    frozen = kernels.RMSNorm.apply(rows, norm.weight.detach(), 1e-5)
+    assert torch.autograd.grad(frozen, rows, grad)[0].shape == rows.shape
+    with pytest.raises(RuntimeError, match="rstd float32 \\[M\\]"):
+        torch.ops.agent_rl_kernels.rms_norm_backward(grad.view(-1, 576), rows.detach().view(-1, 576),
+                                                     norm.weight.detach(), torch.ones(3))
 
 
 def test_sample_by_hand():

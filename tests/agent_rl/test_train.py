@@ -887,6 +887,42 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     assert seen == [True, False]
 
 
+def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch):
+    """train.kernel_norms: policy_update runs the tiny model's RMSNorms as our kernel (every
+    norm, forward and backward) with the gradients of their own forward to float rounding;
+    afterwards the modules run their own forward again; rows it does not take (bf16) go
+    through the module's forward."""
+    from agent_rl import kernels
+
+    contract = make_contract(tmp_path / "r")
+    model, tokenizer = tiny_model(0)
+    sequences = graded_sequences(model, tokenizer)
+    norms = [m for m in model.modules() if hasattr(m, "variance_epsilon")]
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1
+    calls = []
+    apply = kernels.RMSNorm.apply
+    monkeypatch.setattr(kernels.RMSNorm, "apply", lambda *a: calls.append(a[1]) or apply(*a))
+
+    def grads():
+        backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
+        return backend.grads
+
+    mine = grads()
+    assert {id(w) for w in calls} == {id(m.weight) for m in norms}
+    assert all("forward" not in vars(m) for m in norms)  # the modules' own forward again
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(train, "kernel_norms", lambda backend, model: contextlib.nullcontext())
+        theirs = grads()
+    assert not calls
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6)
+    x = torch.randn(3, norms[0].weight.shape[0]).bfloat16()
+    torch.testing.assert_close(train._kernel_norm_forward(norms[0], x), norms[0](x), rtol=0, atol=0)
+    assert not calls
+
+
 def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monkeypatch):
     """train.step_cast_cache: under bf16 autocast each trainable weight is cast once for the
     whole step (micro-batches and recomputed layers), not in every forward pass, and the
