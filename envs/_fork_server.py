@@ -241,10 +241,11 @@ def _serve():
             if not message:
                 os._exit(0)  # the host is gone
             job = json.loads(message)
-            if "preload" in job or len(fds) != 4:  # a run without its 4 fds: no report comes
+            preload = "preload" in job
+            if preload or len(fds) != 4:  # a run without its 4 fds: no report comes
                 for fd in fds:
                     os.close(fd)
-                if "preload" in job:
+                if preload:
                     _preload(job["preload"])
                     gc.freeze()
                 continue
