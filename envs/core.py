@@ -526,7 +526,7 @@ class ToolEnv(gymnasium.Env):
     def _episode(self, reward: RewardBreakdown, answered: bool) -> Episode:
         assert self.task is not None
         rec = self._recorder
-        episode = Episode(
+        fields = dict(
             episode_id=rec.episode_id, env_id=self.env_id, env_version=self.version,
             task_id=self.task.task_id, group_id=str(self._group_id), sample_id=self._sample_id,
             seed=self._seed, split=self._episode_split, task_meta=self.task.meta.model_dump(),
@@ -535,6 +535,15 @@ class ToolEnv(gymnasium.Env):
             hint=({**self._hint, "shown": True} if self._hint else None),
             generation=self._generation,
         )
-        used = {s.session_id: self.session_used(s, episode) for s in episode.sessions}
-        return episode.evolve(sessions=[s.model_copy(update={"used_by_final": used[s.session_id]})
-                                        for s in episode.sessions])
+        # which sessions the answer used, asked of an unvalidated draft: the episode is
+        # validated (and hashed) once, with the answer's use recorded on its sessions
+        draft = Episode.model_construct(**fields)
+        try:
+            used = {s.session_id: self.session_used(s, draft) for s in draft.sessions}
+        except Exception:
+            Episode(**fields)  # a malformed episode: its validation error names the problem
+            raise
+        data = draft.model_dump()  # a deep copy: nothing in the record is shared with the env
+        for session in data["sessions"]:
+            session["used_by_final"] = used[session["session_id"]]
+        return Episode.model_validate(data)

@@ -192,8 +192,15 @@ class SessionRecorder:
         """The active session's chat messages (copies: callers may change them). An assistant
         message the policy sampled also carries its ``token_ids``, so that a chat-template
         policy shows it those very tokens again (``agent_rl.render.conversation_ids``)."""
-        return copy.deepcopy([t.message() | ({"token_ids": t.token_ids} if t.generated else {})
-                              for t in self._drafts[self.active].turns])
+        out = []
+        for t in self._drafts[self.active].turns:
+            message = t.message()  # a fresh dict of strings but for its tool calls
+            if "tool_calls" in message:
+                message["tool_calls"] = copy.deepcopy(message["tool_calls"])
+            if t.generated:
+                message["token_ids"] = list(t.token_ids)
+            out.append(message)
+        return out
 
     # --- changes ---------------------------------------------------------------------------
     def add(self, turn: Turn, policy_revision: int | None = None) -> None:

@@ -12,6 +12,7 @@ import envs
 from envs.core import PROMPT_TOO_LONG, TaskSpec, ToolEnv
 from envs.sessions import (
     Return,
+    SessionRecorder,
     Spawn,
     Summary,
     content_tokens,
@@ -51,6 +52,26 @@ def branch_episode(returned: str, later: list[Turn], final: str | None = "The co
                    final_session_id="e/s0" if final is not None else None,
                    reward=RewardBreakdown.from_components({"a": 1.0}, {"a": 1.0}, Outcome.correct,
                                                           "hand@1"))
+
+
+def test_recorded_messages_are_copies_a_caller_may_change():
+    """SessionRecorder.messages: the policy's own tokens ride on its messages, tool calls
+    included; changing what it returned (nested lists too) leaves the record alone."""
+    calls = [{"type": "function", "function": {"name": "spawn", "arguments": {"task": "x"}}}]
+    rec = SessionRecorder("e", [Turn(role="system", content="Solve it."), Turn(role="user", content="task")])
+    rec.add(Turn(role="assistant", content="<tool_call>", token_ids=[5, 6], logprobs=[-0.1, -0.2],
+                 tool_calls=calls))
+    first = rec.messages()
+    assert first[2] == {"role": "assistant", "content": "<tool_call>", "tool_calls": calls,
+                        "token_ids": [5, 6]}
+    assert "token_ids" not in first[0]
+    first[2]["token_ids"].append(7)
+    first[2]["tool_calls"][0]["function"]["arguments"]["task"] = "changed"
+    first[0]["content"] = "changed"
+    again = rec.messages()
+    assert again[2]["token_ids"] == [5, 6] and again[0]["content"] == "Solve it."
+    assert again[2]["tool_calls"][0]["function"]["arguments"] == {"task": "x"}
+    assert rec.turns()[2].token_ids == [5, 6]
 
 
 # --- control actions ---------------------------------------------------------------------------
