@@ -670,11 +670,12 @@ def kernel_norms(backend: Backend, model):
     other input (bf16 rows, another device) goes through the module's own forward. The same
     values but for float summation order (tested). Not on another device, without the
     kernel, or under another backend than ``TorchBackend`` (DeepSpeed's ZeRO-3 manages the
-    weights inside forward): nothing changes."""
+    weights inside forward): nothing changes. A norm whose forward something else already
+    wrapped (accelerate's hooks set their own on the instance) keeps it."""
     norms = [m for m in model.modules() if getattr(m, "variance_epsilon", None) is not None
-             and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.dim() == 1]
-    if (not norms or not isinstance(backend, TorchBackend)
-            or norms[0].weight.device.type != "cpu" or not kernels.load()):
+             and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.dim() == 1
+             and m.weight.device.type == "cpu" and "forward" not in vars(m)]
+    if not norms or not isinstance(backend, TorchBackend) or not kernels.load():
         yield
         return
     for norm in norms:

@@ -891,7 +891,7 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
     """train.kernel_norms: policy_update runs the tiny model's RMSNorms as our kernel (every
     norm, forward and backward) with the gradients of their own forward to float rounding;
     afterwards the modules run their own forward again; rows it does not take (bf16) go
-    through the module's forward."""
+    through the module's forward; a norm whose instance already has a forward keeps it."""
     from agent_rl import kernels
 
     contract = make_contract(tmp_path / "r")
@@ -921,6 +921,12 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
     x = torch.randn(3, norms[0].weight.shape[0]).bfloat16()
     torch.testing.assert_close(train._kernel_norm_forward(norms[0], x), norms[0](x), rtol=0, atol=0)
     assert not calls
+    # a forward something else set on the instance (accelerate's hooks do) is left in place
+    wrapped = []
+    norms[0].forward = lambda h, own=norms[0]: wrapped.append(1) or type(own).forward(own, h)
+    grads()
+    assert wrapped and len({id(w) for w in calls}) == len(norms) - 1
+    assert "forward" in vars(norms[0])
 
 
 def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monkeypatch):
