@@ -786,6 +786,33 @@ def test_update_kl_is_k3_of_old_policy_samples(tmp_path):
     assert kl(own - 5.0) == pytest.approx(math.exp(5) - 1 - 5, rel=1e-4)  # probability rose
 
 
+def test_kl_micro_batch_picks_rank_zeros_densest_micro_batch():
+    """train.kl_micro_batch: the micro-batch of rank 0's share with the most trained tokens per
+    token computed, padding included (hand-computed: 2/10, 6/12, 5/8, and 2/8 for two bins of
+    4 and 3 tokens padded to 2 x 4), only rank 0's (0, k, 2k, ... of k ranks), the earliest of
+    a tie."""
+    from agent_rl.render import Rendered, SharedRow
+
+    def rendered(trained):
+        mask = torch.zeros(12, dtype=torch.bool)
+        mask[:trained] = True
+        return Rendered(input_ids=torch.zeros(12, dtype=torch.long), loss_mask=mask,
+                        old_logprobs=torch.zeros(12), spans=[], session_id="s", episode_id="e")
+
+    def row(length, *members):
+        return SharedRow(input_ids=torch.zeros(length, dtype=torch.long),
+                         position_ids=torch.arange(length), seq_index=torch.zeros(length, dtype=torch.long),
+                         prefix=0, members=list(members), starts=[0] * len(members))
+
+    sessions = [rendered(t) for t in (2, 6, 5, 1, 1)]
+    micro = [[[row(10, 0)]], [[row(12, 1)]], [[row(8, 2)]], [[row(4, 3)], [row(3, 4)]]]
+    assert train.kl_micro_batch(micro, sessions, 1) == 2  # 5/8 beats 6/12 and 2/8
+    assert train.kl_micro_batch(micro, sessions, 2) == 2  # rank 0's: 0 and 2
+    assert train.kl_micro_batch(micro, sessions, 3) == 3  # rank 0's: 0 and 3; 2/8 beats 2/10
+    assert train.kl_micro_batch(micro[:2] + [[[row(24, 1)]]], sessions, 1) == 1  # 6/12 beats 6/24
+    assert train.kl_micro_batch([micro[1], micro[1]], sessions, 1) == 0  # a tie: the earliest
+
+
 def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gradients():
     """train.recompute_layers: for T tokens over a budget of B, ceil(L (1 - B / T)) of the L
     decoder layers recompute in backward (hand-computed for the tiny model's L = 2), all of
@@ -822,6 +849,49 @@ def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gr
         grads[budget] = [p.grad.clone() for p in model.parameters()]
     assert kept[10] < 0.8 * kept[100]
     assert all(torch.equal(a, b) for a, b in zip(grads[10], grads[100], strict=True))
+
+
+def test_recompute_layers_under_bf16_allows_the_tokens_that_keep_as_much_as_float32():
+    """Under bf16 autocast the budget is micro_tokens / HALF_ACTIVATIONS tokens (10 / 0.72 =
+    13.9: 13 tokens recompute no layer of two where float32 recomputes one, 20 tokens
+    ceil(2 (1 - 13.9 / 20)) = 1 where float32 recomputes 1 too, 40 tokens ceil(1.31) = 2). And
+    the constant holds on the tiny model: what a token keeps for backward under bf16 autocast
+    (the trainer's own contexts, saved-tensor bytes, weights and their casts left out) is at
+    most HALF_ACTIVATIONS of what it keeps in float32."""
+    model, _ = tiny_model(seed=0)
+    model.train()
+
+    def batch(cols):
+        return {"input_ids": torch.randint(3, 60, (1, cols), generator=torch.Generator().manual_seed(1))}
+
+    assert train.recompute_layers(model, batch(13), 10) == 1
+    assert train.recompute_layers(model, batch(13), 10, dtype="bfloat16") == 0
+    assert train.recompute_layers(model, batch(20), 10, dtype="bfloat16") == 1
+    assert train.recompute_layers(model, batch(40), 10, dtype="bfloat16") == 2
+
+    backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
+
+    def kept_bytes(dtype, tokens):
+        train.recompute_layers(model, batch(tokens), tokens)  # nothing recomputed
+        storages = {}
+
+        def keep(t):
+            if not isinstance(t, torch.nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = batch(tokens)["input_ids"]
+        with train.step_cast_cache(backend, dtype), train.kernel_norms(backend, model), \
+                train.autocast(torch.device("cpu"), dtype):
+            model.model(input_ids=ids, use_cache=False)  # the weights' casts, made and cached
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                model.model(input_ids=ids, use_cache=False)
+        return sum(storages.values())
+
+    per_token = {dtype: (kept_bytes(dtype, 400) - kept_bytes(dtype, 200)) / 200
+                 for dtype in ("float32", "bfloat16")}
+    assert per_token["float32"] > 0
+    assert per_token["bfloat16"] <= train.HALF_ACTIVATIONS * per_token["float32"]
 
 
 def graded_sequences(model, tokenizer) -> list:
