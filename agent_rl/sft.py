@@ -37,7 +37,7 @@ import envs
 from agent_rl import checkpoint
 from agent_rl.attention import blocked
 from agent_rl.config import SFTContract
-from agent_rl.distributed import TorchBackend, launched_world_size
+from agent_rl.distributed import TorchBackend, adamw, launched_world_size
 from agent_rl.grpo import picked_logprobs
 from agent_rl.models import model_fingerprint, resolve_device, rollout_copy
 from agent_rl.policy import HFPolicy
@@ -116,8 +116,7 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
         model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    backend = TorchBackend(model, torch.optim.AdamW(params, lr=contract.optim.lr,
-                                                    weight_decay=contract.optim.weight_decay),
+    backend = TorchBackend(model, adamw(params, contract.optim.lr, contract.optim.weight_decay),
                            contract.optim.grad_clip)  # clip, skip a non-finite step, as train
     policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype)
 

@@ -61,6 +61,7 @@ from agent_rl.config import EnvSection, ExperimentContract, ModelSection
 from agent_rl.distributed import (
     Backend,
     TorchBackend,
+    adamw,
     check_world_size,
     launched_world_size,
     make_backend,
@@ -174,8 +175,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     model.to(device)
     reference = load_reference(contract, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=contract.optim.lr,
-                                  weight_decay=contract.optim.weight_decay)
+    optimizer = adamw(params, contract.optim.lr, contract.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     store = RolloutStore(run_dir / "rollouts.jsonl")
     tensorboard = TensorBoardLog(run_dir / "tensorboard")

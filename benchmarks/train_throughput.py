@@ -42,7 +42,7 @@ from limits import matmul_peak
 import envs
 from agent_rl.attention import allowed_pairs, plan_blocks
 from agent_rl.config import ExperimentContract
-from agent_rl.distributed import TorchBackend
+from agent_rl.distributed import TorchBackend, adamw
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy
 from agent_rl.render import (
@@ -118,8 +118,7 @@ def main() -> None:
 
     for dtype in ("float32", "bfloat16"):
         contract = ExperimentContract.from_dict({"model": {"id": "tiny", "dtype": dtype}})
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
-        backend = TorchBackend(model, optimizer)
+        backend = TorchBackend(model, adamw(list(model.parameters()), lr=1e-7, weight_decay=0.0))
         seconds, peaks = float("inf"), []
         for k in range(args.repeats + 1):  # the first pass warms up
             if k:  # the peak beside every timed step: this machine's speed drifts within minutes

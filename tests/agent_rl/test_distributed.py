@@ -262,6 +262,21 @@ def test_torch_backend_is_the_plain_loop():
     assert all(p.grad is None for p in wrapped.parameters())
 
 
+def test_adamw_is_fused_where_it_can_be_and_takes_the_hand_computed_step():
+    """distributed.adamw: torch's fused AdamW for CPU parameters, the default one where a
+    parameter's device has no fused kernel (meta). Its first step, hand-computed: the bias-
+    corrected moments are g and g^2, so the update is lr * g / (|g| + eps) ~ lr * sign(g) after
+    decay: p (1 - lr wd) - lr sign(g) = [1 x 0.999 - 0.1, -2 x 0.999 + 0.1] = [0.899, -1.898]."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = distributed.adamw([p], lr=0.1, weight_decay=0.01)
+    assert optimizer.param_groups[0]["fused"] is True
+    p.grad = torch.tensor([0.5, -0.25])
+    optimizer.step()
+    assert torch.allclose(p.detach(), torch.tensor([0.899, -1.898]), atol=1e-6)
+    meta = torch.nn.Parameter(torch.empty(2, device="meta"))
+    assert not distributed.adamw([meta], lr=0.1, weight_decay=0.0).param_groups[0]["fused"]
+
+
 def test_torch_backend_skips_a_non_finite_step_and_keeps_going():
     model = _mlp()
     backend = TorchBackend(model, torch.optim.AdamW(model.parameters(), lr=0.1))
