@@ -600,9 +600,9 @@ def update_kl(model, bins: list[list[SharedRow]], rendered: list[Rendered], pad_
     ``old`` are the trainer's own log-probs of these tokens before the first update on the
     batch (``prox``), not the rollout's: a rollout/trainer mismatch
     (``rollout/logprob_diff_*``) is no movement of the policy. One forward pass over one
-    micro-batch (``kl_micro_batch``) keeps it cheap. (``kl/approx`` is measured before the step, so it is ~0
-    whenever the batch is fresh.) ``old`` None (a rank that did not train this micro-batch):
-    the forward runs, for the collectives, and the result is NaN."""
+    micro-batch (``kl_micro_batch``) keeps it cheap. (``kl/approx`` is measured before the
+    step, so it is ~0 whenever the batch is fresh.) ``old`` None (a rank that did not train
+    this micro-batch): the forward runs, for the collectives, and the result is NaN."""
     device = next(model.parameters()).device
     batch = device_batch(bins, rendered, pad_id, device)
     with autocast(device, dtype):
@@ -621,7 +621,7 @@ def kl_micro_batch(micro: list[list[list[SharedRow]]], rendered: list[Rendered],
     236 trained.) Ties go to the earliest."""
     def density(index: int) -> float:
         bins = micro[index]
-        trained = sum(int(rendered[k].loss_mask.sum()) for rows in bins for row in rows for k in row.members)
+        trained = sum(rendered[k].num_trained for rows in bins for row in rows for k in row.members)
         return trained / (len(bins) * max(map(bin_tokens, bins)))
     return max(range(0, len(micro), world_size), key=lambda i: (density(i), -i))
 
