@@ -510,7 +510,7 @@ def micro_batches(bins: list[list[SharedRow]], max_tokens: int) -> list[list[lis
     padded to the longest (>= 1)."""
     out: list[list[list[SharedRow]]] = []
     for b in bins:
-        if out and (len(out[-1]) + 1) * max(bin_tokens(b), *map(bin_tokens, out[-1])) <= max_tokens:
+        if out and padded_tokens([*out[-1], b]) <= max_tokens:
             out[-1].append(b)
         else:
             out.append([b])
@@ -520,3 +520,9 @@ def micro_batches(bins: list[list[SharedRow]], max_tokens: int) -> list[list[lis
 def bin_tokens(rows: Sequence[SharedRow]) -> int:
     """The tokens of one bin: its rows side by side."""
     return sum(map(len, rows))
+
+
+def padded_tokens(bins: Sequence[Sequence[SharedRow]]) -> int:
+    """The tokens one micro-batch of ``bins`` computes: each bin a batch row, padded to the
+    longest."""
+    return len(bins) * max(map(bin_tokens, bins))

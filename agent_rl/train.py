@@ -89,10 +89,10 @@ from agent_rl.render import (
     ROW_TOKENS,
     Rendered,
     SharedRow,
-    bin_tokens,
     collate_shared,
     micro_batches,
     pack,
+    padded_tokens,
     share_prefixes,
 )
 from agent_rl.rollout import (
@@ -622,7 +622,7 @@ def kl_micro_batch(micro: list[list[list[SharedRow]]], rendered: list[Rendered],
     def density(index: int) -> float:
         bins = micro[index]
         trained = sum(rendered[k].num_trained for rows in bins for row in rows for k in row.members)
-        return trained / (len(bins) * max(map(bin_tokens, bins)))
+        return trained / padded_tokens(bins)
     return max(range(0, len(micro), world_size), key=lambda i: (density(i), -i))
 
 

@@ -51,6 +51,7 @@ from agent_rl.render import (
     collate_shared,
     micro_batches,
     pack,
+    padded_tokens,
     share_prefixes,
 )
 from agent_rl.rollout import rollout_batch
@@ -73,7 +74,7 @@ def padding(rendered) -> dict[str, Any]:
     computed = sum(len(r) for r in rows)
 
     def padded(micro) -> int:
-        return sum(len(m) * max(map(bin_tokens, m)) for m in micro)
+        return sum(map(padded_tokens, micro))
 
     out: dict[str, Any] = {"session_tokens": sum(len(r) for r in rendered), "shared_tokens": computed}
     for micro_tokens in MICRO_TOKENS:

@@ -812,6 +812,15 @@ def test_kl_micro_batch_picks_rank_zeros_densest_micro_batch():
     assert train.kl_micro_batch(micro[:2] + [[[row(24, 1)]]], sessions, 1) == 1  # 6/12 beats 6/24
     assert train.kl_micro_batch([micro[1], micro[1]], sessions, 1) == 0  # a tie: the earliest
 
+    # render.padded_tokens, which both this and render.micro_batches count with: rows padded to
+    # the longest bin; bins of 4, 3 and 5 tokens in micro-batches of at most 10: 2 x 4 = 8
+    # fits, 3 x 5 = 15 does not
+    from agent_rl.render import micro_batches, padded_tokens
+
+    assert padded_tokens(micro[3]) == 8
+    bins = [[row(4, 0)], [row(3, 1)], [row(5, 2)]]
+    assert [[bin_[0].members for bin_ in m] for m in micro_batches(bins, 10)] == [[[0], [1]], [[2]]]
+
 
 def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gradients():
     """train.recompute_layers: for T tokens over a budget of B, ceil(L (1 - B / T)) of the L
