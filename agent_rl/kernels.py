@@ -11,6 +11,9 @@ values once, in place, from a prompt held once per group or the row's own buffer
 cache (~8 tensor ops a layer); ``silu_mul``, a SwiGLU MLP's silu(gate) * up. The three
 decode-step kernels together against the tensor ops, steps alternated in one run: 11-15%
 less time a step at batch 32, ~10% at 8 and 1.
+``ChunkAttention``, the trainer's blocked attention (``attention.py``) in bfloat16, all of a
+batch's chunks forward in one call and backward in another (AVX-512 BF16's pair dot product,
+float32 accumulation; ``fits_chunks`` says where it runs).
 
 Why: at a decode step's few rows, MKL's ``F.linear`` on a plain float32 weight and oneDNN's
 on its own reordered layout both read the weight well below the memory bandwidth (2 cores,
@@ -202,3 +205,31 @@ def fits_decode(x: torch.Tensor, head_dim: int, group: int) -> bool:
     built."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
             and head_dim in (64, 128) and group <= 8 and load())
+
+
+class ChunkAttention(torch.autograd.Function):
+    """A plan's chunks in bfloat16, forward and backward one kernel call each
+    (``chunk_attention`` in ``csrc/kernels.cpp``): ``apply(q, k, v, chunks, keys, mask, scale)`` with ``q``
+    ``[R, H, T, D]``, ``k``, ``v`` ``[R, H_kv, T, D]`` bfloat16 and a plan's ``tables``;
+    returns ``[R, T, H, D]`` float32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks, keys, mask, scale):
+        out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse, chunks, keys, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, chunks, keys, mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.agent_rl_kernels.chunk_attention_backward(
+            grad.float().contiguous(), q, k, v, out, lse, chunks, keys, mask, ctx.scale)  # [R, T, H(_kv), D]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
+
+
+def fits_chunks(head_dim: int) -> bool:
+    """Whether ``ChunkAttention`` runs here: the kernel is built, the CPU has AVX-512 BF16's
+    dot product (without it the kernel's products are scalar loops, slower than SDPA's float32
+    chunks) and the head size is a multiple of 32."""
+    return head_dim % 32 == 0 and "avx512_bf16" in _cpu_flags().split() and load()

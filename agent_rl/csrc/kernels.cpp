@@ -30,12 +30,18 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -621,6 +627,414 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+
+// chunk_attention: the trainer's blocked attention (agent_rl/attention.py) in bfloat16, one
+// call a layer. A batch's query chunks each attend to their own keys (positions gathered from
+// the row) under their own additive mask; a task is one chunk of one head. Products take
+// bfloat16 inputs and accumulate in float32 (AVX-512 BF16's dot product of pairs, vdpbf16ps):
+// the scores and the softmax are float32, the probabilities (and in backward their gradients)
+// are rounded to bfloat16 for the products with V (and with K and Q), as flash attention does
+// on a GPU. Without AVX-512 BF16 the same products run as scalar float32 loops.
+//
+// A product C[M, N] (+)= A[M, K] B[K, N] takes A as rows of bfloat16 pairs along K (a row of
+// K bfloat16 read as K/2 uint32) and B packed as pairs, B2[p][n] = (B[2p][n], B[2p+1][n]) (low
+// half first), N padded to a multiple of 16 with zeros. Register tiles of up to 4 rows x 64
+// columns (16 accumulators).
+
+inline uint32_t bf16_bits(float x) { return c10::BFloat16(x).x; }
+
+template <int R, int NV>
+void bf16_tile(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t P, float* C,
+               int64_t ldc, int last, bool accumulate) {
+#if defined(__AVX512BF16__)
+  __m512 c[R][NV];
+  const __mmask16 tail = last >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << last) - 1);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      c[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == NV - 1 ? tail : (__mmask16)0xFFFF, C + r * ldc + 16 * v)
+                           : _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + p]);
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      _mm512_mask_storeu_ps(C + r * ldc + 16 * v, v == NV - 1 ? tail : (__mmask16)0xFFFF, c[r][v]);
+#else
+  const int N = 16 * (NV - 1) + last;
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < N; ++n) {
+      float acc = accumulate ? C[r * ldc + n] : 0.0f;
+      for (int64_t p = 0; p < P; ++p) {
+        const uint32_t a = A[r * lda + p], b = B[p * ldb + n];
+        float a0, a1, b0, b1;
+        const uint32_t bits[4] = {a << 16, a & 0xFFFF0000u, b << 16, b & 0xFFFF0000u};
+        std::memcpy(&a0, bits, 4), std::memcpy(&a1, bits + 1, 4);
+        std::memcpy(&b0, bits + 2, 4), std::memcpy(&b1, bits + 3, 4);
+        acc += a0 * b0 + a1 * b1;
+      }
+      C[r * ldc + n] = acc;
+    }
+#endif
+}
+
+template <int R>
+void bf16_tile_cols(int nv, const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t P,
+                    float* C, int64_t ldc, int last, bool accumulate) {
+  switch (nv) {
+    case 1: return bf16_tile<R, 1>(A, lda, B, ldb, P, C, ldc, last, accumulate);
+    case 2: return bf16_tile<R, 2>(A, lda, B, ldb, P, C, ldc, last, accumulate);
+    case 3: return bf16_tile<R, 3>(A, lda, B, ldb, P, C, ldc, last, accumulate);
+    default: return bf16_tile<R, 4>(A, lda, B, ldb, P, C, ldc, last, accumulate);
+  }
+}
+
+// C[M, N] (row stride ldc) (+)= A (M rows of P pairs, row stride lda) . B2 (P x ldb pairs,
+// ldb >= N rounded up to 16, zero past N)
+void bf16_gemm(int64_t M, int64_t N, int64_t P, const uint32_t* A, int64_t lda, const uint32_t* B,
+               int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t j = 0; j < N; j += 64) {
+    const int64_t cols = std::min<int64_t>(64, N - j);
+    const int nv = (int)((cols + 15) / 16), last = (int)(cols - 16 * (nv - 1));
+    for (int64_t i = 0; i < M; i += 4) {
+      const uint32_t* a = A + i * lda;
+      float* c = C + i * ldc + j;
+      switch (std::min<int64_t>(4, M - i)) {
+        case 1: bf16_tile_cols<1>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
+        case 2: bf16_tile_cols<2>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
+        case 3: bf16_tile_cols<3>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
+        default: bf16_tile_cols<4>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate);
+      }
+    }
+  }
+}
+
+inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// rows[i] (D bfloat16 each) as B2 of a product over D: out[p][i] = pair p of row i, [D/2][ld]
+template <typename Row>
+void pack_transposed(int64_t n, int64_t D, Row row, uint32_t* out, int64_t ld) {
+  for (int64_t p = 0; p < D / 2; ++p) std::fill(out + p * ld + n, out + (p + 1) * ld, 0u);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(row(i));
+    for (int64_t p = 0; p < D / 2; ++p) out[p * ld + i] = r[p];
+  }
+}
+
+// rows[i] (D bfloat16 each) as B2 of a product over i: out[k][d] = (row 2k [d], row 2k+1 [d])
+template <typename Row>
+void pack_pairs(int64_t n, int64_t D, Row row, uint32_t* out) {
+  for (int64_t k = 0; 2 * k < n; ++k) {
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(row(2 * k));
+    const uint16_t* r1 = 2 * k + 1 < n ? reinterpret_cast<const uint16_t*>(row(2 * k + 1)) : nullptr;
+    for (int64_t d = 0; d < D; ++d) out[k * D + d] = r0[d] | (r1 ? uint32_t(r1[d]) << 16 : 0u);
+  }
+}
+
+// float32 x[n] rounded to bfloat16 into out[n] (then zeros up to `padded`)
+void to_bf16(const float* x, int64_t n, uint16_t* out, int64_t padded) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
+  for (; i < padded; ++i) out[i] = 0;
+}
+
+struct ChunkBatch {  // a batch's tensors and plan, as the tasks read them
+  const c10::BFloat16 *q, *k, *v;
+  int64_t qsR, qsH, qsT, ksR, ksH, ksT, vsR, vsH, vsT;  // element strides (the last is 1)
+  int64_t H, Hkv, T, D;
+  const int64_t *chunks, *keys;  // chunks [C, 5]: row, first query, queries, first key, keys
+  const float* mask;             // each chunk's [queries, keys] additive mask, chunk after chunk
+  std::vector<int64_t> mask_at;  // where each chunk's mask starts
+  float scale;
+
+  const c10::BFloat16* qrow(int64_t b, int64_t h, int64_t t) const { return q + b * qsR + h * qsH + t * qsT; }
+  const c10::BFloat16* krow(int64_t b, int64_t h, int64_t t) const { return k + b * ksR + h * ksH + t * ksT; }
+  const c10::BFloat16* vrow(int64_t b, int64_t h, int64_t t) const { return v + b * vsR + h * vsH + t * vsT; }
+};
+
+ChunkBatch chunk_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& chunks,
+                       const at::Tensor& keys, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kBFloat16 &&
+                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "chunk_attention: q [R, H, T, D], k and v [R, H_kv, T, D], all bfloat16");
+  const int64_t R = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == R && k.size(2) == T && k.size(3) == D && H % Hkv == 0,
+              "chunk_attention: k and v must be [R, H_kv, T, D] with H a multiple of H_kv");
+  TORCH_CHECK(D % 32 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && q.stride(2) % 2 == 0 &&
+                  k.stride(2) % 2 == 0 && v.stride(2) % 2 == 0 && q.stride(1) % 2 == 0 && k.stride(1) % 2 == 0 &&
+                  v.stride(1) % 2 == 0 && q.stride(0) % 2 == 0 && k.stride(0) % 2 == 0 && v.stride(0) % 2 == 0,
+              "chunk_attention: head size must be a multiple of 32, heads contiguous, other strides even");
+  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 5 && chunks.scalar_type() == at::kLong && chunks.is_contiguous() &&
+                  keys.scalar_type() == at::kLong && keys.is_contiguous() && mask.scalar_type() == at::kFloat &&
+                  mask.is_contiguous(),
+              "chunk_attention: chunks [C, 5] int64, keys int64, mask float32, all contiguous");
+  ChunkBatch cb{q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), H, Hkv, T, D,
+                chunks.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), mask.data_ptr<float>(), {}, (float)scale};
+  const int64_t C = chunks.size(0);
+  int64_t at = 0, queries = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t* ch = cb.chunks + 5 * c;
+    TORCH_CHECK(ch[0] >= 0 && ch[0] < R && ch[1] >= 0 && ch[2] > 0 && ch[1] + ch[2] <= T && ch[3] >= 0 &&
+                    ch[4] > 0 && ch[3] + ch[4] <= keys.numel(),
+                "chunk_attention: chunk ", c, " is out of the batch's bounds");
+    cb.mask_at.push_back(at);
+    at += ch[2] * ch[4];
+    queries += ch[2];
+  }
+  TORCH_CHECK(at == mask.numel(), "chunk_attention: the mask holds ", mask.numel(), " entries, the chunks need ", at);
+  TORCH_CHECK(queries == R * T, "chunk_attention: the chunks cover ", queries, " queries of ", R * T);
+  const int64_t* kp = cb.keys;
+  for (int64_t i = 0; i < keys.numel(); ++i)
+    TORCH_CHECK(kp[i] >= 0 && kp[i] < T, "chunk_attention: key position ", kp[i], " is outside the row");
+  return cb;
+}
+
+// run(chunk, kv head, thread) for every chunk and kv head, largest chunks first, each
+// thread taking the next task
+template <typename F>
+void for_tasks(const ChunkBatch& cb, int64_t C, F run) {
+  std::vector<int64_t> order(C);
+  for (int64_t c = 0; c < C; ++c) order[c] = c;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return cb.chunks[5 * a + 2] * cb.chunks[5 * a + 4] > cb.chunks[5 * b + 2] * cb.chunks[5 * b + 4];
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = C * cb.Hkv;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) run(order[t / cb.Hkv], t % cb.Hkv, at::get_thread_num());
+  });
+}
+
+struct Scratch {  // a thread's buffers, reused task after task
+  std::vector<uint32_t> kt, vt, kp, vp, a, b, c, d, e;
+  std::vector<float> s, g, tmp, acc;
+};
+
+// one chunk's keys as products read them: K transposed (B2 of S = Q K^T), V (B2 of O = P V);
+// with `backward`, also V transposed (of dP = dO V^T) and K (of dQ = dS K)
+void pack_keys(const ChunkBatch& cb, int64_t c, int64_t hk, bool backward, Scratch& w) {
+  const int64_t *ch = cb.chunks + 5 * c, b = ch[0], nk = ch[4], D = cb.D, ld = round16(nk);
+  const int64_t* keys = cb.keys + ch[3];
+  w.kt.resize(D / 2 * ld);
+  pack_transposed(nk, D, [&](int64_t i) { return cb.krow(b, hk, keys[i]); }, w.kt.data(), ld);
+  w.vp.resize((nk + 1) / 2 * D);
+  pack_pairs(nk, D, [&](int64_t i) { return cb.vrow(b, hk, keys[i]); }, w.vp.data());
+  if (!backward) return;
+  w.vt.resize(D / 2 * ld);
+  pack_transposed(nk, D, [&](int64_t i) { return cb.vrow(b, hk, keys[i]); }, w.vt.data(), ld);
+  w.kp.resize((nk + 1) / 2 * D);
+  pack_pairs(nk, D, [&](int64_t i) { return cb.krow(b, hk, keys[i]); }, w.kp.data());
+}
+
+// head h's scores of chunk c, S = scale Q K^T + mask, into w.s [nq][round16(nk)]
+void chunk_scores(const ChunkBatch& cb, int64_t c, int64_t h, Scratch& w) {
+  const int64_t *ch = cb.chunks + 5 * c, b = ch[0], q0 = ch[1], nq = ch[2], nk = ch[4], D = cb.D;
+  const int64_t ld = round16(nk);
+  w.s.resize(nq * ld);
+  bf16_gemm(nq, nk, D / 2, reinterpret_cast<const uint32_t*>(cb.qrow(b, h, q0)), cb.qsT / 2, w.kt.data(), ld,
+            w.s.data(), ld, false);
+  const float* m = cb.mask + cb.mask_at[c];
+  for (int64_t i = 0; i < nq; ++i) {
+    float* s = w.s.data() + i * ld;
+    const float* mi = m + i * nk;
+    int64_t j = 0;
+    for (; j + 16 <= nk; j += 16) {
+      const f32x16 x = load16(s + j) * cb.scale + load16(mi + j);
+      std::memcpy(s + j, &x, sizeof x);
+    }
+    for (; j < nk; ++j) s[j] = s[j] * cb.scale + mi[j];
+  }
+}
+
+inline float hsum(const f32x16 v) {
+  float t = 0.0f;
+  for (int l = 0; l < 16; ++l) t += v[l];
+  return t;
+}
+
+inline float hmax(const f32x16 v) {
+  float t = v[0];
+  for (int l = 1; l < 16; ++l) t = std::max(t, v[l]);
+  return t;
+}
+
+std::tuple<at::Tensor, at::Tensor> chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& chunks, const at::Tensor& keys,
+                                                   const at::Tensor& mask, double scale) {
+  const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, scale);
+  const int64_t R = q.size(0), H = cb.H, T = cb.T, D = cb.D, group = H / cb.Hkv;
+  at::Tensor out = at::empty({R, T, H, D}, q.options().dtype(at::kFloat));  // [R, T, H, D]
+  at::Tensor lse = at::empty({R, H, T}, q.options().dtype(at::kFloat));
+  float *os = out.data_ptr<float>(), *ls = lse.data_ptr<float>();
+  std::vector<Scratch> scratch(at::get_num_threads());
+  for_tasks(cb, chunks.size(0), [&](int64_t c, int64_t hk, int thread) {
+    Scratch& w = scratch[thread];
+    const int64_t *ch = cb.chunks + 5 * c, b = ch[0], q0 = ch[1], nq = ch[2], nk = ch[4];
+    const int64_t ld = round16(nk), np = (nk + 1) / 2;
+    pack_keys(cb, c, hk, false, w);
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      chunk_scores(cb, c, h, w);
+      w.a.resize(nq * np);  // probabilities, bfloat16 pairs
+      uint16_t* pb = reinterpret_cast<uint16_t*>(w.a.data());
+      for (int64_t i = 0; i < nq; ++i) {
+        float* s = w.s.data() + i * ld;
+        f32x16 vmax = f32x16{} - INFINITY;
+        int64_t j = 0;
+        for (; j + 16 <= nk; j += 16) vmax = vmax > load16(s + j) ? vmax : load16(s + j);
+        float mx = hmax(vmax);
+        for (; j < nk; ++j) mx = std::max(mx, s[j]);
+        f32x16 vsum{};
+        for (j = 0; j + 16 <= nk; j += 16) {
+          const f32x16 e = exp16(load16(s + j) - mx);
+          std::memcpy(s + j, &e, sizeof e);
+          vsum += e;
+        }
+        float sum = hsum(vsum);
+        for (; j < nk; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        const float inv = 1.0f / sum;
+        for (j = 0; j + 16 <= nk; j += 16) {
+          const f32x16 p = load16(s + j) * inv;
+          std::memcpy(s + j, &p, sizeof p);
+        }
+        for (; j < nk; ++j) s[j] *= inv;
+        to_bf16(s, nk, pb + i * 2 * np, 2 * np);
+        ls[(b * H + h) * T + q0 + i] = mx + std::log(sum);
+      }
+      bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, os + ((b * T + q0) * H + h) * D, H * D, false);
+    }
+  });
+  return {out, lse};
+}
+
+// rows x[n][ld] (float32, `cols` used) as bfloat16 pairs of adjacent rows: out[i][j] =
+// (x[2i][j], x[2i+1][j]), [ceil(n/2)][ld_out], zero past n rows and `cols` columns
+void pair_rows(const float* x, int64_t n, int64_t cols, int64_t ld, uint32_t* out, int64_t ld_out) {
+  for (int64_t i = 0; 2 * i < n; ++i) {
+    const float *r0 = x + 2 * i * ld, *r1 = 2 * i + 1 < n ? r0 + ld : nullptr;
+    uint32_t* o = out + i * ld_out;
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+      u32x16 lo, hi{};
+#if defined(__AVX512BF16__)
+      const __m256i a = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r0 + j));
+      lo = (u32x16)_mm512_cvtepu16_epi32(a);
+      if (r1) hi = (u32x16)_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r1 + j)));
+#else
+      for (int l = 0; l < 16; ++l) lo[l] = bf16_bits(r0[j + l]), hi[l] = r1 ? bf16_bits(r1[j + l]) : 0u;
+#endif
+      const u32x16 pair = lo | hi << 16;
+      std::memcpy(o + j, &pair, sizeof pair);
+    }
+    for (; j < cols; ++j) o[j] = bf16_bits(r0[j]) | (r1 ? uint32_t(bf16_bits(r1[j])) << 16 : 0u);
+    std::fill(o + cols, o + ld_out, 0u);
+  }
+}
+
+// chunk_attention's backward: dq [R, T, H, D], dk and dv [R, T, H_kv, D], float32, from dout
+// [R, T, H, D] (float32, heads contiguous), the forward's out and lse. Per chunk and head: the
+// scores again, P = exp(S - lse), dP = dO V^T, dS = scale P (dP - rowsum(dO out)), dQ = dS K,
+// and (transposed, so that the products' pairs run along the queries) dK^T += Q^T dS and
+// dV^T += dO^T P over the heads of the kv head, added into dK, dV at the chunk's key
+// positions under a lock per row and kv head (chunks share keys).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& chunks, const at::Tensor& keys, const at::Tensor& mask, double scale) {
+  const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, scale);
+  const int64_t R = q.size(0), H = cb.H, Hkv = cb.Hkv, T = cb.T, D = cb.D, group = H / Hkv;
+  TORCH_CHECK(dout.scalar_type() == at::kFloat && dout.is_contiguous() && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous() && dout.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == R &&
+                  out.size(1) == T && out.size(2) == H && out.size(3) == D && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.numel() == R * H * T,
+              "chunk_attention_backward: dout and out float32 [R, T, H, D], lse float32 [R, H, T], contiguous");
+  const int threads = at::get_num_threads();
+  at::Tensor dq = at::empty({R, T, H, D}, out.options());
+  at::Tensor dkv = at::zeros({2, R, T, Hkv, D}, out.options());  // dK, dV
+  std::vector<std::mutex> locks(R * Hkv);
+  const float *dos = dout.data_ptr<float>(), *outs = out.data_ptr<float>(), *ls = lse.data_ptr<float>();
+  float *dqs = dq.data_ptr<float>(), *dkvs = dkv.data_ptr<float>();
+  std::vector<Scratch> scratch(threads);
+  for_tasks(cb, chunks.size(0), [&](int64_t c, int64_t hk, int thread) {
+    Scratch& w = scratch[thread];
+    const int64_t *ch = cb.chunks + 5 * c, b = ch[0], q0 = ch[1], nq = ch[2], nk = ch[4];
+    const int64_t* keys = cb.keys + ch[3];
+    const int64_t ld = round16(nk), np = (nk + 1) / 2, nqp = (nq + 1) / 2;
+    pack_keys(cb, c, hk, true, w);
+    w.acc.assign(2 * D * ld, 0.0f);  // dK^T, dV^T [D][ld] over the group's heads
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      chunk_scores(cb, c, h, w);  // w.s: S
+      // dO rows as bfloat16 (A of dP), dO^T and Q^T as bfloat16 pairs along the queries (A
+      // of dV^T and dK^T), rowsum(dO out)
+      w.b.resize(nq * D / 2);
+      w.d.resize(D * nqp);
+      w.e.resize(D * nqp);
+      uint16_t *dob = reinterpret_cast<uint16_t*>(w.b.data()), *dot_t = reinterpret_cast<uint16_t*>(w.d.data()),
+               *qt = reinterpret_cast<uint16_t*>(w.e.data());
+      w.g.resize(nq);
+      for (int64_t i = 0; i < nq; ++i) {
+        const float *g = dos + ((b * T + q0 + i) * H + h) * D, *o = outs + ((b * T + q0 + i) * H + h) * D;
+        f32x16 dot{};
+        for (int64_t d = 0; d < D; d += 16) dot += load16(g + d) * load16(o + d);
+        w.g[i] = hsum(dot);
+        to_bf16(g, D, dob + i * D, D);
+        const uint16_t* qi = reinterpret_cast<const uint16_t*>(cb.qrow(b, h, q0 + i));
+        for (int64_t d = 0; d < D; ++d) dot_t[d * 2 * nqp + i] = dob[i * D + d], qt[d * 2 * nqp + i] = qi[d];
+      }
+      if (nq % 2)
+        for (int64_t d = 0; d < D; ++d) dot_t[d * 2 * nqp + nq] = qt[d * 2 * nqp + nq] = 0;
+      // dP = dO V^T
+      w.tmp.resize(nq * ld);
+      bf16_gemm(nq, nk, D / 2, w.b.data(), D / 2, w.vt.data(), ld, w.tmp.data(), ld, false);
+      // P and dS (into w.s and w.tmp), then as bfloat16: dS rows (A of dQ), dS and P in pairs
+      // of rows (B2 of dK^T and dV^T)
+      const float* l = ls + (b * H + h) * T + q0;
+      for (int64_t i = 0; i < nq; ++i) {
+        float *s = w.s.data() + i * ld, *dp = w.tmp.data() + i * ld;
+        const f32x16 li = f32x16{} + l[i], gi = f32x16{} + w.g[i];
+        int64_t j = 0;
+        for (; j + 16 <= nk; j += 16) {
+          const f32x16 p = exp16(load16(s + j) - li);
+          const f32x16 ds = p * (load16(dp + j) - gi) * cb.scale;
+          std::memcpy(s + j, &p, sizeof p);
+          std::memcpy(dp + j, &ds, sizeof ds);
+        }
+        for (; j < nk; ++j) {
+          s[j] = std::exp(s[j] - l[i]);
+          dp[j] = s[j] * (dp[j] - w.g[i]) * cb.scale;
+        }
+      }
+      w.a.resize(nq * np);
+      uint16_t* dsb = reinterpret_cast<uint16_t*>(w.a.data());
+      for (int64_t i = 0; i < nq; ++i) to_bf16(w.tmp.data() + i * ld, nk, dsb + i * 2 * np, 2 * np);
+      w.c.resize(2 * nqp * ld);
+      pair_rows(w.tmp.data(), nq, nk, ld, w.c.data(), ld);
+      pair_rows(w.s.data(), nq, nk, ld, w.c.data() + nqp * ld, ld);
+      // dQ = dS K
+      bf16_gemm(nq, D, np, w.a.data(), np, w.kp.data(), D, dqs + ((b * T + q0) * H + h) * D, H * D, false);
+      // dK^T += Q^T dS, dV^T += dO^T P
+      bf16_gemm(D, nk, nqp, w.e.data(), nqp, w.c.data(), ld, w.acc.data(), ld, true);
+      bf16_gemm(D, nk, nqp, w.d.data(), nqp, w.c.data() + nqp * ld, ld, w.acc.data() + D * ld, ld, true);
+    }
+    std::lock_guard<std::mutex> hold(locks[b * Hkv + hk]);
+    for (int64_t part = 0; part < 2; ++part)
+      for (int64_t j = 0; j < nk; ++j) {
+        float* to = dkvs + (((part * R + b) * T + keys[j]) * Hkv + hk) * D;
+        const float* from = w.acc.data() + part * D * ld + j;
+        for (int64_t d = 0; d < D; ++d) to[d] += from[d * ld];
+      }
+  });
+  return {dq, dkv[0], dkv[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(agent_rl_kernels, m) {
@@ -631,6 +1045,8 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("sample(Tensor logits, Tensor uniforms, float temperature) -> (Tensor, Tensor)");
   m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, int slot) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor)");
+  m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k1, Tensor v1, Tensor rows1, Tensor k2, Tensor v2, Tensor mask, float scale) -> Tensor");
 }
 
@@ -643,4 +1059,6 @@ TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rotary_write", &rotary_write);
   m.impl("silu_mul", &silu_mul);
+  m.impl("chunk_attention", &chunk_attention);
+  m.impl("chunk_attention_backward", &chunk_attention_backward);
 }

@@ -4,6 +4,7 @@ gradients), and the switch the trainer uses."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -192,3 +193,63 @@ def test_blocked_leaves_other_implementations_alone_and_restores_on_error():
     with pytest.raises(RuntimeError, match="boom"), blocked(model):
         raise RuntimeError("boom")
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_plan_tables_by_hand():
+    """The plan as the bf16 kernel reads it: (row, first query, queries, first key, keys) per
+    chunk, the keys one chunk after another, the masks flattened (bool as 0 / -inf)."""
+    plan = plan_blocks(shared_row_mask(), call_pairs=0)  # chunks (5, [0..4]), (3, [0, 1, 5, 6, 7])
+    chunks, keys, mask = plan.tables
+    assert chunks.tolist() == [[0, 0, 5, 0, 5], [0, 5, 3, 5, 5]]
+    assert keys.tolist() == [0, 1, 2, 3, 4, 0, 1, 5, 6, 7]
+    assert mask.shape == (5 * 5 + 3 * 5,) and mask.dtype == torch.float32
+    assert mask[:5].tolist() == [0.0] + [-math.inf] * 4  # query 0 sees key 0
+    assert mask[25:30].tolist() == [0.0, 0.0, 0.0, -math.inf, -math.inf]  # query 5: prompt and itself
+    assert plan.tables is plan.tables  # built once
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_bf16_chunks_run_in_our_kernel_where_it_fits(autocast, monkeypatch):
+    """Heads of 32 in bf16 (or under bf16 autocast) on this CPU (AVX-512 BF16): one kernel
+    call (``kernels.ChunkAttention``), values and gradients as float32 SDPA's within bf16
+    rounding; where the kernel does not fit, the float32 chunks as before."""
+    from agent_rl import kernels
+
+    if not kernels.fits_chunks(32):
+        pytest.skip("this CPU has no AVX-512 BF16: the float32 chunks run (tested above)")
+    gen = torch.Generator().manual_seed(2)
+    seq = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13])  # [1, 40]
+    prefix = torch.tensor([[-1] * 7 + [0] * 33])
+    mask = packed_attention_mask(seq, torch.float32, prefix=prefix)  # [1, 1, 40, 40]
+    q = torch.randn(1, 4, 40, 32, generator=gen)
+    k = torch.randn(1, 2, 40, 32, generator=gen)
+    v = torch.randn(1, 2, 40, 32, generator=gen).bfloat16()
+    if not autocast:
+        q, k = q.bfloat16(), k.bfloat16()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    plan = plan_blocks(mask, split=8, call_pairs=0)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, _ = blocked_attention_forward(torch.nn.Module(), q, k, v, mask, attention_blocks=plan)
+        return out  # [1, 40, 4, 32]
+
+    out = run()
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 40, 4, 32)
+    assert "ChunkAttention" in out.grad_fn.next_functions[0][0].name()
+    qf, kf, vf = q.bfloat16().float(), k.bfloat16().float(), v.float()
+    expect = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert float((out.detach().float() - expect.detach()).norm() / expect.detach().norm()) < 5e-3
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [q.dtype, k.dtype, v.dtype]
+    theirs = torch.autograd.grad(expect.square().sum(), (q, k, v))
+    for a, b in zip(grads, theirs, strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    # without the kernel: SDPA's float32 chunks on the inputs as given, rounded once at the end
+    # (a value at a rounding boundary may land one bf16 step away: summation order)
+    monkeypatch.setattr(kernels, "fits_chunks", lambda head_dim: False)
+    plain = run()
+    assert "ChunkAttention" not in plain.grad_fn.next_functions[0][0].name()
+    expect = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                            enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(plain.float(), expect.bfloat16().float(), rtol=2**-7, atol=0)

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from agent_rl import decode, kernels
 
@@ -346,3 +347,98 @@ def test_silu_mul_by_hand_and_against_the_tensor_ops():
                                    atol=1e-5, rtol=1e-6)
     with pytest.raises(RuntimeError, match="gate and up must be float32"):
         kernels.silu_mul(gate, up[:, :3])
+
+
+def test_chunk_attention_by_hand():
+    """One head of 32, two queries: query 0 sees key 0, query 1 keys 0 and 1. q = 0, so every
+    score is 0: out 0 = v0, out 1 = (v0 + v1) / 2, lse = 0 and log 2. Backward with dout rows
+    g0 = e0, g1 = e0: row 1's dP = (g1 v0, g1 v1) = (1, 3), rowsum(g1 out1) = 2, dS = P (dP - 2)
+    = (-0.5, 0.5); dq1 = scale (-0.5 k0 + 0.5 k1); row 0's dS = 0; dk = scale dS^T q = 0;
+    dv0 = g0 + 0.5 g1, dv1 = 0.5 g1."""
+    D, scale = 32, 0.5
+    q = torch.zeros(1, 1, 2, D, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 2, D, dtype=torch.bfloat16)
+    k[0, 0, 0, 0], k[0, 0, 1, 1] = 1.0, 2.0
+    v = torch.zeros(1, 1, 2, D, dtype=torch.bfloat16)
+    v[0, 0, 0, :2] = torch.tensor([1.0, 2.0])
+    v[0, 0, 1, 0] = 3.0
+    # two chunks: query 0 over key 0, query 1 over keys 0 and 1 (additive masks, all allowed)
+    chunks = torch.tensor([[0, 0, 1, 0, 1], [0, 1, 1, 1, 2]])
+    keys = torch.tensor([0, 0, 1])
+    mask = torch.zeros(1 + 2)
+    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale)
+    assert out.shape == (1, 2, 1, D) and out.dtype == torch.float32  # [R, T, H, D]
+    assert out[0, 0, 0, :3].tolist() == [1.0, 2.0, 0.0]
+    assert out[0, 1, 0, :3].tolist() == [2.0, 1.0, 0.0]
+    assert lse[0, 0].tolist() == pytest.approx([0.0, math.log(2)], abs=1e-6)
+    grad = torch.zeros(1, 2, 1, D)
+    grad[0, :, 0, 0] = 1.0
+    dq, dk, dv = torch.ops.agent_rl_kernels.chunk_attention_backward(grad, q, k, v, out, lse, chunks, keys,
+                                                                      mask, scale)
+    assert dq[0, 0, 0].abs().max() == 0 and dk.abs().max() == 0
+    assert dq[0, 1, 0, :3].tolist() == [-0.25, 0.5, 0.0]  # 0.5 (-0.5 [1, 0] + 0.5 [0, 2])
+    assert dv[0, 0, 0, :2].tolist() == [1.5, 0.0] and dv[0, 1, 0, :2].tolist() == [0.5, 0.0]
+    # a masked key takes no weight: query 1 with key 1 masked out sees only v0
+    out, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys,
+                                                        torch.tensor([0.0, 0.0, -math.inf]), scale)
+    assert out[0, 1, 0, :2].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("d", [32, 64])
+def test_chunk_attention_matches_float32_sdpa(d):
+    """Two rows of shared prompts and samples (render's layout), 6 query heads on 2 kv heads,
+    the plan's chunks: values, lse and gradients as float32 SDPA on the same bf16 inputs,
+    within bf16's rounding of the probabilities (and their gradients): ~2^-9 relative."""
+    from agent_rl.attention import plan_blocks
+    from agent_rl.render import packed_attention_mask
+
+    gen = torch.Generator().manual_seed(0)
+    # row 0: prompt 0 (5 tokens), samples 1 and 2 (40, 23), padding; row 1: prompt 0 (9), samples
+    # 1, 2, 3 (20, 31, 7), a second prompt 4 (6) with sample 5 (3)
+    seq = torch.tensor([[0] * 5 + [1] * 40 + [2] * 23 + [-1] * 4,
+                        [0] * 9 + [1] * 20 + [2] * 31 + [3] * 7 + [4] * 2 + [5] * 3])  # [2, 72]
+    prefix = torch.tensor([[-1] * 5 + [0] * 63 + [-1] * 4, [-1] * 9 + [0] * 58 + [-1] * 2 + [4] * 3])
+    mask = packed_attention_mask(seq, torch.bool, prefix=prefix)  # [2, 1, 72, 72]
+    mask[:, 0].diagonal(dim1=-2, dim2=-1).fill_(True)  # padding sees itself
+    plan = plan_blocks(mask, split=16, call_pairs=100)
+    chunks, keys, flat = plan.tables
+    q = torch.randn(2, 72, 6, d, generator=gen).bfloat16().transpose(1, 2)  # [R, H, T, D], strided
+    k = torch.randn(2, 2, 72, d, generator=gen).bfloat16()
+    v = torch.randn(2, 2, 72, d, generator=gen).bfloat16()
+    scale = d ** -0.5
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    expect = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
+    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, scale)
+    scores = qf @ kf.repeat_interleave(3, 1).transpose(-1, -2) * scale  # [R, H, T, T]
+    torch.testing.assert_close(lse, scores.masked_fill(~mask, -math.inf).logsumexp(-1).detach(),
+                               rtol=0, atol=1e-5)
+
+    def close(mine, theirs):
+        assert float((mine - theirs).norm() / theirs.norm()) < 4e-3
+
+    close(out.transpose(1, 2), expect.detach())
+    grad = torch.randn(expect.shape, generator=gen).bfloat16().float()
+    theirs = torch.autograd.grad(expect, (qf, kf, vf), grad)
+    mine = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.transpose(1, 2).contiguous(), q, k, v,
+                                                               out, lse, chunks, keys, flat, scale)
+    for a, b in zip(mine, theirs, strict=True):
+        close(a.transpose(1, 2), b)
+
+
+def test_chunk_attention_bad_inputs_are_named():
+    q = torch.zeros(1, 2, 4, 32, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 1, 4, 32, dtype=torch.bfloat16)
+    chunks, keys, mask = torch.tensor([[0, 0, 4, 0, 4]]), torch.arange(4), torch.zeros(16)
+    op = torch.ops.agent_rl_kernels.chunk_attention
+    with pytest.raises(RuntimeError, match="all bfloat16"):
+        op(q.float(), k, v, chunks, keys, mask, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(q[..., :16], k[..., :16], v[..., :16], chunks, keys, mask, 1.0)
+    with pytest.raises(RuntimeError, match="chunk 0 is out of the batch's bounds"):
+        op(q, k, v, torch.tensor([[0, 2, 4, 0, 4]]), keys, mask, 1.0)
+    with pytest.raises(RuntimeError, match="the mask holds 15 entries, the chunks need 16"):
+        op(q, k, v, chunks, keys, mask[:15], 1.0)
+    with pytest.raises(RuntimeError, match="key position 4 is outside the row"):
+        op(q, k, v, chunks, keys + 1, mask, 1.0)
+    with pytest.raises(RuntimeError, match="cover 3 queries of 4"):
+        op(q, k, v, torch.tensor([[0, 0, 3, 0, 4]]), keys, mask[:12], 1.0)
