@@ -966,6 +966,60 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     assert seen == [True, False]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatch, dtype):
+    """train.HeadGrads: policy_update's summed gradient with the tied head's weight gradient
+    computed once a step equals the per-micro-batch one (float32: to float rounding; bf16: the
+    head's products rounded once instead of per micro-batch, every other gradient as before),
+    and is dense; a small HEAD_GRAD_BYTES flushes after every micro-batch, the same sum."""
+    contract = make_contract(tmp_path / "r", f"model.dtype={dtype}")
+    model, tokenizer = tiny_model(0)
+    sequences = graded_sequences(model, tokenizer)
+    products = []
+    flush = train.HeadGrads.flush
+    monkeypatch.setattr(train.HeadGrads, "flush",
+                        lambda self: products.append(len(self.parts)) or flush(self))
+
+    def grads():
+        backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
+        return backend.grads
+
+    once = grads()
+    assert len(products) == 1 and products[0] > 1  # all micro-batches' parts in one product
+    products.clear()
+    monkeypatch.setattr(train, "HEAD_GRAD_BYTES", 1)
+    each = grads()
+    assert len(products) > 1 and set(products[:-1]) == {1} and products[-1] == 0  # the last: empty
+    with monkeypatch.context() as m:
+        m.setattr(train.HeadGrads, "of", classmethod(lambda cls, backend, model, dtype: None))
+        products.clear()
+        plain = grads()
+    assert not products
+    head = "lm_head.weight" if "lm_head.weight" in plain else "model.embed_tokens.weight"
+    assert once[head].layout == torch.strided and once[head].abs().sum() > 0
+    for key in plain:
+        exact = dtype == "float32" or key != head
+        tol = {"rtol": 1e-5, "atol": 1e-7} if exact else {"rtol": 2e-2, "atol": 1e-4}
+        torch.testing.assert_close(once[key], plain[key], **tol)
+        torch.testing.assert_close(each[key], plain[key], **tol)
+
+
+def test_the_head_gradient_is_deferred_only_where_nothing_waits_for_it():
+    from agent_rl.distributed import TorchBackend
+
+    model, _ = tiny_model(0)
+    backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    head = train.HeadGrads.of(backend, model, "bfloat16")
+    assert head is not None and head.cast.dtype == torch.bfloat16
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() == 0
+    model.lm_head.weight.requires_grad_(False)  # a frozen head (LoRA)
+    assert train.HeadGrads.of(backend, model, "float32") is None
+    model.lm_head.weight.requires_grad_(True)
+    backend.world_size = 2  # another process's hooks wait for each gradient
+    assert train.HeadGrads.of(backend, model, "float32") is None
+
+
 def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch):
     """train.kernel_norms: policy_update runs the tiny model's RMSNorms as our kernel (every
     norm, forward and backward) with the gradients of their own forward to float rounding;
