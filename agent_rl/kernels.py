@@ -228,6 +228,38 @@ class ChunkAttention(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
 
 
+class TokenLogprobs(torch.autograd.Function):
+    """The trainer's log-probs and entropies of its trained tokens from their logits, one
+    kernel call each way (``token_logprobs`` in ``csrc/kernels.cpp``):
+    ``apply(logits, targets, temperature)`` with ``logits`` ``[N, V]`` float32 or bfloat16
+    (contiguous) and ``targets`` ``[N]`` int64 returns the ``[N]`` float32 log-probs of
+    ``targets`` under ``softmax(logits / temperature)`` and their rows' entropies (no
+    gradient). The gradient comes back in the logits' dtype. Two reads of the logits forward
+    and one backward, where log-softmax, the entropy's exp, product and sum write three
+    ``[N, V]`` float32 tensors (and a bf16 row is cast to float32 first)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        logp, entropy, lse = torch.ops.agent_rl_kernels.token_logprobs(logits, targets, temperature)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        logits, targets, lse = ctx.saved_tensors
+        return torch.ops.agent_rl_kernels.token_logprobs_backward(
+            grad.float().contiguous(), logits, targets, lse, ctx.temperature), None, None
+
+
+def fits_logprobs(logits: torch.Tensor) -> bool:
+    """Whether ``TokenLogprobs`` takes these logits: ``[N, V]`` float32 or bfloat16 on the
+    CPU, and the kernel built."""
+    return (logits.device.type == "cpu" and logits.dim() == 2
+            and logits.dtype in (torch.float32, torch.bfloat16) and load())
+
+
 def fits_chunks(head_dim: int) -> bool:
     """Whether ``ChunkAttention`` runs here: the kernel is built, the CPU has AVX-512 BF16's
     dot product (without it the kernel's products are scalar loops, slower than SDPA's float32

@@ -498,7 +498,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     # attention only where the packed mask allows; RMSNorms as one pass each way
     head = HeadGrads.of(backend, model, dtype)  # the head's weight gradient once a step, or None
     with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype), blocked(model),
-          kernel_norms(backend, model)):
+          kernel_norms(backend, model), linear_casts(backend, model, dtype)):
         for k in range(passes):
             if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
                 batch = device_batch(micro[0], rendered, pad_id, device)
@@ -689,6 +689,63 @@ def step_cast_cache(backend: Backend, dtype: str):
 
 
 @contextlib.contextmanager
+def linear_casts(backend: Backend, model, dtype: str):
+    """While inside, under bf16 the trainable float32 weight of each ``nn.Linear`` (but the
+    output head: ``HeadGrads``) is cast once a step (``StepCast``), and each backward adds its
+    bf16 gradient straight into the weight's float32 ``.grad`` (one pass) instead of casting
+    it to a float32 temporary and adding that. The same sums in the same order: the same
+    gradient, to the bit (tested). Measured (profile, SmolLM2's bf16 Relay-v0 step, 11
+    micro-batches): the casts back took 0.39 s. Only in one process (``TorchBackend``, world
+    of one: no hook waits for a gradient) and for modules whose forward nothing else wrapped;
+    float32: nothing changes."""
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+               and m.weight.requires_grad and m.weight.dtype == torch.float32
+               and "forward" not in vars(m)]
+    if (as_dtype(dtype) == torch.float32 or not isinstance(backend, TorchBackend)
+            or backend.world_size != 1 or not linears):
+        yield
+        return
+    try:
+        with instance_forwards(linears, _cast_once_forward):
+            yield
+    finally:
+        for m in linears:
+            m.__dict__.pop("_step_cast", None)
+
+
+def _cast_once_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear_casts``' forward: under autocast, with gradients, the step's one cast of the
+    weight; otherwise the module's own forward."""
+    dtype = torch.get_autocast_dtype(x.device.type)
+    if not torch.is_autocast_enabled(x.device.type) or dtype == torch.float32 or not torch.is_grad_enabled():
+        return type(linear).forward(linear, x)
+    cast = linear.__dict__.get("_step_cast")
+    if cast is None or cast.dtype != dtype:
+        cast = linear.__dict__["_step_cast"] = StepCast.apply(linear.weight, dtype)
+    return torch.nn.functional.linear(x, cast, linear.bias)
+
+
+class StepCast(torch.autograd.Function):
+    """``weight.to(dtype)`` whose backward adds the gradient into ``weight.grad`` in place
+    (float32 += bf16, one pass) and passes nothing on (``linear_casts``)."""
+
+    @staticmethod
+    def forward(ctx, weight, dtype):
+        ctx.weight = weight
+        return weight.detach().to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight = ctx.weight
+        if weight.grad is None:
+            weight.grad = grad.to(weight.dtype)
+        else:
+            weight.grad.add_(grad)
+        return None, None
+
+
+@contextlib.contextmanager
 def kernel_norms(backend: Backend, model):
     """While inside, the Llama-style RMSNorms of ``model`` (a ``variance_epsilon`` and a
     ``[H]`` weight: Llama, Qwen2 and their kin; ``decode`` runs the same ones as its kernel)
@@ -705,13 +762,21 @@ def kernel_norms(backend: Backend, model):
     if not norms or not isinstance(backend, TorchBackend) or not kernels.load():
         yield
         return
-    for norm in norms:
-        norm.forward = types.MethodType(_kernel_norm_forward, norm)
+    with instance_forwards(norms, _kernel_norm_forward):
+        yield
+
+
+@contextlib.contextmanager
+def instance_forwards(modules: list[torch.nn.Module], forward):
+    """While inside, each of ``modules`` runs ``forward(module, *args)`` instead of its
+    class's forward; afterwards they are as they were."""
+    for m in modules:
+        m.forward = types.MethodType(forward, m)
     try:
         yield
     finally:
-        for norm in norms:
-            del norm.forward
+        for m in modules:
+            del m.forward
 
 
 def _kernel_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1035,6 +1035,138 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
   return {dq, dkv[0], dkv[1]};
 }
 
+// 16 floats into out[0..16): float32 as they are, bfloat16 rounded to nearest even
+inline void store16(float* out, const f32x16 v) { std::memcpy(out, &v, sizeof v); }
+
+inline void store16(c10::BFloat16* out, const f32x16 v) {
+#if defined(__AVX512BF16__)
+  __m512 w;
+  std::memcpy(&w, &v, sizeof w);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(w));
+#else
+  for (int i = 0; i < 16; ++i) out[i] = c10::BFloat16(v[i]);
+#endif
+}
+
+// token_logprobs: per row n of logits [N, V] (float32 or bfloat16, contiguous) under
+// softmax(x / T): the log-prob of targets[n], the entropy, and the log normaliser lse (what
+// the backward needs). Two reads of the row: its max, then exp(x / T - shift) summed beside
+// its products with x / T - shift (one exp a logit); H = log s - sum(e y) / s. The tensor ops
+// (log-softmax, exp, product, sum) write three [N, V] float32 tensors and read them back.
+template <typename X>
+void logprob_rows(const X* xs, int64_t N, int64_t V, const int64_t* targets, float t, float* logp,
+                  float* ent, float* lse) {
+  const float inv_t = 1.0f / t;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const X* x = xs + n * V;
+      f32x16 most = f32x16{} - INFINITY;
+      int64_t v = 0;
+      for (; v + 16 <= V; v += 16) {
+        const f32x16 c = load16(x + v);
+        most = c > most ? c : most;
+      }
+      float top = -INFINITY;
+      for (int i = 0; i < 16; ++i) top = std::max(top, most[i]);
+      for (; v < V; ++v) top = std::max(top, static_cast<float>(x[v]));
+      const float shift = top * inv_t;  // every exp(x / T - shift) <= 1
+      f32x16 s{}, sy{};
+      for (v = 0; v + 16 <= V; v += 16) {
+        const f32x16 y = load16(x + v) * inv_t - shift;
+        const f32x16 e = exp16(y);
+        s += e;
+        sy += y >= -87.0f ? e * y : f32x16{};  // a -inf logit weighs 0 (0 x -inf is NaN)
+      }
+      float sum = hsum16(s), sumy = hsum16(sy);
+      for (; v < V; ++v) {
+        const float y = static_cast<float>(x[v]) * inv_t - shift, e = std::exp(y);
+        sum += e;
+        sumy += e > 0.0f ? e * y : 0.0f;
+      }
+      const float logz = std::log(sum);
+      lse[n] = shift + logz;
+      // log-softmax's rounding (x / T - max / T - log s), at most 0 as in sample
+      logp[n] = std::min(0.0f, static_cast<float>(x[targets[n]]) / t - top / t - logz);
+      ent[n] = logz - sumy / sum;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits, const at::Tensor& targets,
+                                                              double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "token_logprobs: logits must be a contiguous 2-d float32 or bfloat16 tensor");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(targets.dim() == 1 && targets.scalar_type() == at::kLong && targets.size(0) == N &&
+                  targets.is_contiguous(),
+              "token_logprobs: targets must be contiguous int64 [N], one per row of logits");
+  TORCH_CHECK(temperature > 0, "token_logprobs: temperature must be > 0");
+  TORCH_CHECK(V > 0 || N == 0, "token_logprobs: an empty vocabulary");
+  const int64_t* ts = targets.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(ts[n] >= 0 && ts[n] < V, "token_logprobs: target ", ts[n], " of row ", n,
+                " is outside the vocabulary of ", V);
+  auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, f32), ent = at::empty({N}, f32), lse = at::empty({N}, f32);
+  const float t = static_cast<float>(temperature);
+  if (logits.scalar_type() == at::kFloat)
+    logprob_rows(logits.data_ptr<float>(), N, V, ts, t, logp.data_ptr<float>(), ent.data_ptr<float>(),
+                 lse.data_ptr<float>());
+  else
+    logprob_rows(logits.data_ptr<c10::BFloat16>(), N, V, ts, t, logp.data_ptr<float>(),
+                 ent.data_ptr<float>(), lse.data_ptr<float>());
+  return {logp, ent, lse};
+}
+
+// token_logprobs_backward: d logp[n] / d x[n, v] = (onehot(v == target) - p[n, v]) / T, with
+// p = exp(x / T - lse): one read of the row, one write of the gradient in the logits' dtype.
+template <typename X>
+void logprob_grad_rows(const float* grad, const X* xs, int64_t N, int64_t V, const int64_t* targets,
+                       const float* lse, float t, X* out) {
+  const float inv_t = 1.0f / t;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const X* x = xs + n * V;
+      X* o = out + n * V;
+      const float g = grad[n] * inv_t, l = lse[n];
+      int64_t v = 0;
+      for (; v + 16 <= V; v += 16) store16(o + v, exp16(load16(x + v) * inv_t - l) * -g);
+      for (; v < V; ++v) o[v] = -g * std::exp(static_cast<float>(x[v]) * inv_t - l);
+      const int64_t k = targets[n];
+      o[k] = g * (1.0f - std::exp(static_cast<float>(x[k]) * inv_t - l));
+    }
+  });
+}
+
+at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                                   const at::Tensor& lse, double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "token_logprobs_backward: logits must be a contiguous 2-d float32 or bfloat16 tensor");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  for (const at::Tensor* r : {&grad, &lse})
+    TORCH_CHECK(r->dim() == 1 && r->scalar_type() == at::kFloat && r->size(0) == N && r->is_contiguous(),
+                "token_logprobs_backward: grad and lse must be contiguous float32 [N]");
+  TORCH_CHECK(targets.dim() == 1 && targets.scalar_type() == at::kLong && targets.size(0) == N &&
+                  targets.is_contiguous(),
+              "token_logprobs_backward: targets must be contiguous int64 [N]");
+  TORCH_CHECK(temperature > 0, "token_logprobs_backward: temperature must be > 0");
+  const int64_t* ts = targets.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(ts[n] >= 0 && ts[n] < V, "token_logprobs_backward: target ", ts[n], " of row ", n,
+                " is outside the vocabulary of ", V);
+  at::Tensor out = at::empty({N, V}, logits.options());
+  const float t = static_cast<float>(temperature);
+  if (logits.scalar_type() == at::kFloat)
+    logprob_grad_rows(grad.data_ptr<float>(), logits.data_ptr<float>(), N, V, ts, lse.data_ptr<float>(), t,
+                      out.data_ptr<float>());
+  else
+    logprob_grad_rows(grad.data_ptr<float>(), logits.data_ptr<c10::BFloat16>(), N, V, ts, lse.data_ptr<float>(),
+                      t, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(agent_rl_kernels, m) {
@@ -1047,6 +1179,8 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor)");
   m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("token_logprobs(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
+  m.def("token_logprobs_backward(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float temperature) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k1, Tensor v1, Tensor rows1, Tensor k2, Tensor v2, Tensor mask, float scale) -> Tensor");
 }
 
@@ -1061,4 +1195,6 @@ TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("chunk_attention", &chunk_attention);
   m.impl("chunk_attention_backward", &chunk_attention_backward);
+  m.impl("token_logprobs", &token_logprobs);
+  m.impl("token_logprobs_backward", &token_logprobs_backward);
 }

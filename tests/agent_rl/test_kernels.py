@@ -442,3 +442,67 @@ def test_chunk_attention_bad_inputs_are_named():
         op(q, k, v, chunks, keys + 1, mask, 1.0)
     with pytest.raises(RuntimeError, match="cover 3 queries of 4"):
         op(q, k, v, torch.tensor([[0, 0, 3, 0, 4]]), keys, mask[:12], 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_by_hand(dtype):
+    """A row of 18 zeros, a -inf and a 1 (20 logits: a vector of 16 and a tail of 4): the 1
+    has probability e / (18 + e), each zero 1 / (18 + e), the -inf 0 (it adds nothing to the
+    entropy, where 0 x -inf would be NaN); d log p_target / d x = onehot - p. At temperature 2
+    the logits halve."""
+    row = [0.0] * 18 + [-math.inf, 1.0]
+    logits = torch.tensor([row, row], dtype=dtype, requires_grad=True)
+    targets = torch.tensor([19, 0])
+    for t in (1.0, 2.0):
+        e = math.exp(1.0 / t)
+        z = 18 + e
+        p_one, p_zero = e / z, 1 / z
+        logp, entropy = kernels.TokenLogprobs.apply(logits, targets, t)
+        torch.testing.assert_close(logp, torch.tensor([math.log(p_one), math.log(p_zero)]), rtol=0, atol=2e-6)
+        h = -(18 * p_zero * math.log(p_zero) + p_one * math.log(p_one))
+        torch.testing.assert_close(entropy, torch.tensor([h, h]), rtol=0, atol=2e-6)
+        assert logp.requires_grad and not entropy.requires_grad
+        (grad,) = torch.autograd.grad(logp.sum(), logits)
+        assert grad.dtype == dtype
+        want = torch.tensor([[-p_zero] * 18 + [0.0, 1 - p_one], [1 - p_zero] + [-p_zero] * 17 + [0.0, -p_one]]) / t
+        tol = 1e-6 if dtype == torch.float32 else 4e-3  # bf16's rounding of the gradient
+        torch.testing.assert_close(grad.float(), want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_match_the_tensor_ops(dtype, temperature):
+    """Against log-softmax, its entropy and its gradient (float32 maths on the same logits),
+    over rows of 1003 logits (vectors and a tail), with a weighted loss."""
+    torch.manual_seed(0)
+    logits = (torch.randn(7, 1003) * 4).to(dtype)
+    targets = torch.randint(0, 1003, (7,))
+    weights = torch.randn(7)
+    mine = logits.clone().requires_grad_()
+    logp, entropy = kernels.TokenLogprobs.apply(mine, targets, temperature)
+    (grad,) = torch.autograd.grad((logp * weights).sum(), mine)
+    ref = logits.float().requires_grad_()
+    logq = F.log_softmax(ref / temperature, dim=-1)
+    picked = logq.gather(-1, targets[:, None])[:, 0]
+    (want,) = torch.autograd.grad((picked * weights).sum(), ref)
+    torch.testing.assert_close(logp, picked.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, -(logq.exp() * logq).sum(-1).detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad.float(), want.to(dtype).float(), rtol=0,
+                               atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_token_logprobs_bad_inputs_are_named():
+    logits, targets = torch.zeros(2, 5), torch.tensor([0, 4])
+    op = torch.ops.agent_rl_kernels.token_logprobs
+    with pytest.raises(RuntimeError, match="target 5 of row 1 is outside the vocabulary of 5"):
+        op(logits, torch.tensor([0, 5]), 1.0)
+    with pytest.raises(RuntimeError, match="target -1 of row 0"):
+        op(logits, torch.tensor([-1, 0]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(logits.half(), targets, 1.0)
+    with pytest.raises(RuntimeError, match="one per row of logits"):
+        op(logits, targets[:1], 1.0)
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        op(logits, targets, 0.0)
+    with pytest.raises(RuntimeError, match="grad and lse must be contiguous float32"):
+        torch.ops.agent_rl_kernels.token_logprobs_backward(torch.zeros(3), logits, targets, torch.zeros(2), 1.0)

@@ -925,6 +925,14 @@ class GradCapture(TorchBackend):
         return super().step()
 
 
+def step_grads(model, sequences, contract) -> dict[str, torch.Tensor]:
+    """policy_update's summed gradient of one step over ``sequences``, in micro-batches of 16
+    tokens (several, some rows recomputed in backward)."""
+    backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
+    return backend.grads
+
+
 def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary(tmp_path, monkeypatch):
     """train.sparse_tied_lookup: with the tiny model's tied embeddings, policy_update's summed
     gradient is the same (to float rounding) as with the dense lookup gradient, and it stays
@@ -941,10 +949,7 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     modes = []
     lookup.register_forward_hook(lambda module, args, out: modes.append(module.sparse))
 
-    def grads():
-        backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
-        train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
-        return backend.grads
+    grads = functools.partial(step_grads, model, sequences, contract)
 
     sparse = grads()
     assert len(modes) > 2 and all(modes[:-1]) and not lookup.sparse  # the last: update_kl's
@@ -980,10 +985,7 @@ def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatc
     monkeypatch.setattr(train.HeadGrads, "flush",
                         lambda self: products.append(len(self.parts)) or flush(self))
 
-    def grads():
-        backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
-        train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
-        return backend.grads
+    grads = functools.partial(step_grads, model, sequences, contract)
 
     once = grads()
     assert len(products) == 1 and products[0] > 1  # all micro-batches' parts in one product
@@ -1003,6 +1005,34 @@ def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatc
         tol = {"rtol": 1e-5, "atol": 1e-7} if exact else {"rtol": 2e-2, "atol": 1e-4}
         torch.testing.assert_close(once[key], plain[key], **tol)
         torch.testing.assert_close(each[key], plain[key], **tol)
+
+
+def test_linear_casts_give_the_same_gradient_to_the_bit(tmp_path, monkeypatch):
+    """train.linear_casts: under bf16, policy_update's summed gradient with each linear weight
+    cast once a step and its gradient added in place is the same to the bit as autocast's
+    cast (its float32 gradient cast back, then added); every layer's linears take the new
+    path, and afterwards the modules are as they were."""
+    contract = make_contract(tmp_path / "r", "model.dtype=bfloat16")
+    model, tokenizer = tiny_model(0)
+    sequences = graded_sequences(model, tokenizer)
+    casts = []
+    apply = train.StepCast.apply
+    monkeypatch.setattr(train.StepCast, "apply", lambda *a: casts.append(a[0]) or apply(*a))
+
+    grads = functools.partial(step_grads, model, sequences, contract)
+
+    once = grads()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    assert {id(w) for w in casts} == {id(m.weight) for m in linears} and len(casts) == len(linears)
+    assert all("forward" not in vars(m) and "_step_cast" not in vars(m) for m in linears)
+    with monkeypatch.context() as m:
+        m.setattr(train, "linear_casts", lambda *a: contextlib.nullcontext())
+        casts.clear()
+        plain = grads()
+    assert not casts
+    assert once.keys() == plain.keys()
+    for key in plain:
+        assert torch.equal(once[key], plain[key]), key
 
 
 def test_the_head_gradient_is_deferred_only_where_nothing_waits_for_it():
@@ -1036,10 +1066,7 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
     apply = kernels.RMSNorm.apply
     monkeypatch.setattr(kernels.RMSNorm, "apply", lambda *a: calls.append(a[1]) or apply(*a))
 
-    def grads():
-        backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
-        train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
-        return backend.grads
+    grads = functools.partial(step_grads, model, sequences, contract)
 
     mine = grads()
     assert {id(w) for w in calls} == {id(m.weight) for m in norms}
@@ -1065,7 +1092,8 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
 def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monkeypatch):
     """train.step_cast_cache: under bf16 autocast each trainable weight is cast once for the
     whole step (micro-batches and recomputed layers), not in every forward pass, and the
-    gradients are bit for bit those of casting it every time; the cache is gone afterwards."""
+    gradients are bit for bit those of casting it every time; the cache is gone afterwards.
+    With linear_casts and HeadGrads (which cast their weights themselves) still once a step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     contract = make_contract(tmp_path / "r", "model.dtype=bfloat16")
@@ -1090,15 +1118,19 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
                                     micro_tokens=16)
         return backend.grads, counted.casts, m
 
-    cached, cached_casts, m = step()
+    _, ours, m = step()  # with linear_casts and HeadGrads, which make their own casts once
     assert m["train/recomputed_frac"] > 0  # some layers were recomputed in backward
+    assert set(ours.values()) == {2}
+    monkeypatch.setattr(train, "linear_casts", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(train.HeadGrads, "of", classmethod(lambda cls, *a: None))
+    cached, cached_casts, _ = step()
     with monkeypatch.context() as mp:  # what autocast did before: a cast in every pass
         mp.setattr(train, "step_cast_cache", lambda backend, dtype: contextlib.nullcontext())
         every, every_casts, _ = step()
     # every trainable weight (the head is tied to the embedding, named by it): cast in each
     # forward pass, recomputed layers and update_kl's (after the optimizer step) included,
     # against once for the step and once for update_kl
-    assert set(cached_casts) == set(every_casts) and "model.embed_tokens.weight" in every_casts
+    assert set(cached_casts) == set(every_casts) == set(ours) and "model.embed_tokens.weight" in every_casts
     assert min(every_casts.values()) >= 3 and set(cached_casts.values()) == {2}
     for key in every:
         assert torch.equal(cached[key], every[key]), key
