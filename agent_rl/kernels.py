@@ -8,12 +8,14 @@ values once, in place, from a prompt held once per group or the row's own buffer
 (``F.scaled_dot_product_attention`` at those shapes took ~1.4x its time in a decode step:
 ~550 against ~400 us a layer at batch 32, ~195 against ~135 at batch 8, calls alternated);
 ``rotary_write``, a decode step's rotary embedding of q and k with k and v written into the
-cache (~8 tensor ops a layer); ``silu_mul``, a SwiGLU MLP's silu(gate) * up. The three
+cache (~8 tensor ops a layer); ``silu_mul``, a SwiGLU MLP's silu(gate) * up (``SiluMul``: the
+trainer's, forward and backward). The three
 decode-step kernels together against the tensor ops, steps alternated in one run: 11-15%
 less time a step at batch 32, ~10% at 8 and 1.
 ``ChunkAttention``, the trainer's blocked attention (``attention.py``) in bfloat16, all of a
 batch's chunks forward in one call and backward in another (AVX-512 BF16's pair dot product,
-float32 accumulation; ``fits_chunks`` says where it runs).
+float32 accumulation; ``fits_chunks`` says where it runs). ``TokenLogprobs``, the trainer's
+log-probs and entropies of its trained tokens from their logits, one pass each way.
 
 Why: at a decode step's few rows, MKL's ``F.linear`` on a plain float32 weight and oneDNN's
 on its own reordered layout both read the weight well below the memory bandwidth (2 cores,
@@ -194,8 +196,34 @@ def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` ([M, N] float32 each, rows may be strided) in one pass: ``[M, N]``."""
+    """``silu(gate) * up`` ([M, N] float32 or bfloat16 each, rows may be strided) in one pass:
+    ``[M, N]``."""
     return torch.ops.agent_rl_kernels.silu_mul(gate, up)
+
+
+class SiluMul(torch.autograd.Function):
+    """The trainer's SwiGLU middle, ``silu(gate) * up``, one pass each way: ``apply(gate, up)``
+    with ``[M, N]`` float32 or bfloat16 (both alike, columns contiguous) returns ``[M, N]``
+    in their dtype (float32 inside, rounded once), where the tensor ops take two passes
+    forward (silu, the product) and three back."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return torch.ops.agent_rl_kernels.silu_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.agent_rl_kernels.silu_mul_backward(grad.to(gate.dtype).contiguous(), gate, up)
+
+
+def fits_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether ``SiluMul`` takes these: on the CPU, one shape and dtype (float32 or
+    bfloat16), the last dimension contiguous, and the kernel built."""
+    return (gate.device.type == "cpu" and up.device == gate.device and gate.shape == up.shape
+            and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16)
+            and gate.dim() >= 1 and gate.stride(-1) == 1 and up.stride(-1) == 1 and load())
 
 
 def fits_decode(x: torch.Tensor, head_dim: int, group: int) -> bool:

@@ -39,7 +39,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -66,6 +66,19 @@ inline f32x16 load16(const c10::BFloat16* p) {
   f32x16 v;
   std::memcpy(&v, &w, sizeof v);
   return v;
+}
+
+// 16 floats into out[0..16): float32 as they are, bfloat16 rounded to nearest even
+inline void store16(float* out, const f32x16 v) { std::memcpy(out, &v, sizeof v); }
+
+inline void store16(c10::BFloat16* out, const f32x16 v) {
+#if defined(__AVX512BF16__)
+  __m512 w;
+  std::memcpy(&w, &v, sizeof w);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(w));
+#else
+  for (int i = 0; i < 16; ++i) out[i] = c10::BFloat16(v[i]);
+#endif
 }
 
 // rows [R] of x (row stride ldx) times one panel (K x 32) into y (row stride ldy), + bias
@@ -599,32 +612,107 @@ at::Tensor rotary_write(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 // silu_mul: silu(gate) * up, a SwiGLU MLP's middle, one pass instead of two ops and a
-// tensor between them. gate, up [M, N] float32, columns contiguous, row strides free (halves
-// of one product). silu(x) = x sigmoid(x), sigmoid from exp(-|x|) (exp16 takes x <= 0).
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
-                  gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat,
-              "silu_mul: gate and up must be float32 [M, N] of one shape, columns contiguous");
+// tensor between them. gate, up [M, N] float32 or bfloat16 (both alike, the result too),
+// columns contiguous, row strides free (halves of one product). silu(x) = x sigmoid(x),
+// sigmoid from exp(-|x|) (exp16 takes x <= 0); float32 inside, bfloat16 rounded once.
+inline f32x16 sigmoid16(const f32x16 x) {
+  const f32x16 e = exp16(x < 0 ? x : -x);  // exp(-|x|)
+  const f32x16 d = 1.0f + e;
+#if defined(__AVX512F__)
+  // 1 / d as AVX-512's 14-bit reciprocal and one Newton step (~1 ulp; vdivps' throughput is a
+  // quarter of it)
+  __m512 dv, rv;
+  std::memcpy(&dv, &d, sizeof dv);
+  rv = _mm512_rcp14_ps(dv);
+  f32x16 r;
+  std::memcpy(&r, &rv, sizeof r);
+  r = r * (2.0f - d * r);
+  return (x < 0 ? e : f32x16{} + 1.0f) * r;
+#else
+  return (x < 0 ? e : f32x16{} + 1.0f) / d;
+#endif
+}
+
+inline float sigmoid1(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+template <typename X>
+void silu_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   const int64_t M = gate.size(0), N = gate.size(1);
-  at::Tensor out = at::empty({M, N}, gate.options());
-  const float *gs = gate.data_ptr<float>(), *us = up.data_ptr<float>();
-  float* os = out.data_ptr<float>();
+  const X *gs = gate.data_ptr<X>(), *us = up.data_ptr<X>();
+  X* os = out.data_ptr<X>();
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const float *g = gs + m * gate.stride(0), *u = us + m * up.stride(0);
-      float* o = os + m * N;
+      const X *g = gs + m * gate.stride(0), *u = us + m * up.stride(0);
+      X* o = os + m * N;
       int64_t n = 0;
       for (; n + 16 <= N; n += 16) {
         const f32x16 x = load16(g + n);
-        const f32x16 e = exp16(x < 0 ? x : -x);  // exp(-|x|)
-        const f32x16 sig = (x < 0 ? e : f32x16{} + 1.0f) / (1.0f + e);
-        const f32x16 r = x * sig * load16(u + n);
-        std::memcpy(o + n, &r, sizeof r);
+        store16(o + n, x * sigmoid16(x) * load16(u + n));
       }
-      for (; n < N; ++n) o[n] = g[n] / (1.0f + std::exp(-g[n])) * u[n];
+      for (; n < N; ++n) {
+        const float x = g[n];
+        o[n] = x * sigmoid1(x) * static_cast<float>(u[n]);
+      }
     }
   });
+}
+
+void check_silu_mul(const char* name, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+                  gate.scalar_type() == up.scalar_type() &&
+                  (gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16),
+              name, ": gate and up must be float32 or bfloat16 [M, N] of one shape and dtype, columns contiguous");
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_silu_mul("silu_mul", gate, up);
+  at::Tensor out = at::empty({gate.size(0), gate.size(1)}, gate.options());
+  if (gate.scalar_type() == at::kFloat)
+    silu_mul_rows<float>(gate, up, out);
+  else
+    silu_mul_rows<c10::BFloat16>(gate, up, out);
   return out;
+}
+
+// silu_mul_backward: with s = sigmoid(gate), d/dgate = grad up s (1 + gate (1 - s)) and
+// d/dup = grad gate s, one pass over the three inputs (contiguous [M, N] grad).
+template <typename X>
+void silu_mul_grad_rows(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, at::Tensor& dgate,
+                        at::Tensor& dup) {
+  const int64_t M = gate.size(0), N = gate.size(1);
+  const X *ds = grad.data_ptr<X>(), *gs = gate.data_ptr<X>(), *us = up.data_ptr<X>();
+  X *dgs = dgate.data_ptr<X>(), *dus = dup.data_ptr<X>();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const X *d = ds + m * N, *g = gs + m * gate.stride(0), *u = us + m * up.stride(0);
+      X *dg = dgs + m * N, *du = dus + m * N;
+      int64_t n = 0;
+      for (; n + 16 <= N; n += 16) {
+        const f32x16 x = load16(g + n), dy = load16(d + n), sig = sigmoid16(x);
+        store16(dg + n, dy * load16(u + n) * sig * (1.0f + x * (1.0f - sig)));
+        store16(du + n, dy * x * sig);
+      }
+      for (; n < N; ++n) {
+        const float x = g[n], dy = d[n], sig = sigmoid1(x);
+        dg[n] = dy * static_cast<float>(u[n]) * sig * (1.0f + x * (1.0f - sig));
+        du[n] = dy * x * sig;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                                     const at::Tensor& up) {
+  check_silu_mul("silu_mul_backward", gate, up);
+  TORCH_CHECK(grad.sizes() == gate.sizes() && grad.scalar_type() == gate.scalar_type() && grad.is_contiguous(),
+              "silu_mul_backward: grad must be contiguous, of gate's shape and dtype");
+  at::Tensor dgate = at::empty({gate.size(0), gate.size(1)}, gate.options());
+  at::Tensor dup = at::empty({gate.size(0), gate.size(1)}, gate.options());
+  if (gate.scalar_type() == at::kFloat)
+    silu_mul_grad_rows<float>(grad, gate, up, dgate, dup);
+  else
+    silu_mul_grad_rows<c10::BFloat16>(grad, gate, up, dgate, dup);
+  return {dgate, dup};
 }
 
 
@@ -1035,19 +1123,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
   return {dq, dkv[0], dkv[1]};
 }
 
-// 16 floats into out[0..16): float32 as they are, bfloat16 rounded to nearest even
-inline void store16(float* out, const f32x16 v) { std::memcpy(out, &v, sizeof v); }
-
-inline void store16(c10::BFloat16* out, const f32x16 v) {
-#if defined(__AVX512BF16__)
-  __m512 w;
-  std::memcpy(&w, &v, sizeof w);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(w));
-#else
-  for (int i = 0; i < 16; ++i) out[i] = c10::BFloat16(v[i]);
-#endif
-}
-
 // token_logprobs: per row n of logits [N, V] (float32 or bfloat16, contiguous) under
 // softmax(x / T): the log-prob of targets[n], the entropy, and the log normaliser lse (what
 // the backward needs). Two reads of the row: its max, then exp(x / T - shift) summed beside
@@ -1177,6 +1252,7 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("sample(Tensor logits, Tensor uniforms, float temperature) -> (Tensor, Tensor)");
   m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, int slot) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor)");
   m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
@@ -1193,6 +1269,7 @@ TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rotary_write", &rotary_write);
   m.impl("silu_mul", &silu_mul);
+  m.impl("silu_mul_backward", &silu_mul_backward);
   m.impl("chunk_attention", &chunk_attention);
   m.impl("chunk_attention_backward", &chunk_attention_backward);
   m.impl("token_logprobs", &token_logprobs);

@@ -1089,6 +1089,35 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
     assert "forward" in vars(norms[0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_mlps_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch, dtype):
+    """train.kernel_mlps: policy_update runs every SwiGLU middle of the tiny model as our
+    kernel (recomputed layers included) with the gradients of the modules' own forward (to
+    float rounding; bf16: to its rounding); afterwards the modules run their own forward."""
+    from agent_rl import kernels
+
+    contract = make_contract(tmp_path / "r", f"model.dtype={dtype}")
+    model, tokenizer = tiny_model(0)
+    sequences = graded_sequences(model, tokenizer)
+    mlps = [layer.mlp for layer in model.model.layers]
+    calls = []
+    apply = kernels.SiluMul.apply
+    monkeypatch.setattr(kernels.SiluMul, "apply", lambda *a: calls.append(a[0].dtype) or apply(*a))
+    grads = functools.partial(step_grads, model, sequences, contract)
+    mine = grads()
+    # a forward pass per layer and micro-batch, plus update_kl's and the recomputed ones
+    assert len(calls) > len(mlps) * 2 and set(calls) == {getattr(torch, dtype)}
+    assert all("forward" not in vars(m) for m in mlps)
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(train, "kernel_mlps", lambda backend, model: contextlib.nullcontext())
+        theirs = grads()
+    assert not calls
+    tol = {"rtol": 1e-4, "atol": 1e-6} if dtype == "float32" else {"rtol": 0.05, "atol": 1e-3}
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], **tol)
+
+
 def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monkeypatch):
     """train.step_cast_cache: under bf16 autocast each trainable weight is cast once for the
     whole step (micro-batches and recomputed layers), not in every forward pass, and the
