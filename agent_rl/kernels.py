@@ -9,7 +9,7 @@ values once, in place, from a prompt held once per group or the row's own buffer
 ~550 against ~400 us a layer at batch 32, ~195 against ~135 at batch 8, calls alternated);
 ``rotary_write``, a decode step's rotary embedding of q and k with k and v written into the
 cache (~8 tensor ops a layer); ``silu_mul``, a SwiGLU MLP's silu(gate) * up (``SiluMul``: the
-trainer's, forward and backward). The three
+trainer's, forward and backward); ``Rotary``, the trainer's rotary embedding. The three
 decode-step kernels together against the tensor ops, steps alternated in one run: 11-15%
 less time a step at batch 32, ~10% at 8 and 1.
 ``ChunkAttention``, the trainer's blocked attention (``attention.py``) in bfloat16, all of a
@@ -216,6 +216,36 @@ class SiluMul(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         return torch.ops.agent_rl_kernels.silu_mul_backward(grad.to(gate.dtype).contiguous(), gate, up)
+
+
+class Rotary(torch.autograd.Function):
+    """The trainer's rotary embedding, Llama's ``x cos + rotate_half(x) sin``, one pass each
+    way: ``apply(x, cos, sin, dtype)`` with ``x`` ``[R, H, T, D]`` float32 or bfloat16 (the
+    last dimension contiguous) and ``cos``, ``sin`` ``[R, T, D]`` float32 returns a contiguous
+    ``[R, H, T, D]`` in ``dtype`` (float32 inside, rounded once); the gradient comes back in
+    ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, dtype):
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return torch.ops.agent_rl_kernels.rotary(x, cos, sin, dtype, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        return torch.ops.agent_rl_kernels.rotary(grad, cos, sin, ctx.x_dtype, True), None, None, None
+
+
+def fits_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether ``Rotary`` takes ``x`` [R, H, T, D] with ``cos`` (and sin) [R, T, D]: on the CPU,
+    float32 or bfloat16 ``x`` with its last dimension contiguous, float32 angles of its rows,
+    positions and even head size, and the kernel built."""
+    return (x.device.type == "cpu" and x.dim() == 4 and cos.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
+            and tuple(cos.shape) == (x.shape[0], x.shape[2], x.shape[3]) and load())
 
 
 def fits_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> bool:

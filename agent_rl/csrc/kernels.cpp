@@ -1123,6 +1123,66 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
   return {dq, dkv[0], dkv[1]};
 }
 
+// rotary: Llama's rotary embedding of x [R, H, T, D] (float32 or bfloat16, strides free but
+// the last: contiguous) by cos, sin [R, T, D] (float32, contiguous), into a contiguous
+// [R, H, T, D] of `dtype` (float32 or bfloat16, rounded once): with x = (a, b) and cos = (c1,
+// c2), sin = (s1, s2) halves, out = (a c1 - b s1, b c2 + a s2) (x cos + rotate_half(x) sin).
+// transpose: the gradient's map instead, (a c1 + b s2, b c2 - a s1). One pass where the tensor
+// ops take ten (four products, two halves' copies, a negation, two sums, the cast).
+template <typename X, typename Y>
+void rotary_rows(const at::Tensor& x, const float* cs, const float* ss, Y* out, bool transpose) {
+  const int64_t R = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), h = D / 2;
+  const X* xs = x.data_ptr<X>();
+  const float sign = transpose ? -1.0f : 1.0f;
+  at::parallel_for(0, R * H * T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / (H * T), hh = (i / T) % H, t = i % T;
+      const X* a = xs + r * x.stride(0) + hh * x.stride(1) + t * x.stride(2);
+      const X* b = a + h;
+      const float *c = cs + (r * T + t) * D, *sn = ss + (r * T + t) * D;
+      Y* o = out + i * D;
+      int64_t j = 0;
+      for (; j + 16 <= h; j += 16) {
+        const f32x16 va = load16(a + j), vb = load16(b + j);
+        // forward: s1 on b's term, s2 on a's; transpose: s2 on b's, s1 on a's, signs flipped
+        const f32x16 sb = load16(sn + (transpose ? h : 0) + j), sa = load16(sn + (transpose ? 0 : h) + j);
+        store16(o + j, va * load16(c + j) - sign * vb * sb);
+        store16(o + h + j, vb * load16(c + h + j) + sign * va * sa);
+      }
+      for (; j < h; ++j) {
+        const float va = a[j], vb = b[j];
+        const float sb = sn[(transpose ? h : 0) + j], sa = sn[(transpose ? 0 : h) + j];
+        o[j] = va * c[j] - sign * vb * sb;
+        o[h + j] = vb * c[h + j] + sign * va * sa;
+      }
+    }
+  });
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype,
+                  bool transpose) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rotary: x must be float32 or bfloat16 [R, H, T, D], the last dimension contiguous");
+  const int64_t R = x.size(0), T = x.size(2), D = x.size(3);
+  TORCH_CHECK(D % 2 == 0, "rotary: the head size ", D, " is odd");
+  for (const at::Tensor* c : {&cos, &sin})
+    TORCH_CHECK(c->dim() == 3 && c->size(0) == R && c->size(1) == T && c->size(2) == D &&
+                    c->scalar_type() == at::kFloat && c->is_contiguous(),
+                "rotary: cos and sin must be contiguous float32 [R, T, D] of x's rows, positions and head size");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rotary: the result is float32 or bfloat16");
+  at::Tensor out = at::empty({x.size(0), x.size(1), T, D}, x.options().dtype(dtype));
+  const float *cs = cos.data_ptr<float>(), *ss = sin.data_ptr<float>();
+  const bool wide = x.scalar_type() == at::kFloat;
+  if (dtype == at::kFloat) {
+    if (wide) rotary_rows<float>(x, cs, ss, out.data_ptr<float>(), transpose);
+    else rotary_rows<c10::BFloat16>(x, cs, ss, out.data_ptr<float>(), transpose);
+  } else {
+    if (wide) rotary_rows<float>(x, cs, ss, out.data_ptr<c10::BFloat16>(), transpose);
+    else rotary_rows<c10::BFloat16>(x, cs, ss, out.data_ptr<c10::BFloat16>(), transpose);
+  }
+  return out;
+}
+
 // token_logprobs: per row n of logits [N, V] (float32 or bfloat16, contiguous) under
 // softmax(x / T): the log-prob of targets[n], the entropy, and the log normaliser lse (what
 // the backward needs). Two reads of the row: its max, then exp(x / T - shift) summed beside
@@ -1253,6 +1313,7 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, int slot) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, ScalarType dtype, bool transpose) -> Tensor");
   m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor)");
   m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
@@ -1270,6 +1331,7 @@ TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("rotary_write", &rotary_write);
   m.impl("silu_mul", &silu_mul);
   m.impl("silu_mul_backward", &silu_mul_backward);
+  m.impl("rotary", &rotary);
   m.impl("chunk_attention", &chunk_attention);
   m.impl("chunk_attention_backward", &chunk_attention_backward);
   m.impl("token_logprobs", &token_logprobs);

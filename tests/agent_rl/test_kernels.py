@@ -393,6 +393,63 @@ def test_training_silu_mul_matches_the_tensor_ops(dtype):
         torch.ops.agent_rl_kernels.silu_mul_backward(grad[:, :3].contiguous(), gate.detach(), up.detach())
 
 
+def test_rotary_by_hand():
+    """D = 4, halves a = x[:2], b = x[2:], out = (a c1 - b s1, b c2 + a s2): x = (1, 2, 3, 4),
+    cos = (0.5, 0.25, 0.5, 0.25), sin = (0.1, 0.2, 0.3, 0.4) give (0.5 - 0.3, 0.5 - 0.8,
+    1.5 + 0.3, 1 + 0.8); the gradient's map (transpose) of the same x is (a c1 + b s2,
+    b c2 - a s1) = (0.5 + 0.9, 0.5 + 1.6, 1.5 - 0.1, 1 - 0.4)."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
+    cos = torch.tensor([0.5, 0.25, 0.5, 0.25]).view(1, 1, 4)
+    sin = torch.tensor([0.1, 0.2, 0.3, 0.4]).view(1, 1, 4)
+    op = torch.ops.agent_rl_kernels.rotary
+    torch.testing.assert_close(op(x, cos, sin, torch.float32, False).flatten(), torch.tensor([0.2, -0.3, 1.8, 1.8]))
+    torch.testing.assert_close(op(x, cos, sin, torch.float32, True).flatten(), torch.tensor([1.4, 2.1, 1.4, 0.6]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 40])  # halves of two vectors; of one and a tail of 4
+def test_rotary_matches_llamas(dtype, d):
+    """Forward and backward against transformers' apply_rotary_pos_emb on q as the attention
+    makes it (a transposed view of the projection) with Llama's angles: float32 to rounding;
+    a bf16 result is Llama's float32 result rounded once."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    R, H, T = 2, 3, 5
+    proj = (torch.randn(R, T, H * d) * 2).to(dtype)
+    freqs = torch.arange(T).float()[:, None] / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.cat([freqs, freqs], -1).expand(R, T, d)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    grad = torch.randn(R, H, T, d)
+    mine_x = proj.clone().requires_grad_()
+    q = mine_x.view(R, T, H, d).transpose(1, 2)
+    out = kernels.Rotary.apply(q, cos, sin, torch.float32)
+    (dx,) = torch.autograd.grad(out, mine_x, grad)
+    their_x = proj.clone().requires_grad_()
+    their_q = their_x.view(R, T, H, d).transpose(1, 2)
+    ref = apply_rotary_pos_emb(their_q, their_q, cos, sin)[0]
+    (want,) = torch.autograd.grad(ref, their_x, grad)
+    assert out.is_contiguous() and dx.dtype == dtype
+    torch.testing.assert_close(out, ref.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx.float(), want.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                               atol=1e-6 if dtype == torch.float32 else 1e-2)
+    half = kernels.Rotary.apply(q, cos, sin, torch.bfloat16)
+    assert torch.equal(half, ref.float().bfloat16())
+
+
+def test_rotary_bad_inputs_are_named():
+    op = torch.ops.agent_rl_kernels.rotary
+    x, cos = torch.zeros(1, 2, 3, 4), torch.zeros(1, 3, 4)
+    with pytest.raises(RuntimeError, match="the head size 3 is odd"):
+        op(x[..., :3], cos[..., :3], cos[..., :3], torch.float32, False)
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous float32"):
+        op(x, cos[:, :2], cos, torch.float32, False)
+    with pytest.raises(RuntimeError, match="the last dimension contiguous"):
+        op(x.transpose(2, 3), cos, cos, torch.float32, False)
+    with pytest.raises(RuntimeError, match="the result is float32 or bfloat16"):
+        op(x, cos, cos, torch.float16, False)
+
+
 def test_chunk_attention_by_hand():
     """One head of 32, two queries: query 0 sees key 0, query 1 keys 0 and 1. q = 0, so every
     score is 0: out 0 = v0, out 1 = (v0 + v1) / 2, lse = 0 and log 2. Backward with dout rows

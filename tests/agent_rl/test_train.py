@@ -1089,6 +1089,19 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
     assert "forward" in vars(norms[0])
 
 
+def assert_the_same_without(monkeypatch, context: str, grads, mine: dict, calls: list, dtype: str) -> None:
+    """The step's gradient with ``train.<context>`` switched off is ``mine`` to float rounding
+    (bf16: to its rounding), and the kernel (its calls in ``calls``) was not called."""
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(train, context, lambda backend, model: contextlib.nullcontext())
+        theirs = grads()
+    assert not calls
+    tol = {"rtol": 1e-4, "atol": 1e-6} if dtype == "float32" else {"rtol": 0.05, "atol": 1e-3}
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], **tol)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_mlps_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch, dtype):
     """train.kernel_mlps: policy_update runs every SwiGLU middle of the tiny model as our
@@ -1108,14 +1121,36 @@ def test_kernel_mlps_give_the_modules_gradients_and_leave_them_as_they_were(tmp_
     # a forward pass per layer and micro-batch, plus update_kl's and the recomputed ones
     assert len(calls) > len(mlps) * 2 and set(calls) == {getattr(torch, dtype)}
     assert all("forward" not in vars(m) for m in mlps)
-    calls.clear()
-    with monkeypatch.context() as m:
-        m.setattr(train, "kernel_mlps", lambda backend, model: contextlib.nullcontext())
-        theirs = grads()
-    assert not calls
-    tol = {"rtol": 1e-4, "atol": 1e-6} if dtype == "float32" else {"rtol": 0.05, "atol": 1e-3}
-    for key in theirs:
-        torch.testing.assert_close(mine[key], theirs[key], **tol)
+    assert_the_same_without(monkeypatch, "kernel_mlps", grads, mine, calls, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_rotary_gives_the_models_gradients_and_puts_its_function_back(tmp_path, monkeypatch, dtype):
+    """train.kernel_rotary: policy_update runs every layer's rotary embedding of q and k as our
+    kernel with the gradients of transformers' own function (to float rounding; bf16: to its
+    rounding); afterwards the module's function is its own again, and a call the kernel does
+    not take (another unsqueeze_dim) goes to it."""
+    from transformers.models.llama import modeling_llama
+
+    from agent_rl import kernels
+
+    contract = make_contract(tmp_path / "r", f"model.dtype={dtype}")
+    model, tokenizer = tiny_model(0)
+    sequences = graded_sequences(model, tokenizer)
+    own = modeling_llama.apply_rotary_pos_emb
+    calls = []
+    apply = kernels.Rotary.apply
+    monkeypatch.setattr(kernels.Rotary, "apply", lambda *a: calls.append(a[0].shape[1]) or apply(*a))
+    grads = functools.partial(step_grads, model, sequences, contract)
+    mine = grads()
+    heads = {model.config.num_attention_heads, model.config.num_key_value_heads}
+    assert set(calls) == heads and len(calls) > 2 * 2 * model.config.num_hidden_layers  # q and k, each pass
+    assert modeling_llama.apply_rotary_pos_emb is own
+    assert_the_same_without(monkeypatch, "kernel_rotary", grads, mine, calls, dtype)
+    q, cos = torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4)
+    seen = []
+    out = train._kernel_rotary(lambda *a, **k: seen.append(k) or ("theirs", None), q, q, cos, cos, unsqueeze_dim=2)
+    assert out[0] == "theirs" and seen == [{"unsqueeze_dim": 2}] and not calls
 
 
 def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monkeypatch):
