@@ -35,7 +35,6 @@ import torch
 
 import envs
 from agent_rl import checkpoint
-from agent_rl.attention import blocked
 from agent_rl.config import SFTContract
 from agent_rl.distributed import TorchBackend, adamw, launched_world_size
 from agent_rl.grpo import picked_logprobs
@@ -67,6 +66,7 @@ from agent_rl.train import (
     initial_model,
     seed_everything,
     trained_token_logits,
+    trainer_forward,
 )
 from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
@@ -305,7 +305,7 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     total = sum(r.num_trained for r in batch)
     nll_sum, correct = 0.0, 0
     micro = micro_batches(pack(share_prefixes(batch), min(micro_tokens, ROW_TOKENS)), micro_tokens)
-    with blocked(model):  # attention only where the packed mask allows
+    with trainer_forward(backend, model):  # the trainer's forward: blocked attention, our kernels
         for bins in micro:
             tensors = device_batch(bins, batch, pad_id, device)
             with autocast(device, dtype):

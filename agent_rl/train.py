@@ -499,9 +499,8 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     # the same gradient, fewer [V, H] temporaries, one bf16 cast of each weight a step;
     # attention only where the packed mask allows; RMSNorms, SwiGLU and RoPE one pass each way
     head = HeadGrads.of(backend, model, dtype)  # the head's weight gradient once a step, or None
-    with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype), blocked(model),
-          kernel_norms(backend, model), kernel_mlps(backend, model), kernel_rotary(backend, model),
-          linear_casts(backend, model, dtype)):
+    with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype),
+          trainer_forward(backend, model), linear_casts(backend, model, dtype)):
         for k in range(passes):
             if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
                 batch = device_batch(micro[0], rendered, pad_id, device)
@@ -576,8 +575,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
         # every rank runs the forward (ZeRO-3 gathers weights collectively) on a micro-batch
         # rank 0 trained, so rank 0 holds its pre-update log-probs, and its value is everyone's
         index = kl_micro_batch(micro, rendered, backend.world_size)
-        with (blocked(model), kernel_norms(backend, model), kernel_mlps(backend, model),
-              kernel_rotary(backend, model)):  # prox's numerics
+        with trainer_forward(backend, model):  # prox's numerics
             kl = update_kl(model, micro[index], rendered, pad_id, temperature, prox.get(index), dtype)
         sums["kl/update"] = backend.all_gather_object(kl)[0]
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
@@ -747,6 +745,15 @@ class StepCast(torch.autograd.Function):
         else:
             weight.grad.add_(grad)
         return None, None
+
+
+@contextlib.contextmanager
+def trainer_forward(backend: Backend, model):
+    """The trainer's forward pass: attention only where the packed mask allows
+    (``attention.blocked``), RMSNorms, SwiGLU's middle and the rotary embedding as our kernels
+    on the CPU. ``policy_update``'s passes and ``update_kl``'s run alike inside it."""
+    with blocked(model), kernel_norms(backend, model), kernel_mlps(backend, model), kernel_rotary(backend, model):
+        yield
 
 
 @contextlib.contextmanager
