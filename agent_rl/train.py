@@ -60,6 +60,7 @@ import envs
 from agent_rl import checkpoint, curriculum, kernels
 from agent_rl.attention import BLOCKED, blocked, plan_blocks
 from agent_rl.config import EnvSection, ExperimentContract, ModelSection
+from agent_rl.decode import SILU
 from agent_rl.distributed import (
     Backend,
     TorchBackend,
@@ -786,8 +787,6 @@ def kernel_mlps(backend: Backend, model):
     instead of twice). Measured (profile, SmolLM2's bf16 Relay-v0 step): silu, its backward
     and their products took ~0.35 s. Without the kernel, or under another backend than
     ``TorchBackend``: nothing changes; a module whose forward something else wrapped keeps it."""
-    from agent_rl.decode import SILU
-
     mlps = [m for m in model.modules() if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
             and type(getattr(m, "act_fn", None)).__name__ in SILU and "forward" not in vars(m)]
     if not mlps or not isinstance(backend, TorchBackend) or not kernels.load():
