@@ -716,6 +716,30 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad, con
 }
 
 
+// add_into: dst += src, float32 dst, float32 or bfloat16 src, both contiguous and of one
+// size, in one pass: at::add_ first writes a bfloat16 src out as a float32 temporary (a
+// fresh allocation each time, its pages faulted in). The same sums to the bit.
+template <typename X>
+void add_rows(float* dst, const X* src, int64_t n) {
+  at::parallel_for(0, (n + 4095) / 4096, 16, [&](int64_t begin, int64_t end) {
+    const int64_t stop = std::min(n, end * 4096);
+    int64_t i = begin * 4096;
+    for (; i + 16 <= stop; i += 16) store16(dst + i, load16(dst + i) + load16(src + i));
+    for (; i < stop; ++i) dst[i] += static_cast<float>(src[i]);
+  });
+}
+
+void add_into(at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.scalar_type() == at::kFloat && dst.is_contiguous() && src.is_contiguous() &&
+                  (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16) &&
+                  dst.sizes() == src.sizes() && dst.device().is_cpu() && src.device().is_cpu(),
+              "add_into: dst float32, src float32 or bfloat16, both contiguous, of one shape, on the CPU");
+  if (src.scalar_type() == at::kFloat)
+    add_rows(dst.data_ptr<float>(), src.data_ptr<float>(), dst.numel());
+  else
+    add_rows(dst.data_ptr<float>(), src.data_ptr<c10::BFloat16>(), dst.numel());
+}
+
 // chunk_attention: the trainer's blocked attention (agent_rl/attention.py) in bfloat16, one
 // call a layer. A batch's query chunks each attend to their own keys (positions gathered from
 // the row) under their own additive mask; a task is one chunk of one head. Products take
@@ -904,8 +928,8 @@ void for_tasks(const ChunkBatch& cb, int64_t C, F run) {
 }
 
 struct Scratch {  // a thread's buffers, reused task after task
-  std::vector<uint32_t> kt, vt, kp, vp, a, b, c, d, e;
-  std::vector<float> s, g, tmp, acc;
+  std::vector<uint32_t> kt, vt, kp, vp, a, c, d, e;
+  std::vector<float> s, tmp, acc;
 };
 
 // one chunk's keys as products read them: K transposed (B2 of S = Q K^T), V (B2 of O = P V);
@@ -941,6 +965,7 @@ void chunk_scores(const ChunkBatch& cb, int64_t c, int64_t h, Scratch& w) {
       std::memcpy(s + j, &x, sizeof x);
     }
     for (; j < nk; ++j) s[j] = s[j] * cb.scale + mi[j];
+    for (; j < ld; ++j) s[j] = -INFINITY;  // whole vectors on: exp16 gives 0 there
   }
 }
 
@@ -977,24 +1002,19 @@ std::tuple<at::Tensor, at::Tensor> chunk_attention(const at::Tensor& q, const at
       for (int64_t i = 0; i < nq; ++i) {
         float* s = w.s.data() + i * ld;
         f32x16 vmax = f32x16{} - INFINITY;
-        int64_t j = 0;
-        for (; j + 16 <= nk; j += 16) vmax = vmax > load16(s + j) ? vmax : load16(s + j);
-        float mx = hmax(vmax);
-        for (; j < nk; ++j) mx = std::max(mx, s[j]);
+        for (int64_t j = 0; j < ld; j += 16) vmax = vmax > load16(s + j) ? vmax : load16(s + j);
+        const float mx = hmax(vmax);
         f32x16 vsum{};
-        for (j = 0; j + 16 <= nk; j += 16) {
+        for (int64_t j = 0; j < ld; j += 16) {
           const f32x16 e = exp16(load16(s + j) - mx);
           std::memcpy(s + j, &e, sizeof e);
           vsum += e;
         }
-        float sum = hsum(vsum);
-        for (; j < nk; ++j) sum += (s[j] = std::exp(s[j] - mx));
-        const float inv = 1.0f / sum;
-        for (j = 0; j + 16 <= nk; j += 16) {
+        const float sum = hsum(vsum), inv = 1.0f / sum;
+        for (int64_t j = 0; j < ld; j += 16) {
           const f32x16 p = load16(s + j) * inv;
           std::memcpy(s + j, &p, sizeof p);
         }
-        for (; j < nk; ++j) s[j] *= inv;
         to_bf16(s, nk, pb + i * 2 * np, 2 * np);
         ls[(b * H + h) * T + q0 + i] = mx + std::log(sum);
       }
@@ -1029,7 +1049,8 @@ void pair_rows(const float* x, int64_t n, int64_t cols, int64_t ld, uint32_t* ou
 }
 
 // chunk_attention's backward: dq [R, T, H, D], dk and dv [R, T, H_kv, D], float32, from dout
-// [R, T, H, D] (float32, heads contiguous), the forward's out and lse. Per chunk and head: the
+// [R, T, H, D] (float32, heads contiguous), the forward's out and lse. First one sweep over
+// all queries: rowsum(dO out) and dO in bfloat16. Then per chunk and head: the
 // scores again, P = exp(S - lse), dP = dO V^T, dS = scale P (dP - rowsum(dO out)), dQ = dS K,
 // and (transposed, so that the products' pairs run along the queries) dK^T += Q^T dS and
 // dV^T += dO^T P over the heads of the kv head, added into dK, dV at the chunk's key
@@ -1050,6 +1071,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
   std::vector<std::mutex> locks(R * Hkv);
   const float *dos = dout.data_ptr<float>(), *outs = out.data_ptr<float>(), *ls = lse.data_ptr<float>();
   float *dqs = dq.data_ptr<float>(), *dkvs = dkv.data_ptr<float>();
+  // once for all chunks, one sweep: rowsum(dO out) per query and head, and dO in bfloat16
+  // (the A of dP = dO V^T, read in place; the tasks' strided reads of float32 dO and out
+  // stalled on memory)
+  at::Tensor delta = at::empty({R, T, H}, out.options());
+  at::Tensor dout16 = at::empty({R, T, H, D}, q.options());
+  float* deltas = delta.data_ptr<float>();
+  uint16_t* dob = reinterpret_cast<uint16_t*>(dout16.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, R * T * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = dos + r * D, *o = outs + r * D;
+      f32x16 dot{};
+      for (int64_t d = 0; d < D; d += 16) dot += load16(g + d) * load16(o + d);
+      deltas[r] = hsum(dot);
+      to_bf16(g, D, dob + r * D, D);
+    }
+  });
   std::vector<Scratch> scratch(threads);
   for_tasks(cb, chunks.size(0), [&](int64_t c, int64_t hk, int thread) {
     Scratch& w = scratch[thread];
@@ -1061,43 +1098,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       chunk_scores(cb, c, h, w);  // w.s: S
       // dO rows as bfloat16 (A of dP), dO^T and Q^T as bfloat16 pairs along the queries (A
-      // of dV^T and dK^T), rowsum(dO out)
-      w.b.resize(nq * D / 2);
+      // of dV^T and dK^T), rowsum(dO out) from the sweep above
       w.d.resize(D * nqp);
       w.e.resize(D * nqp);
-      uint16_t *dob = reinterpret_cast<uint16_t*>(w.b.data()), *dot_t = reinterpret_cast<uint16_t*>(w.d.data()),
-               *qt = reinterpret_cast<uint16_t*>(w.e.data());
-      w.g.resize(nq);
+      uint16_t *dot_t = reinterpret_cast<uint16_t*>(w.d.data()), *qt = reinterpret_cast<uint16_t*>(w.e.data());
+      const uint16_t* dorow = dob + ((b * T + q0) * H + h) * D;  // row i at i H D
       for (int64_t i = 0; i < nq; ++i) {
-        const float *g = dos + ((b * T + q0 + i) * H + h) * D, *o = outs + ((b * T + q0 + i) * H + h) * D;
-        f32x16 dot{};
-        for (int64_t d = 0; d < D; d += 16) dot += load16(g + d) * load16(o + d);
-        w.g[i] = hsum(dot);
-        to_bf16(g, D, dob + i * D, D);
-        const uint16_t* qi = reinterpret_cast<const uint16_t*>(cb.qrow(b, h, q0 + i));
-        for (int64_t d = 0; d < D; ++d) dot_t[d * 2 * nqp + i] = dob[i * D + d], qt[d * 2 * nqp + i] = qi[d];
+        const uint16_t *gi = dorow + i * H * D, *qi = reinterpret_cast<const uint16_t*>(cb.qrow(b, h, q0 + i));
+        for (int64_t d = 0; d < D; ++d) dot_t[d * 2 * nqp + i] = gi[d], qt[d * 2 * nqp + i] = qi[d];
       }
       if (nq % 2)
         for (int64_t d = 0; d < D; ++d) dot_t[d * 2 * nqp + nq] = qt[d * 2 * nqp + nq] = 0;
-      // dP = dO V^T
+      // dP = dO V^T, its columns past nk zeroed (whole vectors below)
       w.tmp.resize(nq * ld);
-      bf16_gemm(nq, nk, D / 2, w.b.data(), D / 2, w.vt.data(), ld, w.tmp.data(), ld, false);
+      bf16_gemm(nq, nk, D / 2, reinterpret_cast<const uint32_t*>(dorow), H * D / 2, w.vt.data(), ld, w.tmp.data(),
+                ld, false);
+      for (int64_t i = 0; i < nq; ++i) std::fill(w.tmp.data() + i * ld + nk, w.tmp.data() + (i + 1) * ld, 0.0f);
       // P and dS (into w.s and w.tmp), then as bfloat16: dS rows (A of dQ), dS and P in pairs
       // of rows (B2 of dK^T and dV^T)
       const float* l = ls + (b * H + h) * T + q0;
+      const float* di = deltas + (b * T + q0) * H + h;  // query i's at i H
       for (int64_t i = 0; i < nq; ++i) {
         float *s = w.s.data() + i * ld, *dp = w.tmp.data() + i * ld;
-        const f32x16 li = f32x16{} + l[i], gi = f32x16{} + w.g[i];
-        int64_t j = 0;
-        for (; j + 16 <= nk; j += 16) {
+        const f32x16 li = f32x16{} + l[i], gi = f32x16{} + di[i * H];
+        for (int64_t j = 0; j < ld; j += 16) {
           const f32x16 p = exp16(load16(s + j) - li);
           const f32x16 ds = p * (load16(dp + j) - gi) * cb.scale;
           std::memcpy(s + j, &p, sizeof p);
           std::memcpy(dp + j, &ds, sizeof ds);
-        }
-        for (; j < nk; ++j) {
-          s[j] = std::exp(s[j] - l[i]);
-          dp[j] = s[j] * (dp[j] - w.g[i]) * cb.scale;
         }
       }
       w.a.resize(nq * np);
@@ -1313,6 +1341,7 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, int slot) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("add_into(Tensor(a!) dst, Tensor src) -> ()");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, ScalarType dtype, bool transpose) -> Tensor");
   m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor)");
   m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
@@ -1331,6 +1360,7 @@ TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("rotary_write", &rotary_write);
   m.impl("silu_mul", &silu_mul);
   m.impl("silu_mul_backward", &silu_mul_backward);
+  m.impl("add_into", &add_into);
   m.impl("rotary", &rotary);
   m.impl("chunk_attention", &chunk_attention);
   m.impl("chunk_attention_backward", &chunk_attention_backward);

@@ -331,6 +331,29 @@ def test_rotary_write_by_hand_and_against_the_model():
         kernels.rotary_write(q, k, v, cos[:, :10], signed, keys, values, 0)
 
 
+def test_add_into_by_hand_and_to_the_bit():
+    """dst += src in place: by hand (1.5 + bf16(2.25) = 3.75); then float32 and bf16 sources
+    across the kernel's blocks of 4096 and a 7-wide tail, the same bits as add_; strided or
+    other dtypes fall back to add_; the op itself names bad inputs."""
+    dst = torch.tensor([1.5, -1.0])
+    kernels.add_into(dst, torch.tensor([2.25, 0.5]).bfloat16())
+    assert dst.tolist() == [3.75, -0.5]
+    torch.manual_seed(0)
+    for src_dtype in (torch.float32, torch.bfloat16):
+        dst = torch.randn(3, 4096 + 7)
+        src = torch.randn(3, 4096 + 7).to(src_dtype)
+        expect = dst.clone().add_(src)
+        kernels.add_into(dst, src)
+        assert torch.equal(dst, expect)
+    dst, src = torch.zeros(4, 6), torch.ones(6, 4).bfloat16().t()  # strided: add_
+    kernels.add_into(dst, src)
+    assert dst.eq(1.0).all()
+    with pytest.raises(RuntimeError, match="add_into: dst float32"):
+        torch.ops.agent_rl_kernels.add_into(torch.zeros(3).bfloat16(), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="of one shape"):
+        torch.ops.agent_rl_kernels.add_into(torch.zeros(3), torch.zeros(4))
+
+
 def test_silu_mul_by_hand_and_against_the_tensor_ops():
     """silu(x) = x / (1 + e^-x): silu(0) = 0, silu(2) * 3 = 6 / (1 + e^-2), silu(-2) * 1 =
     -2 / (1 + e^2); then halves of one product (strided rows, 1536 wide and a 7-wide tail)
