@@ -831,23 +831,82 @@ void bf16_gemm(int64_t M, int64_t N, int64_t P, const uint32_t* A, int64_t lda, 
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// rows[i] (D bfloat16 each) as B2 of a product over D: out[p][i] = pair p of row i, [D/2][ld]
-template <typename Row>
-void pack_transposed(int64_t n, int64_t D, Row row, uint32_t* out, int64_t ld) {
-  for (int64_t p = 0; p < D / 2; ++p) std::fill(out + p * ld + n, out + (p + 1) * ld, 0u);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t* r = reinterpret_cast<const uint32_t*>(row(i));
-    for (int64_t p = 0; p < D / 2; ++p) out[p * ld + i] = r[p];
+#if defined(__AVX512F__)
+// r[0..16) as a 16 x 16 matrix of 32-bit lanes, transposed in place: r[j] lane i = old r[i] lane j
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
   }
 }
+#endif
 
-// rows[i] (D bfloat16 each) as B2 of a product over i: out[k][d] = (row 2k [d], row 2k+1 [d])
+// out[c][r] = rows[r][c] (32-bit) for r < n, c < m: rows are pointers (strides free), out row
+// c at out + c * ld; lanes r in [n, n rounded up to 16) of out are written zero when `pad`
+// (out's rows must hold them), else left alone. 16 x 16 blocks in registers with AVX-512.
+template <typename Row>
+void transpose_rows(int64_t n, int64_t m, Row row, uint32_t* out, int64_t ld, bool pad) {
+  int64_t r0 = 0;
+#if defined(__AVX512F__)
+  for (; r0 < n; r0 += 16) {
+    const int rows = (int)std::min<int64_t>(16, n - r0);
+    const __mmask16 keep = pad ? (__mmask16)0xFFFF : (__mmask16)((1u << rows) - 1);
+    for (int64_t c0 = 0; c0 < m; c0 += 16) {
+      const int cols = (int)std::min<int64_t>(16, m - c0);
+      const __mmask16 take = (__mmask16)((1u << cols) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < rows ? _mm512_maskz_loadu_epi32(take, row(r0 + i) + c0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int j = 0; j < cols; ++j) _mm512_mask_storeu_epi32(out + (c0 + j) * ld + r0, keep, r[j]);
+    }
+  }
+#else
+  for (; r0 < n; ++r0)
+    for (int64_t c = 0; c < m; ++c) out[c * ld + r0] = row(r0)[c];
+  if (pad)
+    for (int64_t c = 0; c < m; ++c) std::fill(out + c * ld + n, out + c * ld + (n + 15) / 16 * 16, 0u);
+#endif
+}
+
+// rows[i] (D bfloat16 each) as B2 of a product over D: out[p][i] = pair p of row i, [D/2][ld],
+// zero past n (ld a multiple of 16)
+template <typename Row>
+void pack_transposed(int64_t n, int64_t D, Row row, uint32_t* out, int64_t ld) {
+  for (int64_t p = 0; p < D / 2; ++p) std::fill(out + p * ld + (n + 15) / 16 * 16, out + (p + 1) * ld, 0u);
+  transpose_rows(n, D / 2, [&](int64_t i) { return reinterpret_cast<const uint32_t*>(row(i)); }, out, ld, true);
+}
+
+// rows[i] (D bfloat16 each, D a multiple of 16) as B2 of a product over i: out[k][d] = (row
+// 2k [d], row 2k+1 [d])
 template <typename Row>
 void pack_pairs(int64_t n, int64_t D, Row row, uint32_t* out) {
   for (int64_t k = 0; 2 * k < n; ++k) {
     const uint16_t* r0 = reinterpret_cast<const uint16_t*>(row(2 * k));
     const uint16_t* r1 = 2 * k + 1 < n ? reinterpret_cast<const uint16_t*>(row(2 * k + 1)) : nullptr;
-    for (int64_t d = 0; d < D; ++d) out[k * D + d] = r0[d] | (r1 ? uint32_t(r1[d]) << 16 : 0u);
+    for (int64_t d = 0; d < D; d += 16) {
+      u16x16 lo, hi{};
+      std::memcpy(&lo, r0 + d, sizeof lo);
+      if (r1) std::memcpy(&hi, r1 + d, sizeof hi);
+      const u32x16 pair = __builtin_convertvector(lo, u32x16) | __builtin_convertvector(hi, u32x16) << 16;
+      std::memcpy(out + k * D + d, &pair, sizeof pair);
+    }
   }
 }
 
@@ -932,7 +991,7 @@ void for_tasks(const ChunkBatch& cb, int64_t C, F run) {
 }
 
 struct Scratch {  // a thread's buffers, reused task after task
-  std::vector<uint32_t> kt, vt, kp, vp, a, c, d, e;
+  std::vector<uint32_t> kt, vt, kp, vp, a, b, c, d, e;
   std::vector<float> s, tmp, acc;
 };
 
@@ -1105,14 +1164,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
       // of dV^T and dK^T), rowsum(dO out) from the sweep above
       w.d.resize(D * nqp);
       w.e.resize(D * nqp);
-      uint16_t *dot_t = reinterpret_cast<uint16_t*>(w.d.data()), *qt = reinterpret_cast<uint16_t*>(w.e.data());
       const uint16_t* dorow = dob + ((b * T + q0) * H + h) * D;  // row i at i H D
-      for (int64_t i = 0; i < nq; ++i) {
-        const uint16_t *gi = dorow + i * H * D, *qi = reinterpret_cast<const uint16_t*>(cb.qrow(b, h, q0 + i));
-        for (int64_t d = 0; d < D; ++d) dot_t[d * 2 * nqp + i] = gi[d], qt[d * 2 * nqp + i] = qi[d];
-      }
-      if (nq % 2)
-        for (int64_t d = 0; d < D; ++d) dot_t[d * 2 * nqp + nq] = qt[d * 2 * nqp + nq] = 0;
+      w.b.resize(nqp * D);  // pairs of rows, [nqp][D], then transposed: [D][nqp]
+      pack_pairs(nq, D, [&](int64_t i) { return dorow + i * H * D; }, w.b.data());
+      transpose_rows(nqp, D, [&](int64_t p) { return w.b.data() + p * D; }, w.d.data(), nqp, false);
+      pack_pairs(nq, D, [&](int64_t i) { return cb.qrow(b, h, q0 + i); }, w.b.data());
+      transpose_rows(nqp, D, [&](int64_t p) { return w.b.data() + p * D; }, w.e.data(), nqp, false);
       // dP = dO V^T, its columns past nk zeroed (whole vectors below)
       w.tmp.resize(nq * ld);
       bf16_gemm(nq, nk, D / 2, reinterpret_cast<const uint32_t*>(dorow), H * D / 2, w.vt.data(), ld, w.tmp.data(),
@@ -1144,12 +1201,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
       bf16_gemm(D, nk, nqp, w.e.data(), nqp, w.c.data(), ld, w.acc.data(), ld, true);
       bf16_gemm(D, nk, nqp, w.d.data(), nqp, w.c.data() + nqp * ld, ld, w.acc.data() + D * ld, ld, true);
     }
+    // dK^T and dV^T [D][ld] transposed to rows [ld][D]
+    w.tmp.resize(2 * ld * D);
+    uint32_t* rows = reinterpret_cast<uint32_t*>(w.tmp.data());
+    const uint32_t* acc = reinterpret_cast<const uint32_t*>(w.acc.data());
+    transpose_rows(2 * D, nk, [&](int64_t d) { return acc + d * ld; }, rows, 2 * D, false);
     std::lock_guard<std::mutex> hold(locks[b * Hkv + hk]);
     for (int64_t part = 0; part < 2; ++part)
       for (int64_t j = 0; j < nk; ++j) {
         float* to = dkvs + (((part * R + b) * T + keys[j]) * Hkv + hk) * D;
-        const float* from = w.acc.data() + part * D * ld + j;
-        for (int64_t d = 0; d < D; ++d) to[d] += from[d * ld];
+        const float* from = w.tmp.data() + j * 2 * D + part * D;
+        for (int64_t d = 0; d < D; d += 16) store16(to + d, load16(to + d) + load16(from + d));
       }
   });
   return {dq, dkv[0], dkv[1]};
