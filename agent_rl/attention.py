@@ -211,8 +211,9 @@ def blocked_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         chunks, keys, mask = attention_blocks.tables
         out = kernels.ChunkAttention.apply(query.to(torch.bfloat16), key.to(torch.bfloat16),
-                                   value.to(torch.bfloat16), chunks, keys, mask, scale)  # [R, T, H, D]
-        return out.to(out_dtype), None
+                                           value.to(torch.bfloat16), chunks, keys, mask, scale,
+                                           torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+        return out.to(out_dtype), None  # [R, T, H, D]
     if widen:
         query, key, value = query.float(), key.float(), value.float()
     rows = []

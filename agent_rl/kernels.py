@@ -142,27 +142,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(torch.autograd.Function):
-    """Llama's RMSNorm for training, float32 on the CPU: ``RMSNorm.apply(x, weight, eps)``, the
-    forward as ``rms_norm`` keeping each row's reciprocal root, the backward as one pass over
-    the rows (``dx = r (dn - n mean(dn n))`` with ``n = x r``, ``dn = grad * weight``; the
-    weight's gradient summed over the rows). Saves ``x`` and ``[M]`` roots, where the tensor
-    ops keep ``x`` and the normalized rows. ``train.kernel_norms`` switches a model's norms to
-    it for a step."""
+    """Llama's RMSNorm for training, float32 rows on the CPU: ``RMSNorm.apply(x, weight, eps,
+    dtype)``, the forward as ``rms_norm`` keeping each row's reciprocal root, its result in
+    ``dtype`` (float32, or bfloat16 rounded once: what a projection reads under bf16 autocast,
+    which would otherwise cast the rows once per projection and keep each cast), the backward
+    as one pass over the rows (``dx = r (dn - n mean(dn n))`` with ``n = x r``, ``dn = grad *
+    weight``; the weight's gradient summed over the rows; a float32 or bfloat16 gradient,
+    widened). Saves ``x`` and ``[M]`` roots, where the tensor ops keep ``x`` and the
+    normalized rows. ``train.kernel_norms`` switches a model's norms to it for a step."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, H]
-        y, rstd = torch.ops.agent_rl_kernels.rms_norm_forward(rows, weight, eps)  # [M, H], [M]
+        y, rstd = torch.ops.agent_rl_kernels.rms_norm_forward(rows, weight, eps, dtype)  # [M, H], [M]
         ctx.save_for_backward(rows, weight, rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, weight, rstd = ctx.saved_tensors
-        dx, dweight = torch.ops.agent_rl_kernels.rms_norm_backward(
-            grad.reshape(rows.shape).float().contiguous(), rows, weight, rstd)  # [M, H], [H]
+        flat = grad.reshape(rows.shape)
+        if flat.dtype not in (torch.float32, torch.bfloat16):
+            flat = flat.float()
+        dx, dweight = torch.ops.agent_rl_kernels.rms_norm_backward(flat.contiguous(), rows, weight, rstd)  # [M, H], [H]
         return (dx.view(grad.shape) if ctx.needs_input_grad[0] else None,
-                dweight if ctx.needs_input_grad[1] else None, None)
+                dweight if ctx.needs_input_grad[1] else None, None, None)
 
 
 def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,13 +287,15 @@ def fits_decode(x: torch.Tensor, head_dim: int, group: int) -> bool:
 
 class ChunkAttention(torch.autograd.Function):
     """A plan's chunks in bfloat16, forward and backward one kernel call each
-    (``chunk_attention`` in ``csrc/kernels.cpp``): ``apply(q, k, v, chunks, keys, mask, scale)`` with ``q``
-    ``[R, H, T, D]``, ``k``, ``v`` ``[R, H_kv, T, D]`` bfloat16 and a plan's ``tables``;
-    returns ``[R, T, H, D]`` float32."""
+    (``chunk_attention`` in ``csrc/kernels.cpp``): ``apply(q, k, v, chunks, keys, mask, scale,
+    dtype)`` with ``q`` ``[R, H, T, D]``, ``k``, ``v`` ``[R, H_kv, T, D]`` bfloat16 and a plan's
+    ``tables``; returns ``[R, T, H, D]`` in ``dtype``, float32 or bfloat16 (float32 sums rounded
+    once: what the next projection reads under bf16 autocast, kept once for both). The
+    gradient may come back in either."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks, keys, mask, scale):
-        out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale)
+    def forward(ctx, q, k, v, chunks, keys, mask, scale, dtype):
+        out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale, dtype)
         ctx.save_for_backward(q, k, v, out, lse, chunks, keys, mask)
         ctx.scale = scale
         return out
@@ -296,9 +303,11 @@ class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, chunks, keys, mask = ctx.saved_tensors
+        if grad.dtype not in (torch.float32, torch.bfloat16):
+            grad = grad.float()
         dq, dk, dv = torch.ops.agent_rl_kernels.chunk_attention_backward(
-            grad.float().contiguous(), q, k, v, out, lse, chunks, keys, mask, ctx.scale)  # [R, T, H(_kv), D]
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
+            grad.contiguous(), q, k, v, out, lse, chunks, keys, mask, ctx.scale)  # [R, T, H(_kv), D]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None
 
 
 class TokenLogprobs(torch.autograd.Function):

@@ -133,6 +133,11 @@ RECOMPUTE = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=F
 # norms' inputs in float32. Measured (saved-tensor bytes a token): 0.71 on SmolLM2-135M's
 # Relay-v0 step (30.4 against 42.7 KB a layer), 0.69 on the tests' tiny Llama
 HALF_ACTIVATIONS = 0.72
+# the same where the trainer's kernels run (``half_activations``): the norms write the
+# projections' bf16 input once (autocast kept a cast per projection) and blocked attention's
+# kernel its bf16 output (float32 before, and its cast). Measured: 0.53 on SmolLM2-135M's
+# Relay-v0 step (18.9 against 35.4 KB a layer)
+HALF_ACTIVATIONS_KERNELS = 0.56
 # the output head's deferred weight gradient (``HeadGrads``) is computed once this many bytes
 # of the head's output gradients are held
 HEAD_GRAD_BYTES = 256 << 20
@@ -500,12 +505,13 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     # the same gradient, fewer [V, H] temporaries, one bf16 cast of each weight a step;
     # attention only where the packed mask allows; RMSNorms, SwiGLU and RoPE one pass each way
     head = HeadGrads.of(backend, model, dtype)  # the head's weight gradient once a step, or None
+    half = half_activations(backend, model)  # what a bf16 token keeps, of a float32 one's
     with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype),
           trainer_forward(backend, model), linear_casts(backend, model, dtype)):
         for k in range(passes):
             if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
                 batch = device_batch(micro[0], rendered, pad_id, device)
-                recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing, dtype)
+                recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing, dtype, half)
                 with autocast(device, dtype):
                     logits = trained_token_logits(model, batch)  # [N, V]
                 backend.backward(logits.sum() * 0.0)
@@ -517,7 +523,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
             # micro_tokens bounds the activations kept: a longer row (a shared prompt with its
             # samples is never split) recomputes a share of its layers in backward
             recomputed = recompute_layers(model, batch, micro_tokens,
-                                          contract.optim.activation_checkpointing, dtype)
+                                          contract.optim.activation_checkpointing, dtype, half)
             sums["layer_tokens/recomputed"] += recomputed * batch["input_ids"].numel()
             sums["layer_tokens/computed"] += layers * batch["input_ids"].numel()
             with autocast(device, dtype):
@@ -766,7 +772,11 @@ def kernel_norms(backend: Backend, model):
     compute float32 rows on the CPU as our kernel, forward and backward one pass each
     (``kernels.RMSNorm``; ~0.6 against ~3.1 ms for 1000 x 576 rows, forward + backward); any
     other input (bf16 rows, another device) goes through the module's own forward. The same
-    values but for float summation order (tested). Not on another device, without the
+    values but for float summation order (tested). Under bf16 autocast the result is bf16,
+    rounded once: the value autocast's cast before each projection would give, written and
+    kept once instead of once per projection (q, k and v: three casts, three bf16 copies kept);
+    the projections' input gradients then add up in bf16, as the model's own bf16 tensors'
+    would, where autocast's casts added them in float32. Not on another device, without the
     kernel, or under another backend than ``TorchBackend`` (DeepSpeed's ZeRO-3 manages the
     weights inside forward): nothing changes. A norm whose forward something else already
     wrapped (accelerate's hooks set their own on the instance) keeps it."""
@@ -865,10 +875,13 @@ def instance_forwards(modules: list[torch.nn.Module], forward):
 
 
 def _kernel_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``kernel_norms``' forward of one norm module: float32 rows and weight as our kernel,
-    anything else as the module's own forward."""
+    """``kernel_norms``' forward of one norm module: float32 rows and weight as our kernel
+    (its result in bf16 under bf16 autocast: what the projections after it read), anything
+    else as the module's own forward."""
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return kernels.RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
+        half = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        return kernels.RMSNorm.apply(x, norm.weight, norm.variance_epsilon,
+                                     torch.bfloat16 if half else torch.float32)
     return type(norm).forward(norm, x)
 
 
@@ -964,22 +977,35 @@ class DeferredHead(torch.autograd.Function):
 
 
 def recompute_layers(model, batch: dict[str, torch.Tensor], micro_tokens: int,
-                     every: bool = False, dtype: str = "float32") -> int:
+                     every: bool = False, dtype: str = "float32", half: float = HALF_ACTIVATIONS) -> int:
     """Make the decoder layers of ``model`` recompute their activations in backward instead of
     keeping them (non-reentrant checkpointing through transformers' per-layer switch: the same
     values, so the same gradients), for all of them when ``every``, else for just enough that
     the activations kept are those of ``micro_tokens`` tokens in float32: for a micro-batch of
     T > B tokens (padding included), ceil(L (1 - B / T)) of its L layers, where B is
-    ``micro_tokens`` in float32 and ``micro_tokens / HALF_ACTIVATIONS`` under half-precision
-    autocast (``dtype``), whose tokens keep less. Returns how many."""
+    ``micro_tokens`` in float32 and ``micro_tokens / half`` under half-precision autocast
+    (``dtype``), whose tokens keep less (``half_activations``). Returns how many."""
     layers = checkpointing_layers(model)
     tokens = batch["input_ids"].numel()
-    budget = micro_tokens if as_dtype(dtype) == torch.float32 else micro_tokens / HALF_ACTIVATIONS
+    budget = micro_tokens if as_dtype(dtype) == torch.float32 else micro_tokens / half
     count = len(layers) if every else math.ceil(len(layers) * max(0.0, 1.0 - budget / tokens))
     for i, layer in enumerate(layers):
         layer._gradient_checkpointing_func = RECOMPUTE
         layer.gradient_checkpointing = i < count
     return count
+
+
+def half_activations(backend: Backend, model) -> float:
+    """What a token keeps for backward under bf16 autocast, as a share of a float32 token's:
+    ``HALF_ACTIVATIONS_KERNELS`` where ``trainer_forward``'s kernels run (one process,
+    ``TorchBackend``, on the CPU, blocked attention's bf16 kernel taking the model's heads),
+    else ``HALF_ACTIVATIONS``."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fits = (isinstance(backend, TorchBackend) and next(model.parameters()).device.type == "cpu"
+            and getattr(config, "_attn_implementation", None) in (BLOCKED, "sdpa")
+            and kernels.fits_chunks(head_dim))
+    return HALF_ACTIVATIONS_KERNELS if fits else HALF_ACTIVATIONS
 
 
 def checkpointing_layers(model) -> list[GradientCheckpointingLayer]:

@@ -37,6 +37,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -193,8 +194,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels,
 // F.rms_norm on the CPU runs as five ops (pow, mean, add, rsqrt, two muls), ~90 us at a
 // decode step's 32 x 576, where reading and writing the rows takes a few. rstd, when given
 // ([M]), receives each row's reciprocal root (what the backward needs).
-void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y,
-                   float* rstd) {
+template <typename Y>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, Y* ys, float* rstd) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "rms_norm: x must be a contiguous 2-d float32 tensor");
   TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
@@ -203,25 +204,25 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at
   const int64_t M = x.size(0), H = x.size(1);
   const float* xs = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  float* ys = y.data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = xs + m * H;
-      float* out = ys + m * H;
+      Y* out = ys + m * H;
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t h = 0; h < H; ++h) squares += row[h] * row[h];
       const float r = 1.0f / std::sqrt(squares / static_cast<float>(H) + static_cast<float>(eps));
       if (rstd != nullptr) rstd[m] = r;
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) out[h] = w[h] * (row[h] * r);
+      int64_t h = 0;
+      for (; h + 16 <= H; h += 16) store16(out + h, load16(w + h) * (load16(row + h) * r));
+      for (; h < H; ++h) out[h] = w[h] * (row[h] * r);
     }
   });
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  rms_norm_rows(x, weight, eps, y, nullptr);
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::kFloat));  // x is checked inside
+  rms_norm_rows(x, weight, eps, y.data_ptr<float>(), nullptr);
   return y;
 }
 
@@ -230,11 +231,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // dn = grad * weight:  dx = r (dn - n mean(dn n)),  dweight = sum over rows of grad * n
 // (per-thread partial sums, added at the end). The tensor ops took ~4.3 ms for the forward
 // and backward of 1000 x 576 rows (seven ops forward, more backward).
+// y in `dtype`: float32, or bfloat16 rounded once (what a projection reads under bf16 autocast)
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight,
-                                                    double eps) {
-  at::Tensor y = at::empty(x.sizes(), x.options());
+                                                    double eps, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rms_norm_forward: the result is float32 or bfloat16");
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(dtype));
   at::Tensor rstd = at::empty({x.size(0)}, x.options());
-  rms_norm_rows(x, weight, eps, y, rstd.data_ptr<float>());
+  if (dtype == at::kFloat)
+    rms_norm_rows(x, weight, eps, y.data_ptr<float>(), rstd.data_ptr<float>());
+  else
+    rms_norm_rows(x, weight, eps, y.data_ptr<c10::BFloat16>(), rstd.data_ptr<float>());
   return {y, rstd};
 }
 
@@ -242,9 +248,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
                                                      const at::Tensor& weight,
                                                      const at::Tensor& rstd) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  grad.sizes() == x.sizes() && grad.scalar_type() == at::kFloat &&
+                  grad.sizes() == x.sizes() &&
+                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16) &&
                   grad.is_contiguous(),
-              "rms_norm_backward: x and grad must be contiguous float32 [M, H] alike");
+              "rms_norm_backward: x (float32) and grad (float32 or bfloat16) must be contiguous [M, H] alike");
   TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.size(0) == x.size(1) && rstd.dim() == 1 &&
                   rstd.scalar_type() == at::kFloat && rstd.size(0) == x.size(0),
@@ -254,15 +261,23 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   const int threads = at::get_num_threads();
   std::vector<float> partial(static_cast<size_t>(threads) * H, 0.0f);
   const float* xs = x.data_ptr<float>();
-  const float* gs = grad.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float* rs = rstd.data_ptr<float>();
   float* dxs = dx.data_ptr<float>();
+  std::vector<float> wide(grad.scalar_type() == at::kFloat ? 0 : static_cast<size_t>(threads) * H);
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     float* dw = partial.data() + static_cast<size_t>(at::get_thread_num()) * H;
     for (int64_t m = begin; m < end; ++m) {
       const float* row = xs + m * H;
-      const float* g = gs + m * H;
+      const float* g = grad.scalar_type() == at::kFloat ? grad.data_ptr<float>() + m * H : nullptr;
+      if (g == nullptr) {  // a bfloat16 row, widened once
+        float* to = wide.data() + static_cast<size_t>(at::get_thread_num()) * H;
+        const c10::BFloat16* from = grad.data_ptr<c10::BFloat16>() + m * H;
+        int64_t h = 0;
+        for (; h + 16 <= H; h += 16) store16(to + h, load16(from + h));
+        for (; h < H; ++h) to[h] = static_cast<float>(from[h]);
+        g = to;
+      }
       float* out = dxs + m * H;
       const float r = rs[m];
       float dot = 0.0f;
@@ -1044,14 +1059,17 @@ inline float hmax(const f32x16 v) {
   return t;
 }
 
+// out [R, T, H, D] in `dtype` (float32, or bfloat16 rounded once from float32 sums)
 std::tuple<at::Tensor, at::Tensor> chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    const at::Tensor& chunks, const at::Tensor& keys,
-                                                   const at::Tensor& mask, double scale) {
+                                                   const at::Tensor& mask, double scale, at::ScalarType dtype) {
   const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, scale);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "chunk_attention: the result is float32 or bfloat16");
   const int64_t R = q.size(0), H = cb.H, T = cb.T, D = cb.D, group = H / cb.Hkv;
-  at::Tensor out = at::empty({R, T, H, D}, q.options().dtype(at::kFloat));  // [R, T, H, D]
+  at::Tensor out = at::empty({R, T, H, D}, q.options().dtype(dtype));  // [R, T, H, D]
   at::Tensor lse = at::empty({R, H, T}, q.options().dtype(at::kFloat));
-  float *os = out.data_ptr<float>(), *ls = lse.data_ptr<float>();
+  float* ls = lse.data_ptr<float>();
+  const bool wide = dtype == at::kFloat;
   std::vector<Scratch> scratch(at::get_num_threads());
   for_tasks(cb, chunks.size(0), [&](int64_t c, int64_t hk, int thread) {
     Scratch& w = scratch[thread];
@@ -1081,7 +1099,15 @@ std::tuple<at::Tensor, at::Tensor> chunk_attention(const at::Tensor& q, const at
         to_bf16(s, nk, pb + i * 2 * np, 2 * np);
         ls[(b * H + h) * T + q0 + i] = mx + std::log(sum);
       }
-      bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, os + ((b * T + q0) * H + h) * D, H * D, false);
+      const int64_t at_row = ((b * T + q0) * H + h) * D;  // query i's row at at_row + i H D
+      if (wide) {
+        bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, out.data_ptr<float>() + at_row, H * D, false);
+        continue;
+      }
+      w.tmp.resize(nq * D);
+      bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, w.tmp.data(), D, false);
+      uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + at_row;
+      for (int64_t i = 0; i < nq; ++i) to_bf16(w.tmp.data() + i * D, D, ob + i * H * D, D);
     }
   });
   return {out, lse};
@@ -1123,33 +1149,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
     const at::Tensor& lse, const at::Tensor& chunks, const at::Tensor& keys, const at::Tensor& mask, double scale) {
   const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, scale);
   const int64_t R = q.size(0), H = cb.H, Hkv = cb.Hkv, T = cb.T, D = cb.D, group = H / Hkv;
-  TORCH_CHECK(dout.scalar_type() == at::kFloat && dout.is_contiguous() && out.scalar_type() == at::kFloat &&
-                  out.is_contiguous() && dout.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == R &&
-                  out.size(1) == T && out.size(2) == H && out.size(3) == D && lse.scalar_type() == at::kFloat &&
-                  lse.is_contiguous() && lse.numel() == R * H * T,
-              "chunk_attention_backward: dout and out float32 [R, T, H, D], lse float32 [R, H, T], contiguous");
+  const auto wide = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; };
+  TORCH_CHECK((wide(dout) || dout.scalar_type() == at::kBFloat16) && (wide(out) || out.scalar_type() == at::kBFloat16) &&
+                  dout.is_contiguous() && out.is_contiguous() && dout.sizes() == out.sizes() && out.dim() == 4 &&
+                  out.size(0) == R && out.size(1) == T && out.size(2) == H && out.size(3) == D &&
+                  lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == R * H * T,
+              "chunk_attention_backward: dout and out float32 or bfloat16 [R, T, H, D], lse float32 [R, H, T], "
+              "contiguous");
   const int threads = at::get_num_threads();
-  at::Tensor dq = at::empty({R, T, H, D}, out.options());
-  at::Tensor dkv = at::zeros({2, R, T, Hkv, D}, out.options());  // dK, dV
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq = at::empty({R, T, H, D}, f32);
+  at::Tensor dkv = at::zeros({2, R, T, Hkv, D}, f32);  // dK, dV
   std::vector<std::mutex> locks(R * Hkv);
-  const float *dos = dout.data_ptr<float>(), *outs = out.data_ptr<float>(), *ls = lse.data_ptr<float>();
+  const float* ls = lse.data_ptr<float>();
   float *dqs = dq.data_ptr<float>(), *dkvs = dkv.data_ptr<float>();
   // once for all chunks, one sweep: rowsum(dO out) per query and head, and dO in bfloat16
-  // (the A of dP = dO V^T, read in place; the tasks' strided reads of float32 dO and out
-  // stalled on memory)
-  at::Tensor delta = at::empty({R, T, H}, out.options());
-  at::Tensor dout16 = at::empty({R, T, H, D}, q.options());
+  // (the A of dP = dO V^T, read in place: dout itself when bfloat16; the tasks' strided reads
+  // of float32 dO and out stalled on memory)
+  at::Tensor delta = at::empty({R, T, H}, f32);
+  at::Tensor dout16 = wide(dout) ? at::empty({R, T, H, D}, q.options()) : dout;
   float* deltas = delta.data_ptr<float>();
   uint16_t* dob = reinterpret_cast<uint16_t*>(dout16.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, R * T * H, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *g = dos + r * D, *o = outs + r * D;
-      f32x16 dot{};
-      for (int64_t d = 0; d < D; d += 16) dot += load16(g + d) * load16(o + d);
-      deltas[r] = hsum(dot);
-      to_bf16(g, D, dob + r * D, D);
-    }
-  });
+  auto sweep = [&](const auto* dos, const auto* outs) {
+    at::parallel_for(0, R * T * H, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const auto *g = dos + r * D, *o = outs + r * D;
+        f32x16 dot{};
+        for (int64_t d = 0; d < D; d += 16) dot += load16(g + d) * load16(o + d);
+        deltas[r] = hsum(dot);
+        if constexpr (std::is_same_v<std::remove_const_t<std::remove_pointer_t<decltype(g)>>, float>)
+          to_bf16(g, D, dob + r * D, D);
+      }
+    });
+  };
+  if (wide(dout) && wide(out))
+    sweep(dout.data_ptr<float>(), out.data_ptr<float>());
+  else if (wide(dout))
+    sweep(dout.data_ptr<float>(), out.data_ptr<c10::BFloat16>());
+  else if (wide(out))
+    sweep(dout.data_ptr<c10::BFloat16>(), out.data_ptr<float>());
+  else
+    sweep(dout.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   std::vector<Scratch> scratch(threads);
   for_tasks(cb, chunks.size(0), [&](int64_t c, int64_t hk, int thread) {
     Scratch& w = scratch[thread];
@@ -1401,7 +1441,7 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
 TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("blocked_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
   m.def("sample(Tensor logits, Tensor uniforms, float temperature) -> (Tensor, Tensor)");
   m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor keys, Tensor values, int slot) -> Tensor");
@@ -1409,7 +1449,7 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("add_into(Tensor(a!) dst, Tensor src) -> ()");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, ScalarType dtype, bool transpose) -> Tensor");
-  m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor)");
+  m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs_backward(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float temperature) -> Tensor");

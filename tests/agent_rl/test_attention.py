@@ -236,7 +236,7 @@ def test_bf16_chunks_run_in_our_kernel_where_it_fits(autocast, monkeypatch):
 
     out = run()
     assert out.dtype == torch.bfloat16 and out.shape == (1, 40, 4, 32)
-    assert "ChunkAttention" in out.grad_fn.next_functions[0][0].name()
+    assert "ChunkAttention" in out.grad_fn.name()  # bf16 as the kernel wrote it: no cast after it
     qf, kf, vf = q.bfloat16().float(), k.bfloat16().float(), v.float()
     expect = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=True).transpose(1, 2)
     assert float((out.detach().float() - expect.detach()).norm() / expect.detach().norm()) < 5e-3

@@ -165,6 +165,18 @@ def test_training_rms_norm_by_hand_and_against_llama():
     mine = torch.autograd.grad(out, (rows, norm.weight), grad)
     for a, b in zip(mine, theirs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # bf16 out: the float32 result rounded once; a bf16 gradient is widened exactly, so the
+    # gradients equal float32's for that gradient widened
+    half = kernels.RMSNorm.apply(rows, norm.weight, 1e-5, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, out.bfloat16())
+    grad16 = grad.bfloat16()
+    for a, b in zip(torch.autograd.grad(half, (rows, norm.weight), grad16),
+                    torch.autograd.grad(kernels.RMSNorm.apply(rows, norm.weight, 1e-5), (rows, norm.weight),
+                                        grad16.float()), strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="the result is float32 or bfloat16"):
+        torch.ops.agent_rl_kernels.rms_norm_forward(rows.detach().view(-1, 576), norm.weight.detach(), 1e-5,
+                                                    torch.float16)
     # a frozen weight gets no gradient
     frozen = kernels.RMSNorm.apply(rows, norm.weight.detach(), 1e-5)
     assert torch.autograd.grad(frozen, rows, grad)[0].shape == rows.shape
@@ -490,7 +502,7 @@ def test_chunk_attention_by_hand():
     chunks = torch.tensor([[0, 0, 1, 0, 1], [0, 1, 1, 1, 2]])
     keys = torch.tensor([0, 0, 1])
     mask = torch.zeros(1 + 2)
-    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale)
+    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale, torch.float32)
     assert out.shape == (1, 2, 1, D) and out.dtype == torch.float32  # [R, T, H, D]
     assert out[0, 0, 0, :3].tolist() == [1.0, 2.0, 0.0]
     assert out[0, 1, 0, :3].tolist() == [2.0, 1.0, 0.0]
@@ -504,8 +516,16 @@ def test_chunk_attention_by_hand():
     assert dv[0, 0, 0, :2].tolist() == [1.5, 0.0] and dv[0, 1, 0, :2].tolist() == [0.5, 0.0]
     # a masked key takes no weight: query 1 with key 1 masked out sees only v0
     out, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys,
-                                                        torch.tensor([0.0, 0.0, -math.inf]), scale)
+                                                        torch.tensor([0.0, 0.0, -math.inf]), scale, torch.float32)
     assert out[0, 1, 0, :2].tolist() == [1.0, 2.0]
+    # bf16 out (these values are exact in bf16), and a bf16 gradient with it: the same numbers
+    out16, lse16 = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale, torch.bfloat16)
+    assert out16.dtype == torch.bfloat16 and out16[0, 1, 0, :3].tolist() == [2.0, 1.0, 0.0]
+    assert torch.equal(lse16, lse)
+    dq16, dk16, dv16 = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.bfloat16(), q, k, v, out16, lse16,
+                                                                            chunks, keys, mask, scale)
+    assert dq16[0, 1, 0, :3].tolist() == [-0.25, 0.5, 0.0] and dk16.abs().max() == 0
+    assert dv16[0, 0, 0, :2].tolist() == [1.5, 0.0] and dv16[0, 1, 0, :2].tolist() == [0.5, 0.0]
 
 
 @pytest.mark.parametrize("d", [32, 64])
@@ -532,7 +552,7 @@ def test_chunk_attention_matches_float32_sdpa(d):
     scale = d ** -0.5
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     expect = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
-    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, scale)
+    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, scale, torch.float32)
     scores = qf @ kf.repeat_interleave(3, 1).transpose(-1, -2) * scale  # [R, H, T, T]
     torch.testing.assert_close(lse, scores.masked_fill(~mask, -math.inf).logsumexp(-1).detach(),
                                rtol=0, atol=1e-5)
@@ -547,6 +567,14 @@ def test_chunk_attention_matches_float32_sdpa(d):
                                                                out, lse, chunks, keys, flat, scale)
     for a, b in zip(mine, theirs, strict=True):
         close(a.transpose(1, 2), b)
+    # bf16 out: float32's rounded once; a bf16 gradient and out give the gradients within the
+    # same bound
+    out16, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, scale, torch.bfloat16)
+    assert torch.equal(out16, out.bfloat16())
+    mine16 = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.transpose(1, 2).contiguous().bfloat16(), q,
+                                                                 k, v, out16, lse, chunks, keys, flat, scale)
+    for a, b in zip(mine16, theirs, strict=True):
+        close(a.transpose(1, 2), b)
 
 
 def test_chunk_attention_bad_inputs_are_named():
@@ -555,17 +583,22 @@ def test_chunk_attention_bad_inputs_are_named():
     chunks, keys, mask = torch.tensor([[0, 0, 4, 0, 4]]), torch.arange(4), torch.zeros(16)
     op = torch.ops.agent_rl_kernels.chunk_attention
     with pytest.raises(RuntimeError, match="all bfloat16"):
-        op(q.float(), k, v, chunks, keys, mask, 1.0)
+        op(q.float(), k, v, chunks, keys, mask, 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        op(q[..., :16], k[..., :16], v[..., :16], chunks, keys, mask, 1.0)
+        op(q[..., :16], k[..., :16], v[..., :16], chunks, keys, mask, 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="chunk 0 is out of the batch's bounds"):
-        op(q, k, v, torch.tensor([[0, 2, 4, 0, 4]]), keys, mask, 1.0)
+        op(q, k, v, torch.tensor([[0, 2, 4, 0, 4]]), keys, mask, 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="the mask holds 15 entries, the chunks need 16"):
-        op(q, k, v, chunks, keys, mask[:15], 1.0)
+        op(q, k, v, chunks, keys, mask[:15], 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="key position 4 is outside the row"):
-        op(q, k, v, chunks, keys + 1, mask, 1.0)
+        op(q, k, v, chunks, keys + 1, mask, 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="cover 3 queries of 4"):
-        op(q, k, v, torch.tensor([[0, 0, 3, 0, 4]]), keys, mask[:12], 1.0)
+        op(q, k, v, torch.tensor([[0, 0, 3, 0, 4]]), keys, mask[:12], 1.0, torch.float32)
+    with pytest.raises(RuntimeError, match="the result is float32 or bfloat16"):
+        op(q, k, v, chunks, keys, mask, 1.0, torch.float16)
+    out, lse = op(q, k, v, chunks, keys, mask, 1.0, torch.float32)
+    with pytest.raises(RuntimeError, match="dout and out float32 or bfloat16"):
+        torch.ops.agent_rl_kernels.chunk_attention_backward(out.half(), q, k, v, out, lse, chunks, keys, mask, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -903,6 +903,60 @@ def test_recompute_layers_under_bf16_allows_the_tokens_that_keep_as_much_as_floa
     assert per_token["bfloat16"] <= train.HALF_ACTIVATIONS * per_token["float32"]
 
 
+def test_half_activations_inside_the_trainers_kernels():
+    """Where the trainer's kernels run (a head of 32 on an AVX-512 BF16 CPU), a bf16 token keeps
+    at most HALF_ACTIVATIONS_KERNELS of a float32 token's bytes inside the trainer's own
+    contexts (saved-tensor bytes through trained_token_logits: the norms' bf16 output kept
+    once, attention's bf16 output); elsewhere (the tests' tiny Llama, heads of 16) the share is
+    HALF_ACTIVATIONS."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agent_rl import kernels
+    from agent_rl.render import packed_attention_mask
+
+    small, _ = tiny_model(seed=0)
+    backend = TorchBackend(small, torch.optim.SGD(small.parameters(), lr=0.0))
+    assert train.half_activations(backend, small) == train.HALF_ACTIVATIONS
+    if not kernels.fits_chunks(32):
+        pytest.skip("this CPU has no AVX-512 BF16: the kernels' share does not apply")
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                         attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).train()
+    backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    assert train.half_activations(backend, model) == train.HALF_ACTIVATIONS_KERNELS
+
+    def kept_bytes(dtype, tokens):
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, 60, (1, tokens), generator=gen)
+        batch = {"input_ids": ids, "position_ids": torch.arange(tokens)[None],
+                 "attention_mask": packed_attention_mask(torch.zeros(1, tokens, dtype=torch.long), torch.float32),
+                 "row": torch.zeros(tokens // 2, dtype=torch.long), "predictor": torch.arange(tokens // 2)}
+        train.recompute_layers(model, batch, tokens)  # nothing recomputed
+        storages = {}
+
+        def keep(t):
+            if not isinstance(t, torch.nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with contextlib.ExitStack() as stack:
+            for context in (train.step_cast_cache(backend, dtype), train.trainer_forward(backend, model),
+                            train.linear_casts(backend, model, dtype), train.autocast(torch.device("cpu"), dtype)):
+                stack.enter_context(context)
+            train.trained_token_logits(model, batch)  # the weights' casts, made and cached
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                train.trained_token_logits(model, batch)
+        return sum(storages.values())
+
+    per_token = {dtype: (kept_bytes(dtype, 512) - kept_bytes(dtype, 256)) / 256
+                 for dtype in ("float32", "bfloat16")}
+    assert per_token["float32"] > 0
+    assert per_token["bfloat16"] <= train.HALF_ACTIVATIONS_KERNELS * per_token["float32"]
+
+
 def graded_sequences(model, tokenizer) -> list:
     """A rolled-out batch of tests/Digits-v0 (4 tasks x 4 samples), advantages +1 / -0.5."""
     from agent_rl.policy import HFPolicy
