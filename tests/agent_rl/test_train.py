@@ -1104,6 +1104,52 @@ def test_the_head_gradient_is_deferred_only_where_nothing_waits_for_it():
     assert train.HeadGrads.of(backend, model, "float32") is None
 
 
+def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
+    """HeadGrads' cast, rows and product buffers are the same tensors the next step (no fresh
+    pages), grow when a step has more rows, hold this step's cast, and go when the weight
+    does; the product is the one of its parts: by hand, [V=2, N=3] x [3, H=2]."""
+    import gc
+
+    from agent_rl.distributed import TorchBackend
+
+    class Model(torch.nn.Module):
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    model = Model()
+    head = model.lm_head = torch.nn.Linear(2, 2, bias=False)
+    backend = TorchBackend(model, torch.optim.SGD(head.parameters(), lr=0.0))
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    first = train.HeadGrads.of(backend, model, "bfloat16")
+    assert torch.equal(first.cast, head.weight.detach().bfloat16())
+    # grads [N, V] and hidden [N, H]: rows 1 then 2; the product G^T X
+    first.add(torch.tensor([[1.0, 0.0]]).bfloat16(), torch.tensor([[1.0, 1.0]]).bfloat16())
+    first.add(torch.tensor([[0.0, 1.0], [2.0, 1.0]]).bfloat16(), torch.tensor([[1.0, 2.0], [3.0, 0.0]]).bfloat16())
+    first.flush()
+    # G^T X = [[1 + 0 + 6, 1 + 0 + 0], [0 + 1 + 3, 0 + 2 + 0]] = [[7, 1], [4, 2]]
+    assert head.weight.grad.tolist() == [[7.0, 1.0], [4.0, 2.0]]
+    kept = {name: t.data_ptr() for name, t in train.HEAD_BUFFERS[id(head.weight)].items()}
+    assert set(kept) == {"cast", "rows", "product"}
+    with torch.no_grad():
+        head.weight.mul_(2.0)
+    second = train.HeadGrads.of(backend, model, "bfloat16")
+    assert torch.equal(second.cast, head.weight.detach().bfloat16())  # this step's weights
+    second.add(torch.tensor([[1.0, 1.0]] * 2).bfloat16(), torch.tensor([[1.0, 0.0]] * 2).bfloat16())
+    second.flush()
+    assert head.weight.grad.tolist() == [[9.0, 1.0], [6.0, 2.0]]  # + [[2, 0], [2, 0]]
+    now = train.HEAD_BUFFERS[id(head.weight)]
+    assert {name: t.data_ptr() for name, t in now.items()} == kept  # the same memory
+    third = train.HeadGrads.of(backend, model, "bfloat16")
+    third.add(torch.ones(5, 2).bfloat16(), torch.ones(5, 2).bfloat16())  # more rows: grown
+    third.flush()
+    assert train.HEAD_BUFFERS[id(head.weight)]["rows"].shape[0] == 5
+    key = id(head.weight)
+    del first, second, third, head, model, backend, now
+    gc.collect()
+    assert key not in train.HEAD_BUFFERS
+
+
 def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch):
     """train.kernel_norms: policy_update runs the tiny model's RMSNorms as our kernel (every
     norm, forward and backward) with the gradients of their own forward to float rounding;
