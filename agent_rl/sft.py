@@ -66,7 +66,7 @@ from agent_rl.train import (
     initial_model,
     seed_everything,
     trained_token_logits,
-    trainer_forward,
+    trainer_step,
 )
 from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
@@ -305,11 +305,11 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     total = sum(r.num_trained for r in batch)
     nll_sum, correct = 0.0, 0
     micro = micro_batches(pack(share_prefixes(batch), min(micro_tokens, ROW_TOKENS)), micro_tokens)
-    with trainer_forward(backend, model):  # the trainer's forward: blocked attention, our kernels
+    with trainer_step(backend, model, dtype) as head:  # the trainer's casts, forward and head
         for bins in micro:
             tensors = device_batch(bins, batch, pad_id, device)
             with autocast(device, dtype):
-                logits = trained_token_logits(model, tensors)  # [N, V]
+                logits = trained_token_logits(model, tensors, head)  # [N, V]
             logprobs = picked_logprobs(logits.float(), tensors["target"])  # [N]
             backend.backward(-logprobs.sum() / max(total, 1))
             nll_sum += float(-logprobs.detach().sum())

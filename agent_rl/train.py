@@ -509,12 +509,10 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype
     layers = len(checkpointing_layers(model))  # decoder layers, for train/recomputed_frac
+    half = half_activations(backend, model)  # what a bf16 token keeps, of a float32 one's
     # the same gradient, fewer [V, H] temporaries, one bf16 cast of each weight a step;
     # attention only where the packed mask allows; RMSNorms, SwiGLU and RoPE one pass each way
-    head = HeadGrads.of(backend, model, dtype)  # the head's weight gradient once a step, or None
-    half = half_activations(backend, model)  # what a bf16 token keeps, of a float32 one's
-    with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype),
-          trainer_forward(backend, model), linear_casts(backend, model, dtype)):
+    with trainer_step(backend, model, dtype) as head:  # head: its weight gradient once a step
         for k in range(passes):
             if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
                 batch = device_batch(micro[0], rendered, pad_id, device)
@@ -575,8 +573,6 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
                     sums[key] += value * share
             sums["ratio/min"] = min(sums.get("ratio/min", math.inf), m["ratio/min"])
             sums["ratio/max"] = max(sums.get("ratio/max", -math.inf), m["ratio/max"])
-    if head is not None:
-        head.flush()
     if backend.world_size > 1:
         loss_sum, sums = sum_over_ranks(backend.all_gather_object((loss_sum, dict(sums))))
     # clipped to optim.grad_clip; a non-finite loss or gradient skips the step (counted: the
@@ -681,6 +677,22 @@ def sparse_tied_lookup(backend: Backend, model):
         yield
     finally:
         lookup.sparse = was
+
+
+@contextlib.contextmanager
+def trainer_step(backend: Backend, model, dtype: str):
+    """One optimizer step's micro-batches, forward and backward, inside: the tied embedding's
+    sparse gradient (``sparse_tied_lookup``), each weight cast once a step (``step_cast_cache``,
+    ``linear_casts``), the trainer's forward (``trainer_forward``). Yields the step's
+    ``HeadGrads`` (None where it does not apply), for ``trained_token_logits``; its product is
+    added into the head's gradient on the way out, before the optimizer step.
+    ``policy_update`` and ``sft.sft_update`` run their micro-batches inside it."""
+    head = HeadGrads.of(backend, model, dtype)
+    with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype),
+          trainer_forward(backend, model), linear_casts(backend, model, dtype)):
+        yield head
+    if head is not None:
+        head.flush()
 
 
 @contextlib.contextmanager

@@ -1273,6 +1273,8 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
                 self.casts[weights[args[0].data_ptr()]] += 1
+            if func is torch.ops.aten.copy_.default and args[1].data_ptr() in weights:  # into a kept buffer
+                self.casts[weights[args[1].data_ptr()]] += 1
             return func(*args, **(kwargs or {}))
 
     def step():
