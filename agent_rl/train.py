@@ -938,8 +938,9 @@ class HeadGrads:
     (``sparse_tied_lookup``) are added into it. ``of`` says where it applies: one process
     (``TorchBackend``, world of one: no hook waits for the gradient), a trainable bias-free
     ``nn.Linear`` head; elsewhere None and the head runs as before. Its tensors of the head's
-    size live on from step to step (``HEAD_BUFFERS``): ~0.2 s a bf16 Relay-v0 step in page
-    faults saved, for their memory between steps (SmolLM2, bf16: ~230 MB)."""
+    size live on from step to step (``HEAD_BUFFERS``), for their memory between steps
+    (SmolLM2, bf16: ~230 MB): their pages are not faulted in again every step (whole bf16
+    Relay-v0 steps 6.35 against 6.44 s, alternated)."""
 
     def __init__(self, weight: torch.nn.Parameter, dtype: torch.dtype):
         self.weight = weight
