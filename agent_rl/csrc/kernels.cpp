@@ -896,7 +896,7 @@ void transpose_rows(int64_t n, int64_t m, Row row, uint32_t* out, int64_t ld, bo
   for (; r0 < n; ++r0)
     for (int64_t c = 0; c < m; ++c) out[c * ld + r0] = row(r0)[c];
   if (pad)
-    for (int64_t c = 0; c < m; ++c) std::fill(out + c * ld + n, out + c * ld + (n + 15) / 16 * 16, 0u);
+    for (int64_t c = 0; c < m; ++c) std::fill(out + c * ld + n, out + c * ld + round16(n), 0u);
 #endif
 }
 
@@ -904,7 +904,7 @@ void transpose_rows(int64_t n, int64_t m, Row row, uint32_t* out, int64_t ld, bo
 // zero past n (ld a multiple of 16)
 template <typename Row>
 void pack_transposed(int64_t n, int64_t D, Row row, uint32_t* out, int64_t ld) {
-  for (int64_t p = 0; p < D / 2; ++p) std::fill(out + p * ld + (n + 15) / 16 * 16, out + (p + 1) * ld, 0u);
+  for (int64_t p = 0; p < D / 2; ++p) std::fill(out + p * ld + round16(n), out + (p + 1) * ld, 0u);
   transpose_rows(n, D / 2, [&](int64_t i) { return reinterpret_cast<const uint32_t*>(row(i)); }, out, ld, true);
 }
 
