@@ -87,7 +87,8 @@ What each backend isolates:
 * ``bwrap``: new user, pid, net (loopback only), ipc, uts and cgroup namespaces, no further user
   namespaces, a read-only root holding only ``/usr`` (read-only) and the usrmerge links, a new
   ``/proc``, a minimal ``/dev`` (read-only, with a ``/dev/shm`` tmpfs of ``disk_mb``), the program
-  read-only at ``/sandbox`` and a host temp dir bind-mounted at ``/work``; ``--die-with-parent``,
+  read-only at ``/sandbox`` and a host temp dir (under ``RUNS_ROOT``) bind-mounted at
+  ``/work``; ``--die-with-parent``,
   ``--new-session``. Not given: a seccomp filter (the whole kernel syscall surface is reachable)
   and a CPU share (the guest may use every core until ``cpu_s``). Through the fork server the
   same, per run as listed above, with one user namespace for all runs (the server's; none may
@@ -151,6 +152,39 @@ _GUEST_ARGS = ("-I", "-S")
 _MIB = 1 << 20
 _DISK_POLL_S = 0.05
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+RUNS_ROOT: str | None = None
+"""The folder that holds each run's temp dir (and bwrap's fork server's runs folder). None:
+``$TMPDIR`` when it is set, else ``/dev/shm`` when that is a writable tmpfs with
+``RAM_ROOT_MIN_FREE_MB`` free, else the system's temp dir. In RAM, a run's few folders and files
+cost the host less CPU than on a disk filesystem (ext4 looks for an inode to reuse at every
+create: ~1 ms a run through the fork server, measured). What a guest writes there is also
+charged to its memory cgroup (``memory_mb``), as well as counted against ``disk_mb``. Read at
+each run (the fork server's folder: at its start)."""
+RAM_ROOT_MIN_FREE_MB = 1024
+_RAM_ROOT = "/dev/shm"
+
+
+def runs_root() -> str:
+    """Where runs' temp dirs go now (``RUNS_ROOT``)."""
+    if RUNS_ROOT is not None:
+        return RUNS_ROOT
+    if os.environ.get("TMPDIR"):
+        return tempfile.gettempdir()
+    return _ram_root() or tempfile.gettempdir()
+
+
+@functools.cache
+def _ram_root() -> str | None:
+    """``/dev/shm`` when it is a tmpfs this process may write with room to spare; checked once."""
+    try:
+        with open("/proc/self/mounts") as f:
+            tmpfs = any(line.split()[1:3] == [_RAM_ROOT, "tmpfs"] for line in f)
+        st = os.statvfs(_RAM_ROOT)
+    except OSError:
+        return None
+    room = st.f_bavail * st.f_frsize >= RAM_ROOT_MIN_FREE_MB * _MIB
+    return _RAM_ROOT if tmpfs and room and os.access(_RAM_ROOT, os.W_OK | os.X_OK) else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,7 +507,7 @@ class _WorkDir:
     def __init__(self, guest_uid: int | None, parent: Path | None = None):
         self.guest_uid = guest_uid
         self.given: dict[str, str] = {}
-        root = tempfile.mkdtemp(prefix="agent-rl-sandbox-", dir=parent)
+        root = tempfile.mkdtemp(prefix="agent-rl-sandbox-", dir=runs_root() if parent is None else parent)
         self.root = Path(root)
         try:
             os.chmod(root, 0o711)
@@ -1209,7 +1243,7 @@ class _ForkServer:
     def __init__(self):
         self.owner = os.getpid()
         _sweep_runs_dirs()
-        self.runs_dir = Path(tempfile.mkdtemp(prefix=f"{_RUNS_PREFIX}{self.owner}-"))
+        self.runs_dir = Path(tempfile.mkdtemp(prefix=f"{_RUNS_PREFIX}{self.owner}-", dir=runs_root()))
         self.cgroup: _Cgroup | None = None
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
@@ -1325,10 +1359,11 @@ _RUNS_PREFIX = "agent-rl-forks-"
 def _sweep_runs_dirs() -> None:
     """Remove the runs folders of fork servers whose process is gone (one that left without
     ``atexit``, e.g. a forked child's ``os._exit``: its server died with it, its folder stayed)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{_RUNS_PREFIX}*-*"):
-        pid = path.name[len(_RUNS_PREFIX):].split("-")[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(path, ignore_errors=True)
+    for root in {runs_root(), tempfile.gettempdir()}:
+        for path in Path(root).glob(f"{_RUNS_PREFIX}*-*"):
+            pid = path.name[len(_RUNS_PREFIX):].split("-")[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 class _ForkedRun:

@@ -470,7 +470,7 @@ def test_a_forked_process_runs_through_its_own_fork_server(monkeypatch):
     os.waitpid(pid, 0)
     assert stdout == "2" and int(server_pid) != parent_server.proc.pid
     assert sandbox._FORKS.get() is parent_server and run("print(1)", backend="bwrap").stdout == "1\n"
-    left = list(Path(tempfile.gettempdir()).glob(f"agent-rl-forks-{pid}-*"))
+    left = list(Path(sandbox.runs_root()).glob(f"agent-rl-forks-{pid}-*"))
     assert len(left) == 1  # the child left by os._exit: no atexit, its runs folder stayed
     sandbox._sweep_runs_dirs()  # as every server start does
     assert not any(p.exists() for p in left) and parent_server.runs_dir.exists()
@@ -543,6 +543,37 @@ def _live_children_of(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+def test_runs_go_under_the_runs_root(monkeypatch, tmp_path):
+    """RUNS_ROOT when set; else $TMPDIR when set; else /dev/shm when it is a tmpfs with room;
+    else the system's temp dir. A run's work dir is made there."""
+    monkeypatch.delenv("TMPDIR", raising=False)
+    sandbox._ram_root.cache_clear()
+    shm_ok = any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in open("/proc/self/mounts"))
+    default = "/dev/shm" if shm_ok else tempfile.gettempdir()
+    assert sandbox.runs_root() == default
+    if _fork_server_possible() and sandbox._FORKS.get() is not None:
+        assert sandbox._FORKS.get().runs_dir.parent == Path(default)
+    monkeypatch.setattr(sandbox, "RAM_ROOT_MIN_FREE_MB", 1 << 40)  # no tmpfs has that room
+    sandbox._ram_root.cache_clear()
+    try:
+        assert sandbox.runs_root() == tempfile.gettempdir()
+    finally:
+        monkeypatch.undo()
+        sandbox._ram_root.cache_clear()
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read $TMPDIR again
+    assert sandbox.runs_root() == str(tmp_path)
+    runs = Path(tempfile.mkdtemp(dir="/tmp"))  # the guest's uid must reach it: not tmp_path
+    try:
+        runs.chmod(0o711)
+        monkeypatch.setattr(sandbox, "RUNS_ROOT", str(runs))
+        r = run("import os\nprint(os.getcwd())", backend="subprocess")
+        assert r.stdout.startswith(str(runs / "agent-rl-sandbox-")), r
+        assert list(runs.iterdir()) == []
+    finally:
+        runs.rmdir()
 
 
 def test_a_work_dir_cleaned_twice_leaves_its_parent_alone(tmp_path):
@@ -660,7 +691,8 @@ def test_writes_outside_the_work_dir_fail(isolating, tmp_path, ahead):
     victim = tmp_path / "victim.txt"
     victim.write_text("original")
     stray = Path("/tmp") / f"agent-rl-sandbox-stray-{uuid.uuid4().hex[:8]}"
-    targets = [str(victim), str(stray), "/usr/lib/agent-rl-evil", "/sandbox/main.py", "/evil",
+    beside = Path(sandbox.runs_root()) / f"agent-rl-sandbox-stray-{uuid.uuid4().hex[:8]}"
+    targets = [str(victim), str(stray), str(beside), "/usr/lib/agent-rl-evil", "/sandbox/main.py", "/evil",
                "/etc/passwd", "/dev/evil"]
     code = (f"for path in {targets!r}:\n"
             "    try:\n"
@@ -670,9 +702,12 @@ def test_writes_outside_the_work_dir_fail(isolating, tmp_path, ahead):
             "        print(path, type(exc).__name__)\n")
     r = go(code, isolating, ahead)
     assert r.status == "ok", r.stderr
-    assert "WROTE" not in r.stdout, r.stdout
+    wrote = [line for line in r.stdout.splitlines() if line.endswith("WROTE")]
+    # the guest's /dev/shm is its own tmpfs: a runs root there is out of its sight
+    assert wrote == [] or (wrote == [f"{beside} WROTE"] and beside.parent == Path("/dev/shm")), r.stdout
     assert victim.read_text() == "original"
     assert not stray.exists() and not Path("/usr/lib/agent-rl-evil").exists() and not Path("/evil").exists()
+    assert not beside.exists()
 
 
 # --- resource cases: every backend -----------------------------------------------------------
