@@ -16,11 +16,14 @@ and overhead = (env + runner + post) / total. The target is under 2%.
 
 CodeTests-v0 is measured several ways in the same run, alternating ``--repeats`` times (the
 median run of each is printed): as it is by default (in bwrap: every run a fork of the sandbox's
-warm fork server, ``envs.sandbox.FORK_SERVER``) and with ``prestart=True`` (each episode's
-sandbox set up at ``reset``, while the policy generates), and, in bwrap, both again with a fresh
-bwrap and interpreter per run (``FORK_SERVER = False``). Compare the totals, not only the
-overheads: where the policy keeps every core busy, work moved to ``reset`` comes out of
-generation.
+warm fork server, ``envs.sandbox.FORK_SERVER``; identical code for the same task run once,
+``share_runs``), with ``share_runs=False`` (every episode's code run), with ``prestart=True``
+(each episode's sandbox set up at ``reset``, while the policy generates; not shared), and, in
+bwrap, the last two again with a fresh bwrap and interpreter per run (``FORK_SERVER =
+False``). Each batch starts with no finished run to share (``codetests.SHARED_RUNS``
+cleared): only its own episodes' identical answers are shared, as in a training step on new
+tasks; ``runs`` and ``shared`` count them. Compare the totals, not only the overheads: where the policy keeps every
+core busy, work moved to ``reset`` comes out of generation.
 Before any timed batch, one empty program runs in the sandbox: bwrap's fork server starts once
 per process (~40 ms), with a training run's first episode, not in every batch.
 
@@ -44,7 +47,7 @@ import envs
 from agent_rl.models import load_model
 from agent_rl.policy import HFPolicy
 from agent_rl.rollout import apply_truncation, build_sequences, filter_groups
-from envs import sandbox
+from envs import codetests, sandbox
 from envs.runner import Sampling, run_episodes
 
 
@@ -97,6 +100,7 @@ def measure(env_id: str, policy: HFPolicy, tasks: int, group: int, max_new: int,
             **env_kwargs: Any) -> dict[str, Any]:
     clock = {"policy": 0.0}
     spans: list[tuple[float, float]] = []
+    codetests.SHARED_RUNS.clear()
     pool = [Timed(envs.make(env_id, **env_kwargs), spans) for _ in range(tasks * group)]
     specs = pool[0].unwrapped.task_pool(tasks, seed=seed)
     sampling = Sampling(temperature=1.0, max_new_tokens=max_new, seed=seed, max_prompt_tokens=1536)
@@ -115,7 +119,10 @@ def measure(env_id: str, policy: HFPolicy, tasks: int, group: int, max_new: int,
     runner = episodes_s - clock["env"] - clock["policy"]
     for env in pool:
         env.close()
+    audits = [e.reward.audit for e in episodes if "shared_run" in e.reward.audit]
     return {"episodes": len(episodes), "sessions": len(sequences),
+            "runs": sum(not a["shared_run"] for a in audits),
+            "shared": sum(a["shared_run"] for a in audits),
             "tokens": sum(s.generated_tokens for e in episodes for s in e.sessions),
             "total_s": round(total, 5), "policy_s": round(clock["policy"], 5),
             "env_s": round(clock["env"], 5), "runner_s": round(runner, 5), "post_s": round(post, 5),
@@ -147,19 +154,22 @@ def main() -> None:
     if "agent_rl/CodeTests-v0" in (args.env or built_in):  # the fork server's start, once
         sandbox.run("pass", backend=args.sandbox)
     print(f"{'env':<50}{'total s':>9}{'policy s':>10}{'env s':>8}{'runner s':>10}{'post s':>8}"
-          f"{'overhead':>10}")
+          f"{'overhead':>10}{'runs':>6}{'shared':>8}")
     for env_id in args.env or built_in:
         run = functools.partial(measure, env_id, policy, args.tasks, args.group,
                                 args.max_new_tokens, args.seed)
         if env_id == "agent_rl/CodeTests-v0":
-            ways = {"": (True, False), "prestart on": (True, True)}
+            ways = {"": (True, False, True), "runs not shared": (True, False, False),
+                    "prestart on": (True, True, False)}
             if result["sandbox"] == "bwrap":
-                ways |= {"fresh bwrap": (False, False), "fresh bwrap, prestart on": (False, True)}
+                ways |= {"fresh bwrap": (False, False, False),
+                         "fresh bwrap, prestart on": (False, True, False)}
             runs: dict[str, list[dict[str, Any]]] = {label: [] for label in ways}
             for _ in range(args.repeats):  # alternated: the machine's drift hits them all
-                for label, (forks, prestart) in ways.items():
+                for label, (forks, prestart, share) in ways.items():
                     sandbox.FORK_SERVER = forks
-                    runs[label].append(run(backend=args.sandbox, prestart=prestart))
+                    runs[label].append(run(backend=args.sandbox, prestart=prestart,
+                                           share_runs=share))
             sandbox.FORK_SERVER = True
             rows = {f"{env_id} {label}".strip(): median_run(r) for label, r in runs.items()}
             result[env_id + " runs"] = {label or "default": r for label, r in runs.items()}
@@ -168,7 +178,8 @@ def main() -> None:
         for name, r in rows.items():
             result[name] = r
             print(f"{name:<50}{r['total_s']:>9.2f}{r['policy_s']:>10.2f}{r['env_s']:>8.3f}"
-                  f"{r['runner_s']:>10.3f}{r['post_s']:>8.3f}{r['overhead_frac']:>10.2%}",
+                  f"{r['runner_s']:>10.3f}{r['post_s']:>8.3f}{r['overhead_frac']:>10.2%}"
+                  f"{r['runs']:>6}{r['shared']:>8}",
                   flush=True)
     print(json.dumps(result))
 

@@ -12,8 +12,9 @@ included); ``overhead_ms`` is that minus the baseline's median. One warm-up run 
 not counted (Docker's first run pays for the image check).
 
 Then CodeTests-v0's scoring (``score`` of a correct answer: the harness and the agent's module
-run in the sandbox, the verdict judged), ``--score-runs`` times on as many threads as
-``run_episodes`` steps on (cores + 4), per bwrap mode: wall time per run and CPU time per run,
+run in the sandbox, the verdict judged; ``share_runs=False``, so each score runs),
+``--score-runs`` times on as many threads as ``run_episodes`` steps on (cores + 4), per bwrap
+mode: wall time per run and CPU time per run,
 this process's own and the whole machine's (``/proc/stat``: the sandbox's processes and the
 kernel's work for them included, and whatever else the machine runs meanwhile). Prints two
 tables, then, last, one JSON line with every figure.
@@ -76,22 +77,24 @@ def machine_cpu_s() -> float:
 def scoring(mode: str, runs: int) -> dict:
     """CodeTests-v0 scoring a correct answer ``runs`` times on the runner's step threads."""
     sandbox.FORK_SERVER = mode != "bwrap-fresh"
-    env = envs.make("agent_rl/CodeTests-v0", backend=MODES[mode]).unwrapped
+    # every score its own run (identical answers are otherwise run once: ``share_runs``)
+    env = envs.make("agent_rl/CodeTests-v0", backend=MODES[mode], share_runs=False).unwrapped
     task = env.task_pool(1)[0]
     answer = f"```python\n{task.data['solution']}```"
 
-    def once(_: int) -> None:
-        outcome = env.score(task, answer, None).outcome
-        if outcome.value != "correct":
-            raise RuntimeError(f"CodeTests-v0 through {mode}: {outcome.value}, not correct")
+    def once(_: int) -> bool:
+        reward = env.score(task, answer, None)
+        if reward.outcome.value != "correct":
+            raise RuntimeError(f"CodeTests-v0 through {mode}: {reward.outcome.value}, not correct")
+        return reward.audit["shared_run"]
 
     once(0)
     workers = (os.cpu_count() or 1) + 4
     with ThreadPoolExecutor(workers) as pool:
         t0, machine, own = time.perf_counter(), machine_cpu_s(), os.times()
-        list(pool.map(once, range(runs)))
+        shared = sum(pool.map(once, range(runs)))
         wall, machine, end = time.perf_counter() - t0, machine_cpu_s() - machine, os.times()
-    return {"runs": runs, "threads": workers, "wall_ms_per_run": 1e3 * wall / runs,
+    return {"runs": runs, "shared": shared, "threads": workers, "wall_ms_per_run": 1e3 * wall / runs,
             "machine_cpu_ms_per_run": 1e3 * machine / runs,
             # each clock's difference on its own: summed first, equal tick counts could leave -2e-15
             "own_cpu_ms_per_run": 1e3 * ((end.user - own.user) + (end.system - own.system)) / runs}

@@ -18,8 +18,8 @@ Description
 
     Arguments: ``backend`` (``envs.sandbox.run``'s: ``auto`` takes docker, then bwrap, then
     the non-isolating subprocess), ``limits`` (a ``Limits`` or a mapping of its fields,
-    over ``DEFAULT_LIMITS``: ``wall_s`` and ``cpu_s`` 5, the rest ``Limits``' defaults) and
-    ``prestart`` (default False). With ``prestart=True``, ``reset`` starts the episode's sandbox
+    over ``DEFAULT_LIMITS``: ``wall_s`` and ``cpu_s`` 5, the rest ``Limits``' defaults),
+    ``prestart`` (default False) and ``share_runs`` (default True). With ``prestart=True``, ``reset`` starts the episode's sandbox
     (``envs.sandbox.prepare``), so it boots while the policy writes the answer and the scoring
     run costs only the tests; it is the same fresh sandbox per run, killed unused by the next
     ``reset`` or ``close``. Turn it on where generation leaves CPU cores idle (a GPU host, a
@@ -27,6 +27,14 @@ Description
     of generation and the rollout as a whole got slower (``benchmarks/overheads.py``). Through
     bwrap's fork server (``envs.sandbox.FORK_SERVER``, the default where it can run) what
     ``reset`` does ahead is only the run's setup (a few forks, its mounts and cgroups).
+
+    ``share_runs`` (default True): code identical to another episode's for the same tests
+    (the same task's function and inputs, limits and backend) is judged on that one run
+    (``SHARED_RUNS``: a run in progress is waited for; the last 256 finished runs that ended
+    on their own are kept), so a group of samples that agree costs one run. Its record's
+    ``audit["shared_run"]`` says so. A program whose result depends on chance (``random``,
+    the clock) then gets the verdict of one draw for all its copies instead of one each; set
+    ``share_runs=False`` to run every episode's code apart.
 
 Tools
     None: one reply. The code is the last fenced block (```python, ```py or a bare ```; an
@@ -86,7 +94,8 @@ Reward
     ``audit`` also holds ``tests`` (5), ``passed``, ``results`` (per test: ``pass``,
     ``fail``, ``raised:<Type>``, ``non_plain:<Type>``, ``unencodable``, ``no_record``),
     ``import_error``,
-    ``sandbox`` (the run's status), ``backend``, ``exit_code`` and ``files_written``.
+    ``sandbox`` (the run's status), ``backend``, ``exit_code``, ``shared_run`` and
+    ``files_written``.
 
 Episode end
     The first reply without a tool call (a tool call is answered as an unknown tool, up to
@@ -103,12 +112,16 @@ Version history
 from __future__ import annotations
 
 import ast
+import concurrent.futures
+import hashlib
 import json
 import marshal
 import math
+import os
 import re
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -699,6 +712,85 @@ def judge(result: sandbox.SandboxResult, nonce: str, expected: Sequence[Any]) ->
 
 
 # ---------------------------------------------------------------------------------------------
+# Shared runs: identical code for the same tests runs once
+# ---------------------------------------------------------------------------------------------
+
+
+class SharedRuns:
+    """Test runs shared among identical programs: the episodes of a GRPO group often write the
+    same code for the same task, and a run's result (with the nonce it was given) judges every
+    one of them. A key (``key``) is the code, the function's name, the test inputs, the limits
+    and the backend. ``run`` runs a key's program once while others wait for it, and keeps the
+    last ``size`` finished results: those whose program ran to its end (``ok`` or
+    ``runtime_error``) with at most ``max_output`` bytes of output. A timeout (the machine's
+    load can cause one), a resource limit or a sandbox failure is not kept, and one that waiting
+    callers would share (a sandbox failure, an exception) makes each run its own instead."""
+
+    KEPT = ("ok", "runtime_error")
+
+    def __init__(self, size: int = 256, max_output: int = 1 << 16):
+        self.size, self.max_output = size, max_output
+        self._lock = threading.Lock()
+        self._done: OrderedDict[str, tuple[sandbox.SandboxResult, str]] = OrderedDict()
+        self._running: dict[str, concurrent.futures.Future] = {}
+
+    @staticmethod
+    def key(code: str, function: str, inputs: Sequence[Sequence[Any]], limits: sandbox.Limits,
+            backend: str) -> str:
+        tests = marshal.dumps((function, list(map(list, inputs))), 4)
+        text = repr((code, tests, limits, backend)).encode("utf-8", "surrogatepass")
+        return hashlib.sha256(text).hexdigest()
+
+    def run(self, key: str, test_run: Callable[[], tuple[sandbox.SandboxResult, str]]
+            ) -> tuple[sandbox.SandboxResult, str, bool]:
+        """``(result, nonce, shared)``: a finished or running result for ``key`` (shared True),
+        else ``test_run()``'s."""
+        with self._lock:
+            if key in self._done:
+                self._done.move_to_end(key)
+                return *self._done[key], True
+            leading = key not in self._running
+            if leading:
+                self._running[key] = concurrent.futures.Future()
+            waiting = self._running[key]
+        if not leading:
+            got = waiting.result()
+            return (*got, True) if got is not None else (*test_run(), False)
+        got = None
+        try:
+            got = test_run()
+            return *got, False
+        finally:
+            result = got[0] if got is not None else None
+            share = result is not None and result.status != "sandbox_error"
+            keep = (result is not None and result.status in self.KEPT
+                    and len(result.stdout) + len(result.stderr) <= self.max_output)
+            with self._lock:
+                del self._running[key]
+                if keep:
+                    self._done[key] = got
+                    while len(self._done) > self.size:
+                        self._done.popitem(last=False)
+            waiting.set_result(got if share else None)
+
+    def clear(self) -> None:
+        """Forget every finished result (runs in progress finish as they are)."""
+        with self._lock:
+            self._done.clear()
+
+    def _forget_in_child(self) -> None:
+        """After ``fork``: the runs in progress were the parent's threads' (none would ever
+        finish here) and the lock may have been held by one."""
+        self._lock = threading.Lock()
+        self._running = {}
+
+
+SHARED_RUNS = SharedRuns()
+"""This process's shared runs, used by every ``CodeTestsEnv`` with ``share_runs`` (default)."""
+os.register_at_fork(after_in_child=SHARED_RUNS._forget_in_child)
+
+
+# ---------------------------------------------------------------------------------------------
 # The environment
 # ---------------------------------------------------------------------------------------------
 
@@ -719,10 +811,11 @@ class CodeTestsEnv(ToolEnv):
 
     def __init__(self, backend: str = "auto",
                  limits: sandbox.Limits | Mapping[str, Any] | None = None, max_turns: int = 4,
-                 prestart: bool = False, **kwargs: Any):
+                 prestart: bool = False, share_runs: bool = True, **kwargs: Any):
         """``backend``: the sandbox backend (``envs.sandbox.run``); ``limits``: a ``Limits`` or
         a mapping of its fields, over ``DEFAULT_LIMITS``; ``prestart``: start each episode's
-        sandbox at ``reset`` (module doc)."""
+        sandbox at ``reset``; ``share_runs``: identical code for the same tests is run once
+        (``SHARED_RUNS``; module doc)."""
         sandbox.choose_backend(backend)  # names a bad one; probes "auto" now, not in a step
         names = {f.name for f in fields(sandbox.Limits)}
         given = (dict(limits) if isinstance(limits, Mapping)
@@ -730,12 +823,14 @@ class CodeTestsEnv(ToolEnv):
         unknown = sorted(set(given) - names)
         if unknown:
             raise ValueError(f"unknown sandbox limits {unknown}; Limits has {sorted(names)}")
-        if not isinstance(prestart, bool):  # "false" from a config would be truthy
-            raise ValueError(f"prestart must be true or false, got {prestart!r}")
+        for name, flag in (("prestart", prestart), ("share_runs", share_runs)):
+            if not isinstance(flag, bool):  # "false" from a config would be truthy
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
         super().__init__(max_turns=max_turns, **kwargs)
         self.backend = backend
         self.limits = sandbox.Limits(**{**DEFAULT_LIMITS, **given})
         self.prestart = prestart
+        self.share_runs = share_runs
         self._guest: sandbox.Guest | None = None
         sandbox.preload(HARNESS)
 
@@ -780,19 +875,31 @@ class CodeTestsEnv(ToolEnv):
         if not defines(code, function):
             return breakdown(0.0, Outcome.format_error, passed=0, hack=[],
                              format=f"no top-level definition of `{function}` (or a syntax error)")
-        nonce = secrets.token_hex(16)  # drawn after the agent's turn; never recorded
-        try:
-            guest, self._guest = self._guest, None
-            guest = guest or sandbox.prepare(self.limits, self.backend)
+        guest, self._guest = self._guest, None
+
+        def test_run() -> tuple[sandbox.SandboxResult, str]:
+            nonce = secrets.token_hex(16)  # drawn after the agent's turn; never recorded
             program, tests = harness(function, task.data["inputs"], nonce)
-            result = guest.run(program, files={**tests, SOLUTION_FILE: code})
+            started = guest or sandbox.prepare(self.limits, self.backend)
+            return started.run(program, files={**tests, SOLUTION_FILE: code}), nonce
+
+        try:
+            if self.share_runs:
+                key = SHARED_RUNS.key(code, function, task.data["inputs"], self.limits,
+                                      self.backend)
+                result, nonce, shared = SHARED_RUNS.run(key, test_run)
+            else:
+                (result, nonce), shared = test_run(), False
         except Exception as exc:  # the sandbox itself failed: infrastructure, not the agent
             return breakdown(0.0, Outcome.sandbox_error, passed=0, hack=[],
                              sandbox="sandbox_error",
                              detail=clean_text(f"{type(exc).__name__}: {exc}"[:300]))
+        finally:
+            if guest is not None:
+                guest.close()  # used (a no-op then) or not needed: the run was shared
         written = result.files_written  # names the agent chose: cleaned, at most 20 kept
         run_audit = {"sandbox": result.status, "backend": result.backend,
-                     "exit_code": result.exit_code,
+                     "exit_code": result.exit_code, "shared_run": shared,
                      "files_written": [clean_text(f[:200]) for f in written[:20]]
                      + ([f"... {len(written) - 20} more"] if len(written) > 20 else [])}
         if result.status == "sandbox_error":

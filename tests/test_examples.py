@@ -138,13 +138,17 @@ def test_overheads_runs_as_a_smoke(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     built_in = [e for e in envs.list_envs() if e.startswith("agent_rl/")]
     assert len(built_in) >= 5
-    ways = ["prestart on"] + (["fresh bwrap", "fresh bwrap, prestart on"] if summary["sandbox"] == "bwrap" else [])
+    ways = ["runs not shared", "prestart on"] + (["fresh bwrap", "fresh bwrap, prestart on"]
+                                                 if summary["sandbox"] == "bwrap" else [])
     for env_id in [*built_in, *(f"agent_rl/CodeTests-v0 {way}" for way in ways)]:
         r = summary[env_id]
         assert r["episodes"] == 2 and r["policy_s"] > 0
         parts = r["policy_s"] + r["env_s"] + r["runner_s"] + r["post_s"]
         assert parts == pytest.approx(r["total_s"], abs=1e-4)
         assert r["overhead_frac"] == pytest.approx(1 - r["policy_s"] / r["total_s"], abs=1e-3)
+        if env_id.startswith("agent_rl/CodeTests-v0"):
+            assert r["runs"] + r["shared"] <= 2
+            assert r["shared"] == 0 or env_id == "agent_rl/CodeTests-v0"  # only shared by default
 
 
 @pytest.mark.slow
@@ -234,7 +238,7 @@ def test_sandbox_overhead_runs_as_a_smoke(tmp_path):
     assert sorted(k for k in s if k.startswith("codetests")) == [f"codetests {m}" for m in scored]
     for mode in scored:
         r = s[f"codetests {mode}"]
-        assert r["runs"] == 6 and r["wall_ms_per_run"] > 0
+        assert r["runs"] == 6 and r["shared"] == 0 and r["wall_ms_per_run"] > 0
         assert r["machine_cpu_ms_per_run"] > 0 and r["own_cpu_ms_per_run"] >= 0  # clock ticks
 
 

@@ -7,6 +7,9 @@ import gc
 import json
 import marshal
 import os
+import select
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +37,13 @@ EVEN = SQUARE.model_copy(update={"task_id": "even", "target": [True, False, True
                                  "data": {"function": "int_is_even",
                                           "inputs": [[0], [1], [-2], [3], [10]]}})
 CORRECT = "def int_square(n):\n    return n * n\n"
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_runs():
+    """Every test starts without finished runs to share (one test's monkeypatched sandbox would
+    otherwise be skipped by a result an earlier test kept)."""
+    codetests.SHARED_RUNS.clear()
 
 
 def play(code: str, task: TaskSpec = SQUARE, fenced: bool = True, **env_kwargs):
@@ -374,7 +384,8 @@ def test_sandboxes_started_at_reset_score_the_same(backend, monkeypatch):
     for forks in (True, False):
         monkeypatch.setattr(sandbox, "FORK_SERVER", forks)
         for code in (CORRECT, "def int_square(n):\n    return n + n\n", "import os\nos._exit(0)\n"):
-            assert play(code, backend=backend, prestart=True) == play(code, backend=backend)
+            assert (play(code, backend=backend, prestart=True, share_runs=False)
+                    == play(code, backend=backend, share_runs=False))
     env = envs.make(CODETESTS, backend=backend, prestart=True)
     pids = []
     for seed in (0, 1):
@@ -388,9 +399,117 @@ def test_sandboxes_started_at_reset_score_the_same(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["false", 1, None])
-def test_prestart_must_be_a_bool(value):
-    with pytest.raises(ValueError, match="prestart must be true or false"):
-        envs.make(CODETESTS, backend="subprocess", prestart=value)
+@pytest.mark.parametrize("flag", ["prestart", "share_runs"])
+def test_flags_must_be_bools(flag, value):
+    with pytest.raises(ValueError, match=f"{flag} must be true or false"):
+        envs.make(CODETESTS, backend="subprocess", **{flag: value})
+
+
+# --- shared runs ------------------------------------------------------------------------------
+
+
+def _counting_runs(monkeypatch, delay_s: float = 0.0) -> list[str]:
+    """Count the sandbox runs (each program's code, as ``Guest.run`` got it)."""
+    calls, real = [], sandbox.Guest.run
+
+    def counted(guest, code, files=None):
+        calls.append(files[codetests.SOLUTION_FILE])
+        time.sleep(delay_s)
+        return real(guest, code, files)
+
+    monkeypatch.setattr(codetests.sandbox.Guest, "run", counted)
+    return calls
+
+
+def test_identical_code_for_the_same_tests_runs_once(monkeypatch):
+    calls = _counting_runs(monkeypatch)
+    first, again = play(CORRECT), play(CORRECT)
+    assert len(calls) == 1 and first.audit["shared_run"] is False and again.audit["shared_run"]
+    assert again.model_dump() == first.model_copy(
+        update={"audit": {**first.audit, "shared_run": True}}).model_dump()
+    play(CORRECT.replace("n * n", "n*n"))  # other code
+    play(CORRECT, task=SQUARE.model_copy(update={"data": {**SQUARE.data,
+                                                           "inputs": [[0], [1], [2], [3], [10]]}}))
+    play(CORRECT, limits={"wall_s": 4.0})
+    assert len(calls) == 4
+    separate = [play(CORRECT, share_runs=False) for _ in range(2)]
+    assert len(calls) == 6 and not any(b.audit["shared_run"] for b in separate)
+    assert separate[0] == first
+
+
+def test_concurrent_identical_steps_wait_for_one_run(monkeypatch):
+    calls = _counting_runs(monkeypatch, delay_s=0.3)  # the others arrive while it runs
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: play(CORRECT), range(8)))
+    assert len(calls) == 1 and all(b.total == 1.0 for b in got)
+    assert sorted(b.audit["shared_run"] for b in got) == [False] + [True] * 7
+
+
+def _result(status: str, stdout: str = "") -> sandbox.SandboxResult:
+    return sandbox.SandboxResult(status=status, stdout=stdout, stderr="", exit_code=None,
+                                 wall_s=0.0, backend="subprocess")
+
+
+def test_shared_runs_keep_only_runs_that_ended_on_their_own():
+    runs = codetests.SharedRuns(size=2, max_output=10)
+    ran = []
+
+    def test_run(status, stdout=""):
+        def go():
+            ran.append(status)
+            return _result(status, stdout), "nonce"
+        return go
+
+    for status in ("ok", "runtime_error"):
+        assert runs.run(status, test_run(status)) == (_result(status), "nonce", False)
+        assert runs.run(status, test_run(status)) == (_result(status), "nonce", True)
+    for status in ("timeout", "resource_limit", "sandbox_error"):
+        assert [runs.run(status, test_run(status))[2] for _ in range(2)] == [False, False]
+    runs.run("long", test_run("ok", "x" * 11))
+    runs.run("long", test_run("ok", "x" * 11))
+    assert ran == ["ok", "runtime_error", "timeout", "timeout", "resource_limit",
+                   "resource_limit", "sandbox_error", "sandbox_error", "ok", "ok"]
+    runs.run("third", test_run("ok"))
+    # size 2: "ok" was used least recently and is gone, then "runtime_error"
+    assert runs.run("ok", test_run("ok"))[2] is False and runs.run("runtime_error",
+                                                                   test_run("x"))[2] is False
+    runs.clear()
+    assert runs.run("ok", test_run("ok"))[2] is False
+
+
+def test_a_failed_shared_run_leaves_each_waiter_its_own():
+    runs = codetests.SharedRuns()
+    started, ran = threading.Event(), []
+
+    def failing():
+        started.set()
+        time.sleep(0.2)
+        ran.append("leader")
+        return _result("sandbox_error"), "n0"
+
+    def own():
+        ran.append("own")
+        return _result("ok"), "n1"
+
+    def raising():
+        started.set()
+        time.sleep(0.2)
+        raise OSError("no sandbox")
+
+    for leader in (failing, raising):
+        started.clear()
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(runs.run, "k", leader)
+            started.wait()
+            waiter = pool.submit(runs.run, "k", own)
+            assert waiter.result() == (_result("ok"), "n1", False)
+            if leader is failing:
+                assert first.result() == (_result("sandbox_error"), "n0", False)
+            else:
+                with pytest.raises(OSError, match="no sandbox"):
+                    first.result()
+        runs.clear()
+    assert ran == ["leader", "own", "own"]
 
 
 class _Yields:
@@ -427,3 +546,35 @@ def test_parsing_in_many_threads_at_once_never_fails():
     finally:
         gc.set_threshold(*threshold)
     assert errors == []
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_runs():
+    """A run in progress at a fork was a parent's thread's: the child runs its own."""
+    runs = codetests.SHARED_RUNS
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(5)
+        return _result("ok"), "parent"
+
+    with ThreadPoolExecutor(1) as pool:
+        leader = pool.submit(runs.run, "k", slow)
+        started.wait()
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its own run, at once
+            try:
+                got = runs.run("k", lambda: (_result("ok"), "child"))
+                os.write(write_end, got[1].encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        answered = select.select([read_end], [], [], 10)[0]
+        if not answered:
+            os.kill(pid, signal.SIGKILL)  # it waits for a run that no thread of its own makes
+        with os.fdopen(read_end) as f:
+            child = f.read()
+        os.waitpid(pid, 0)
+        release.set()
+        assert child == "child" and leader.result()[1] == "parent"
