@@ -286,6 +286,24 @@ def test_fork_server_runs_start_fresh_and_apart(monkeypatch):
             assert r.files_written == ("mine",)
 
 
+def test_fork_server_runs_at_once_have_net_namespaces_of_their_own(monkeypatch):
+    """Net namespaces are kept and given again (``_NETS`` in the fork server), but never to two
+    runs at once: three runs that overlap (each holds the same port half a second) all bind it,
+    each in a net namespace of its own; later runs get them again, loopback up, with no socket
+    of an earlier run left (the port it held binds again)."""
+    _need_fork_server(monkeypatch)
+    code = ("import os, socket, time\n"
+            "server = socket.create_server(('127.0.0.1', 45678))\n"
+            "time.sleep(0.5)\n"
+            "print(os.readlink('/proc/self/ns/net'))\n")
+    results = _at_once(3, lambda i: run(code, backend="bwrap"))
+    assert all(r.status == "ok" for r in results.values()), results
+    assert len({r.stdout for r in results.values()}) == 3
+    later = [run(code.replace("time.sleep(0.5)", "pass"), backend="bwrap") for _ in range(3)]
+    assert all(r.status == "ok" for r in later), later
+    assert any(r.stdout in {r.stdout for r in results.values()} for r in later)  # given again
+
+
 def test_fork_server_takes_many_runs_at_once(monkeypatch):
     """48 runs at once through one server (each run's first process briefly counts in the
     server's pids cgroup): every one runs."""
