@@ -1104,12 +1104,8 @@ def test_the_head_gradient_is_deferred_only_where_nothing_waits_for_it():
     assert train.HeadGrads.of(backend, model, "float32") is None
 
 
-def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
-    """HeadGrads' cast, rows and product buffers are the same tensors the next step (no fresh
-    pages), grow when a step has more rows, hold this step's cast, and go when the weight
-    does; the product is the one of its parts: by hand, [V=2, N=3] x [3, H=2]."""
-    import gc
-
+def _head_only(weight: list[list[float]]):
+    """A model that is only a bias-free output head holding ``weight``; (model, head, backend)."""
     from agent_rl.distributed import TorchBackend
 
     class Model(torch.nn.Module):
@@ -1117,10 +1113,19 @@ def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
             return self.lm_head
 
     model = Model()
-    head = model.lm_head = torch.nn.Linear(2, 2, bias=False)
-    backend = TorchBackend(model, torch.optim.SGD(head.parameters(), lr=0.0))
+    head = model.lm_head = torch.nn.Linear(len(weight[0]), len(weight), bias=False)
     with torch.no_grad():
-        head.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        head.weight.copy_(torch.tensor(weight))
+    return model, head, TorchBackend(model, torch.optim.SGD(head.parameters(), lr=0.0))
+
+
+def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
+    """HeadGrads' cast, rows and product buffers are the same tensors the next step (no fresh
+    pages), grow when a step has more rows, hold this step's cast, and go when the weight
+    does; the product is the one of its parts: by hand, [V=2, N=3] x [3, H=2]."""
+    import gc
+
+    model, head, backend = _head_only([[1.0, 2.0], [3.0, 4.0]])
     first = train.HeadGrads.of(backend, model, "bfloat16")
     assert torch.equal(first.cast, head.weight.detach().bfloat16())
     # grads [N, V] and hidden [N, H]: rows 1 then 2; the product G^T X
@@ -1130,7 +1135,7 @@ def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
     # G^T X = [[1 + 0 + 6, 1 + 0 + 0], [0 + 1 + 3, 0 + 2 + 0]] = [[7, 1], [4, 2]]
     assert head.weight.grad.tolist() == [[7.0, 1.0], [4.0, 2.0]]
     kept = {name: t.data_ptr() for name, t in train.HEAD_BUFFERS[id(head.weight)].items()}
-    assert set(kept) == {"cast", "rows", "product"}
+    assert set(kept) == {"cast", "rows", "product"}  # no forward: no logits buffers
     with torch.no_grad():
         head.weight.mul_(2.0)
     second = train.HeadGrads.of(backend, model, "bfloat16")
@@ -1148,6 +1153,35 @@ def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
     del first, second, third, head, model, backend, now
     gc.collect()
     assert key not in train.HEAD_BUFFERS
+
+
+def test_head_logits_go_into_kept_buffers_only_when_nothing_holds_them():
+    """DeferredHead's logits: hidden @ W^T by hand, written into one of HeadGrads' two kept
+    logits buffers that no other tensor uses (the same memory the next micro-batch), and into a
+    new tensor while a caller still holds both; never over logits someone holds."""
+    model, head, backend = _head_only([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    grads = train.HeadGrads.of(backend, model, "bfloat16")
+
+    def logits(rows):
+        return train.DeferredHead.apply(torch.tensor(rows), head.weight, grads)
+
+    first = logits([[1.0, 2.0], [0.0, 4.0]])
+    assert first.tolist() == [[1.0, 2.0, 3.0], [0.0, 4.0, 4.0]] and first.dtype == torch.bfloat16
+    second = logits([[2.0, 0.0]])  # the first is held: the other buffer
+    third = logits([[3.0, 3.0]])  # both held: a new tensor
+    kept = {name: t.data_ptr() for name, t in train.HEAD_BUFFERS[id(head.weight)].items()
+            if name.startswith("logits")}
+    assert set(kept) == {"logits", "logits 2"}
+    assert first.tolist() == [[1.0, 2.0, 3.0], [0.0, 4.0, 4.0]] and second.tolist() == [[2.0, 0.0, 2.0]]
+    assert third.tolist() == [[3.0, 3.0, 6.0]]
+    assert (first.data_ptr(), second.data_ptr()) == (kept["logits"], kept["logits 2"])
+    assert third.data_ptr() not in kept.values()
+    del first
+    fourth = logits([[0.0, 1.0]])
+    assert fourth.data_ptr() == kept["logits"] and fourth.tolist() == [[0.0, 1.0, 1.0]]
+    assert second.tolist() == [[2.0, 0.0, 2.0]] and third.tolist() == [[3.0, 3.0, 6.0]]  # untouched
+    more = logits([[1.0, 1.0]] * 3)  # more rows than kept, the other buffer held: grown anew
+    assert more.tolist() == [[1.0, 1.0, 2.0]] * 3 and fourth.tolist() == [[0.0, 1.0, 1.0]]
 
 
 def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch):
