@@ -13,10 +13,11 @@ its own) and forks; the program ends up two processes down, each fork a copy of 
 interpreter (no interpreter start-up, no bwrap start-up):
 
 * B, pid 1 of the new pid namespace: joins the run's cgroups and its net namespace (below),
-  then new mount, cgroup, uts and ipc namespaces; mounts a new ``/proc`` (``/proc/sys``, ``sysrq-trigger``,
-  ``irq``, ``bus`` read-only as bwrap does), the run's ``work`` at ``/work`` and its ``prog``
-  read-only at ``/sandbox``, empty read-only tmpfs over ``/runs`` and ``/cg`` (no other run's
-  folder, no cgroup file is reachable) and a fresh ``/dev/shm``; reaps orphans until C exits,
+  then new mount, cgroup, uts and ipc namespaces; mounts a new ``/proc`` (``/proc/sys``,
+  ``sysrq-trigger``, ``irq``, ``bus`` read-only as bwrap does), the run's ``work`` at
+  ``/work`` and its ``prog`` read-only at ``/sandbox``, empty read-only tmpfs over ``/runs``
+  and ``/cg`` (no other run's folder, no cgroup file is reachable) and a fresh ``/dev/shm``;
+  reaps orphans until C exits,
   then exits with C's code (128 + N after signal N), which ends the namespace.
 * C, pid 2: sets its rlimits, stdin ``/dev/null``, stdout and stderr to the host's pipes, drops
   every capability (ambient, effective, permitted, inheritable; the server emptied the bounding
