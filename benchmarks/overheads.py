@@ -22,8 +22,8 @@ warm fork server, ``envs.sandbox.FORK_SERVER``; identical code for the same task
 bwrap, the last two again with a fresh bwrap and interpreter per run (``FORK_SERVER =
 False``). Each batch starts with no finished run to share (``codetests.SHARED_RUNS``
 cleared): only its own episodes' identical answers are shared, as in a training step on new
-tasks; ``runs`` and ``shared`` count them. Compare the totals, not only the overheads: where the policy keeps every
-core busy, work moved to ``reset`` comes out of generation.
+tasks; ``runs`` and ``shared`` count them. Compare the totals, not only the overheads: where
+the policy keeps every core busy, work moved to ``reset`` comes out of generation.
 Before any timed batch, one empty program runs in the sandbox: bwrap's fork server starts once
 per process (~40 ms), with a training run's first episode, not in every batch.
 

@@ -14,10 +14,10 @@ not counted (Docker's first run pays for the image check).
 Then CodeTests-v0's scoring (``score`` of a correct answer: the harness and the agent's module
 run in the sandbox, the verdict judged; ``share_runs=False``, so each score runs),
 ``--score-runs`` times on as many threads as ``run_episodes`` steps on (cores + 4), per bwrap
-mode: wall time per run and CPU time per run,
-this process's own and the whole machine's (``/proc/stat``: the sandbox's processes and the
-kernel's work for them included, and whatever else the machine runs meanwhile). Prints two
-tables, then, last, one JSON line with every figure.
+mode: wall time per run and CPU time per run, this process's own and the whole machine's
+(``/proc/stat``: the sandbox's processes and the kernel's work for them included, and whatever
+else the machine runs meanwhile). Prints two tables, then, last, one JSON line with every
+figure.
 """
 
 from __future__ import annotations

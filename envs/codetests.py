@@ -19,9 +19,10 @@ Description
     Arguments: ``backend`` (``envs.sandbox.run``'s: ``auto`` takes docker, then bwrap, then
     the non-isolating subprocess), ``limits`` (a ``Limits`` or a mapping of its fields,
     over ``DEFAULT_LIMITS``: ``wall_s`` and ``cpu_s`` 5, the rest ``Limits``' defaults),
-    ``prestart`` (default False) and ``share_runs`` (default True). With ``prestart=True``, ``reset`` starts the episode's sandbox
-    (``envs.sandbox.prepare``), so it boots while the policy writes the answer and the scoring
-    run costs only the tests; it is the same fresh sandbox per run, killed unused by the next
+    ``prestart`` (default False) and ``share_runs`` (default True). With ``prestart=True``,
+    ``reset`` starts the episode's sandbox (``envs.sandbox.prepare``), so it boots while the
+    policy writes the answer and the scoring run costs only the tests; it is the same fresh
+    sandbox per run, killed unused by the next
     ``reset`` or ``close``. Turn it on where generation leaves CPU cores idle (a GPU host, a
     remote policy): on a CPU host whose cores generation keeps busy, the boot's CPU comes out
     of generation and the rollout as a whole got slower (``benchmarks/overheads.py``). Through
