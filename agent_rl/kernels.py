@@ -313,26 +313,35 @@ class ChunkAttention(torch.autograd.Function):
 class TokenLogprobs(torch.autograd.Function):
     """The trainer's log-probs and entropies of its trained tokens from their logits, one
     kernel call each way (``token_logprobs`` in ``csrc/kernels.cpp``):
-    ``apply(logits, targets, temperature)`` with ``logits`` ``[N, V]`` float32 or bfloat16
-    (contiguous) and ``targets`` ``[N]`` int64 returns the ``[N]`` float32 log-probs of
-    ``targets`` under ``softmax(logits / temperature)`` and their rows' entropies (no
-    gradient). The gradient comes back in the logits' dtype. Two reads of the logits forward
-    and one backward, where log-softmax, the entropy's exp, product and sum write three
-    ``[N, V]`` float32 tensors (and a bf16 row is cast to float32 first)."""
+    ``apply(logits, targets, temperature, grad_into)`` with ``logits`` ``[N, V]`` float32 or
+    bfloat16 (contiguous) and ``targets`` ``[N]`` int64 returns the ``[N]`` float32 log-probs
+    of ``targets`` under ``softmax(logits / temperature)`` and their rows' entropies (no
+    gradient). The gradient comes back in the logits' dtype, written where
+    ``grad_into(N)`` says when it gives a contiguous ``[N, V]`` tensor of that dtype (memory
+    the caller keeps: ``train.HeadGrads.grad_rows``), else into a new tensor; ``grad_into``
+    None: a new tensor. Two reads of the logits forward and one backward, where log-softmax,
+    the entropy's exp, product and sum write three ``[N, V]`` float32 tensors (and a bf16 row
+    is cast to float32 first)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature):
+    def forward(ctx, logits, targets, temperature, grad_into=None):
         logp, entropy, lse = torch.ops.agent_rl_kernels.token_logprobs(logits, targets, temperature)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.grad_into = temperature, grad_into
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad, _):
         logits, targets, lse = ctx.saved_tensors
-        return torch.ops.agent_rl_kernels.token_logprobs_backward(
-            grad.float().contiguous(), logits, targets, lse, ctx.temperature), None, None
+        grad = grad.float().contiguous()
+        out = None if ctx.grad_into is None else ctx.grad_into(logits.shape[0])
+        if (out is None or out.shape != logits.shape or out.dtype != logits.dtype
+                or out.device != logits.device or not out.is_contiguous()):
+            return torch.ops.agent_rl_kernels.token_logprobs_backward(
+                grad, logits, targets, lse, ctx.temperature), None, None, None
+        torch.ops.agent_rl_kernels.token_logprobs_backward_into(grad, logits, targets, lse, ctx.temperature, out)
+        return out, None, None, None
 
 
 def fits_logprobs(logits: torch.Tensor) -> bool:

@@ -1408,8 +1408,11 @@ void logprob_grad_rows(const float* grad, const X* xs, int64_t N, int64_t V, con
   });
 }
 
-at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
-                                   const at::Tensor& lse, double temperature) {
+// token_logprobs_backward_into: the same gradient written into `out` (contiguous [N, V], the
+// logits' dtype): memory the caller keeps, where a new [N, V] tensor's pages are faulted in
+// on the first write.
+void token_logprobs_backward_into(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                                  const at::Tensor& lse, double temperature, at::Tensor& out) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
                   (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
               "token_logprobs_backward: logits must be a contiguous 2-d float32 or bfloat16 tensor");
@@ -1421,11 +1424,13 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
                   targets.is_contiguous(),
               "token_logprobs_backward: targets must be contiguous int64 [N]");
   TORCH_CHECK(temperature > 0, "token_logprobs_backward: temperature must be > 0");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == V && out.is_contiguous() &&
+                  out.scalar_type() == logits.scalar_type() && out.device() == logits.device(),
+              "token_logprobs_backward: out must be a contiguous [N, V] tensor of the logits' dtype");
   const int64_t* ts = targets.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(ts[n] >= 0 && ts[n] < V, "token_logprobs_backward: target ", ts[n], " of row ", n,
                 " is outside the vocabulary of ", V);
-  at::Tensor out = at::empty({N, V}, logits.options());
   const float t = static_cast<float>(temperature);
   if (logits.scalar_type() == at::kFloat)
     logprob_grad_rows(grad.data_ptr<float>(), logits.data_ptr<float>(), N, V, ts, lse.data_ptr<float>(), t,
@@ -1433,6 +1438,12 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& log
   else
     logprob_grad_rows(grad.data_ptr<float>(), logits.data_ptr<c10::BFloat16>(), N, V, ts, lse.data_ptr<float>(),
                       t, out.data_ptr<c10::BFloat16>());
+}
+
+at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                                   const at::Tensor& lse, double temperature) {
+  at::Tensor out = at::empty(logits.sizes(), logits.options());
+  token_logprobs_backward_into(grad, logits, targets, lse, temperature, out);
   return out;
 }
 
@@ -1453,6 +1464,7 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs_backward(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float temperature) -> Tensor");
+  m.def("token_logprobs_backward_into(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float temperature, Tensor(a!) out) -> ()");
   m.def("decode_attention(Tensor q, Tensor k1, Tensor v1, Tensor rows1, Tensor k2, Tensor v2, Tensor mask, float scale) -> Tensor");
 }
 
@@ -1472,4 +1484,5 @@ TORCH_LIBRARY_IMPL(agent_rl_kernels, CPU, m) {
   m.impl("chunk_attention_backward", &chunk_attention_backward);
   m.impl("token_logprobs", &token_logprobs);
   m.impl("token_logprobs_backward", &token_logprobs_backward);
+  m.impl("token_logprobs_backward_into", &token_logprobs_backward_into);
 }

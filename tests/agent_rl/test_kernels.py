@@ -663,3 +663,38 @@ def test_token_logprobs_bad_inputs_are_named():
         op(logits, targets, 0.0)
     with pytest.raises(RuntimeError, match="grad and lse must be contiguous float32"):
         torch.ops.agent_rl_kernels.token_logprobs_backward(torch.zeros(3), logits, targets, torch.zeros(2), 1.0)
+    into = torch.ops.agent_rl_kernels.token_logprobs_backward_into
+    for out in (torch.zeros(2, 4), torch.zeros(2, 5).bfloat16(), torch.zeros(5, 2).t()):
+        with pytest.raises(RuntimeError, match="out must be a contiguous \\[N, V\\] tensor of the logits' dtype"):
+            into(torch.zeros(2), logits, targets, torch.zeros(2), 1.0, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_gradient_goes_where_grad_into_says(dtype):
+    """TokenLogprobs' grad_into: the gradient is written into the tensor it gives (the same
+    values as into a new one, to the bit) and that tensor is the gradient; where it gives
+    None or a tensor that does not fit (another dtype, shape or a transposed view), a new
+    tensor with the same values."""
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 37) * 3).to(dtype)
+    targets = torch.tensor([0, 36, 5])
+    weights = torch.tensor([1.0, -2.0, 0.5])
+
+    def grad_of(grad_into):
+        mine = logits.clone().requires_grad_()
+        logp, _ = kernels.TokenLogprobs.apply(mine, targets, 0.8, grad_into)
+        (grad,) = torch.autograd.grad((logp * weights).sum(), mine)
+        return grad
+
+    plain = grad_of(None)
+    kept = torch.full((5, 37), 7.0, dtype=dtype)
+    asked = []
+    placed = grad_of(lambda n: asked.append(n) or kept[1:1 + n])
+    assert asked == [3] and placed.data_ptr() == kept[1].data_ptr()
+    assert torch.equal(placed, plain) and torch.equal(kept[1:4], plain)
+    assert torch.equal(kept[0], torch.full((37,), 7.0, dtype=dtype))  # nothing else written
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    for misfit in (None, torch.zeros(3, 37, dtype=other), torch.zeros(2, 37, dtype=dtype),
+                   torch.zeros(37, 3, dtype=dtype).t()):
+        grad = grad_of(lambda n, misfit=misfit: misfit)
+        assert torch.equal(grad, plain) and (misfit is None or grad.data_ptr() != misfit.data_ptr())

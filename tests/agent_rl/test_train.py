@@ -401,7 +401,7 @@ def test_nonfinite_loss_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_entropy_collapse_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "picked_logprobs_and_entropy", lambda logits, targets, temperature: (
+    monkeypatch.setattr(train, "picked_logprobs_and_entropy", lambda logits, targets, temperature, grad_into=None: (
         train.picked_logprobs(logits, targets, temperature), torch.zeros(logits.shape[:1])))
     result = train.run(make_contract(tmp_path / "run"), progress=False)
     assert result.stopped is not None and result.stopped.rule == "entropy_collapse"
@@ -1043,6 +1043,13 @@ def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatc
 
     once = grads()
     assert len(products) == 1 and products[0] > 1  # all micro-batches' parts in one product
+    placed = []
+    with monkeypatch.context() as m:  # the next step writes the logits' gradients in place
+        m.setattr(train.HeadGrads, "flush", lambda self: placed.append((self.placed, len(self.parts))) or flush(self))
+        again = grads()
+    assert len(placed) == 1 and placed[0][0] == placed[0][1] > 1  # every part in place
+    for key in once:
+        assert torch.equal(again[key], once[key]), key
     products.clear()
     monkeypatch.setattr(train, "HEAD_GRAD_BYTES", 1)
     each = grads()
@@ -1153,6 +1160,57 @@ def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
     del first, second, third, head, model, backend, now
     gc.collect()
     assert key not in train.HEAD_BUFFERS
+
+
+def test_head_gradient_rows_are_written_in_place_while_they_fit():
+    """HeadGrads.grad_rows: the kept rows buffer's next rows, while every part held lies there
+    in order and there is room; flush multiplies them where they lie (no copy: the same
+    memory) and copies only the rest after them. By hand: V=2, H=2, the product G^T X."""
+    model, head, backend = _head_only([[1.0, 2.0], [3.0, 4.0]])
+    first = train.HeadGrads.of(backend, model, "bfloat16")
+    assert first.grad_rows(1) is None  # no rows buffer yet: a new tensor
+    first.add(torch.ones(3, 2).bfloat16(), torch.zeros(3, 2).bfloat16())
+    first.flush()  # the buffer: 3 rows
+    rows = train.HEAD_BUFFERS[id(head.weight)]["rows"]
+    assert rows.shape == (3, 2)
+
+    second = train.HeadGrads.of(backend, model, "bfloat16")
+    a = second.grad_rows(2)
+    assert a.data_ptr() == rows.data_ptr() and a.shape == (2, 2)
+    a.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    second.add(a, torch.tensor([[1.0, 1.0], [1.0, 2.0]]).bfloat16())
+    assert second.grad_rows(2) is None  # one row left
+    b = second.grad_rows(1)
+    assert b.data_ptr() == rows[2].data_ptr()
+    b.copy_(torch.tensor([[2.0, 1.0]]))
+    second.add(b, torch.tensor([[3.0, 0.0]]).bfloat16())
+    assert (second.placed, second.placed_rows) == (2, 3)
+    grad0 = head.weight.grad.clone()
+    second.flush()
+    # G = [[1, 0], [0, 1], [2, 1]], X = [[1, 1], [1, 2], [3, 0]]: G^T X = [[7, 1], [4, 2]]
+    assert (head.weight.grad - grad0).tolist() == [[7.0, 1.0], [4.0, 2.0]]
+    assert train.HEAD_BUFFERS[id(head.weight)]["rows"] is rows and second.placed == 0
+
+    third = train.HeadGrads.of(backend, model, "bfloat16")  # in place, then a new tensor
+    c = third.grad_rows(1)
+    c.copy_(torch.tensor([[1.0, 0.0]]))
+    third.add(c, torch.tensor([[1.0, 1.0]]).bfloat16())
+    third.add(torch.tensor([[0.0, 1.0], [2.0, 1.0]]).bfloat16(), torch.tensor([[1.0, 2.0], [3.0, 0.0]]).bfloat16())
+    assert third.placed == 1 and third.grad_rows(0) is None  # no longer in order
+    grad0 = head.weight.grad.clone()
+    third.flush()
+    assert (head.weight.grad - grad0).tolist() == [[7.0, 1.0], [4.0, 2.0]]
+
+    fourth = train.HeadGrads.of(backend, model, "bfloat16")  # more rows than the buffer: grown
+    d = fourth.grad_rows(3)
+    d.copy_(torch.ones(3, 2))
+    fourth.add(d, torch.ones(3, 2).bfloat16())
+    assert fourth.grad_rows(1) is None
+    fourth.add(torch.ones(1, 2).bfloat16(), torch.ones(1, 2).bfloat16())
+    grad0 = head.weight.grad.clone()
+    fourth.flush()
+    assert (head.weight.grad - grad0).tolist() == [[4.0, 4.0], [4.0, 4.0]]
+    assert train.HEAD_BUFFERS[id(head.weight)]["rows"].shape[0] == 4
 
 
 def test_head_logits_go_into_kept_buffers_only_when_nothing_holds_them():
