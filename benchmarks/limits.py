@@ -10,20 +10,25 @@ import torch
 
 
 def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.bfloat16, n: int = 2048,
-                repeats: int = 5) -> float:
+                repeats: int = 5, seconds: float | None = None) -> float:
     """FLOP/s of an n x n x n matmul in ``dtype`` on ``device``: the mean of ``repeats`` after
-    3 warm-ups."""
+    3 warm-ups, or, with ``seconds``, of as many as run in that long (the rate the machine
+    sustains over as long as the work it is set against, where a few products catch its best
+    moment)."""
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     sync()
-    start = time.perf_counter()
-    for _ in range(repeats):
+    start, done = time.perf_counter(), 0
+    while done < repeats if seconds is None else done == 0 or time.perf_counter() - start < seconds:
         a @ b
+        if seconds is not None:
+            sync()
+        done += 1
     sync()
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
+    return 2 * n**3 * done / (time.perf_counter() - start)
 
 
 def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:

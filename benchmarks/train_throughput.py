@@ -18,6 +18,12 @@ forward work a row longer than ``optim.micro_batch_tokens`` recomputes in backwa
 (``train.recompute_layers``; its share of the layer work, ``train/recomputed_frac``, times
 the forward's FLOPs). The pairs SDPA over whole rows would compute are printed too.
 
+Beside every timed step also the rate the machine sustains (``--sustain`` seconds of the same
+products, before the step and after it), and each step's fraction of the mean of its two
+(``of_sustained_paired``, their median ``of_sustained_median``): a step is seconds of work,
+while each peak above is a tenth of a second that may catch the machine's best moment, and a
+neighbour's load slows a step and the products beside it alike.
+
 Padding, as fractions of the tokens computed, in micro-batches of at most 512 tokens
 (``optim.micro_batch_tokens``' default) and of 2048: the trainer's packed micro-batches (each group's
 shared prompt once, shared rows side by side, ``render.pack``) and, for comparison, the same
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Any
 
@@ -101,6 +108,8 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sustain", type=float, default=5.0,
+                    help="seconds of products for the sustained rate measured beside each step")
     args = ap.parse_args()
 
     model, tokenizer = load_model(args.model)
@@ -120,16 +129,22 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         contract = ExperimentContract.from_dict({"model": {"id": "tiny", "dtype": dtype}})
         backend = TorchBackend(model, adamw(list(model.parameters()), lr=1e-7, weight_decay=0.0))
-        seconds, peaks = float("inf"), []
-        for k in range(args.repeats + 1):  # the first pass warms up
-            if k:  # the peak beside every timed step: this machine's speed drifts within minutes
+        steps, peaks, sustained = [], [], []
+        for k in range(args.repeats + 2):  # the first pass warms up; the last only measures
+            if k:  # this machine's speed drifts within minutes: measured beside every step
                 peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
+                sustained.append(matmul_peak("cpu", getattr(torch, dtype), seconds=args.sustain))
+            if k > args.repeats:
+                break
             start = time.perf_counter()
             update = policy_update(backend, None, batch.sequences, contract,
                                    pad_id=tokenizer.pad_token_id or 0, prox={})
-            seconds = min(seconds, time.perf_counter() - start)
-        peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
+            if k:
+                steps.append(time.perf_counter() - start)
+        seconds = min(steps)
         peak = max(peaks)  # the best the machine did during the run: the fractions err low
+        # each step against the rate sustained just before and just after it
+        paired = [flops / s / ((sustained[i] + sustained[i + 1]) / 2) for i, s in enumerate(steps)]
         share = update["train/recomputed_frac"]
         recomputed = share * (2 * body * result["shared_tokens"] + computed / 3)  # forward again
         work = flops + computed + recomputed
@@ -137,14 +152,20 @@ def main() -> None:
                          "matmul_peak_gflop_s": round(peak / 1e9, 1),
                          "matmul_peaks_gflop_s": [round(p / 1e9, 1) for p in peaks],
                          "of_peak": round(flops / seconds / peak, 4),
+                         "steps_s": [round(x, 3) for x in steps],
+                         "matmul_sustained_gflop_s": [round(p / 1e9, 1) for p in sustained],
+                         "of_sustained_paired": [round(f, 4) for f in paired],
+                         "of_sustained_median": round(statistics.median(paired), 4),
                          "of_peak_with_attention": round((flops + attention) / seconds / peak, 4),
                          "recomputed_frac": round(share, 4),
                          "of_peak_all_work": round(work / seconds / peak, 4)}
         print(f"{dtype:<9} step {seconds:6.2f} s  {flops / seconds / 1e9:6.1f} GFLOP/s of "
               f"{peak / 1e9:6.1f} peak (best of {len(peaks)}, worst {min(peaks) / 1e9:.0f}) ({flops / seconds / peak:.0%}); counting attention "
               f"{(flops + attention) / seconds / peak:.0%}; {share:.0%} of the layer work "
-              f"recomputed, counting that and attention as computed {work / seconds / peak:.0%}",
-              flush=True)
+              f"recomputed, counting that and attention as computed {work / seconds / peak:.0%}; "
+              f"each step against the rate sustained beside it ({args.sustain:g} s of products before "
+              f"and after): median {statistics.median(paired):.0%} "
+              f"({', '.join(f'{f:.0%}' for f in paired)})", flush=True)
     for micro_tokens in MICRO_TOKENS:
         p = result[f"micro{micro_tokens}"]
         print(f"padding, micro-batches of {micro_tokens}: {result['session_tokens']} session tokens, "

@@ -159,7 +159,7 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
 
     script = EXAMPLES.parent / "benchmarks" / "train_throughput.py"
     result = subprocess.run([sys.executable, str(script), "--model", "tiny", "--tasks", "1",
-                             "--repeats", "1"], capture_output=True, text=True, cwd=tmp_path,
+                             "--repeats", "1", "--sustain", "0.2"], capture_output=True, text=True, cwd=tmp_path,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout.strip().splitlines()[-1])
@@ -189,6 +189,13 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
         assert d["step_s"] > 0 and d["of_peak"] == pytest.approx(
             d["achieved_gflop_s"] / d["matmul_peak_gflop_s"],
             rel=0.02, abs=0.05 / d["matmul_peak_gflop_s"] + 5e-5)
+        # one sustained rate before each timed step and one after the last; each step against
+        # the mean of the two beside it, and their median
+        steps, sustained = d["steps_s"], d["matmul_sustained_gflop_s"]
+        assert len(steps) == 1 and len(sustained) == 2 and min(steps) == pytest.approx(d["step_s"], abs=1e-3)
+        want = d["achieved_gflop_s"] / ((sustained[0] + sustained[1]) / 2)
+        assert d["of_sustained_paired"][0] == pytest.approx(want, rel=0.02, abs=5e-4)
+        assert d["of_sustained_median"] == d["of_sustained_paired"][0]
 
 
 @pytest.mark.slow
