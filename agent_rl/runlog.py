@@ -119,6 +119,9 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "train/recomputed_frac": update.get("train/recomputed_frac", 0.0),
         "train/tokens_per_s": update.get("tokens", 0) / max(train_s, 1e-9),
         "train/seconds": train_s,
+        # of which the micro-batches' forward and backward passes, the optimizer step and
+        # update_kl's forward (kl/update)
+        **{f"train/{k}_seconds": update.get(f"train/{k}_seconds") for k in ("forward_backward", "optimizer", "kl")},
         "train/sequences": len(batch.sequences),
         "total/tokens_generated": counters["tokens_generated"],
         "total/episodes": counters["episodes"],

@@ -496,6 +496,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     if not sequences:
         return {"loss/policy": 0.0, "tokens": 0, "optim/grad_norm": 0.0, "optim/nonfinite": 0.0,
                 "optim/skipped": 1.0}
+    started = time.perf_counter()  # the passes', the optimizer's and update_kl's seconds each
     model = backend.module
     backend.model.train()
     backend.zero_grad()
@@ -580,15 +581,20 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     # guards decide when to stop) and leaves weights and optimizer state alone
     computed, recomputed = sums.pop("layer_tokens/computed", 0), sums.pop("layer_tokens/recomputed", 0)
     sums["train/recomputed_frac"] = recomputed / max(computed, 1)  # of decoder-layer work
+    sums["train/forward_backward_seconds"] = time.perf_counter() - started  # this rank's
+    started = time.perf_counter()
     stepped = backend.step()
     grad_norm, finite = stepped.grad_norm, stepped.stepped and math.isfinite(loss_sum)
+    sums["train/optimizer_seconds"] = time.perf_counter() - started
     if finite:
         # every rank runs the forward (ZeRO-3 gathers weights collectively) on a micro-batch
         # rank 0 trained, so rank 0 holds its pre-update log-probs, and its value is everyone's
+        started = time.perf_counter()
         index = kl_micro_batch(micro, rendered, backend.world_size)
         with trainer_forward(backend, model):  # prox's numerics
             kl = update_kl(model, micro[index], rendered, pad_id, temperature, prox.get(index), dtype)
         sums["kl/update"] = backend.all_gather_object(kl)[0]
+        sums["train/kl_seconds"] = time.perf_counter() - started
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
             "optim/grad_norm": grad_norm, "optim/nonfinite": 0.0 if finite else 1.0,
             "optim/skipped": 0.0 if finite else 1.0}

@@ -18,6 +18,11 @@ forward work a row longer than ``optim.micro_batch_tokens`` recomputes in backwa
 (``train.recompute_layers``; its share of the layer work, ``train/recomputed_frac``, times
 the forward's FLOPs). The pairs SDPA over whole rows would compute are printed too.
 
+The step is ``policy_update`` whole: its micro-batches' forward and backward passes, the
+optimizer step and ``update_kl``'s forward over one micro-batch (``kl/update``); the passes
+alone (``train/forward_backward_seconds``) are set against the same FLOPs too
+(``of_peak_forward_backward``).
+
 Beside every timed step also the rate the machine sustains (``--sustain`` seconds of the same
 products, before the step and after it), and each step's fraction of the mean of its two
 (``of_sustained_paired``, their median ``of_sustained_median``): a step is seconds of work,
@@ -129,7 +134,7 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         contract = ExperimentContract.from_dict({"model": {"id": "tiny", "dtype": dtype}})
         backend = TorchBackend(model, adamw(list(model.parameters()), lr=1e-7, weight_decay=0.0))
-        steps, peaks, sustained = [], [], []
+        steps, passes, peaks, sustained = [], [], [], []  # passes: forward + backward alone
         for k in range(args.repeats + 2):  # the first pass warms up; the last only measures
             if k:  # this machine's speed drifts within minutes: measured beside every step
                 peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
@@ -141,6 +146,7 @@ def main() -> None:
                                    pad_id=tokenizer.pad_token_id or 0, prox={})
             if k:
                 steps.append(time.perf_counter() - start)
+                passes.append(update["train/forward_backward_seconds"])
         seconds = min(steps)
         peak = max(peaks)  # the best the machine did during the run: the fractions err low
         # each step against the rate sustained just before and just after it
@@ -152,6 +158,8 @@ def main() -> None:
                          "matmul_peak_gflop_s": round(peak / 1e9, 1),
                          "matmul_peaks_gflop_s": [round(p / 1e9, 1) for p in peaks],
                          "of_peak": round(flops / seconds / peak, 4),
+                         "forward_backward_s": round(min(passes), 3),
+                         "of_peak_forward_backward": round(flops / min(passes) / peak, 4),
                          "steps_s": [round(x, 3) for x in steps],
                          "matmul_sustained_gflop_s": [round(p / 1e9, 1) for p in sustained],
                          "of_sustained_paired": [round(f, 4) for f in paired],
@@ -163,6 +171,8 @@ def main() -> None:
               f"{peak / 1e9:6.1f} peak (best of {len(peaks)}, worst {min(peaks) / 1e9:.0f}) ({flops / seconds / peak:.0%}); counting attention "
               f"{(flops + attention) / seconds / peak:.0%}; {share:.0%} of the layer work "
               f"recomputed, counting that and attention as computed {work / seconds / peak:.0%}; "
+              f"the forward and backward passes alone (without the optimizer step and update_kl's "
+              f"forward) {min(passes):.2f} s, {flops / min(passes) / peak:.0%}; "
               f"each step against the rate sustained beside it ({args.sustain:g} s of products before "
               f"and after): median {statistics.median(paired):.0%} "
               f"({', '.join(f'{f:.0%}' for f in paired)})", flush=True)

@@ -196,6 +196,10 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
         want = d["achieved_gflop_s"] / ((sustained[0] + sustained[1]) / 2)
         assert d["of_sustained_paired"][0] == pytest.approx(want, rel=0.02, abs=5e-4)
         assert d["of_sustained_median"] == d["of_sustained_paired"][0]
+        # the passes alone: part of the step, the same FLOPs over fewer seconds
+        assert 0 < d["forward_backward_s"] < d["step_s"]
+        assert d["of_peak_forward_backward"] == pytest.approx(
+            d["of_peak"] * d["step_s"] / d["forward_backward_s"], rel=0.02, abs=5e-4)
 
 
 @pytest.mark.slow

@@ -124,6 +124,10 @@ def test_run_dir_holds_every_artefact(straight):
     assert [m["loss/policy"] for m in metrics] == result.losses
     peaks = [m["memory/peak_rss_mb"] for m in metrics]  # the process's peak so far: it holds a model
     assert peaks == sorted(peaks) and peaks[0] > 50
+    for m in metrics:  # the update's parts, within its seconds (kl: where the step was taken)
+        parts = [m[f"train/{k}_seconds"] for k in ("forward_backward", "optimizer", "kl")]
+        assert parts[0] > 0 and parts[1] >= 0 and (parts[2] is None) == (m["optim/skipped"] == 1.0)
+        assert sum(p or 0.0 for p in parts) <= m["train/seconds"]
 
     store = RolloutStore(run_dir / "rollouts.jsonl")
     report = store.verify()
