@@ -5,9 +5,9 @@ micro-batches carry, with and without packing, on a real multi-session batch.
 The batch: one GRPO step of Relay-v0 (``--tasks`` tasks x 8 samples, two sessions per
 episode) rolled out by the model itself, every group kept. One optimizer step of the trainer
 (``agent_rl.train.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
-best of ``--repeats``, against the best of the matmul peaks measured before every timed step
-and after the last (``matmul_peaks_gflop_s``: the machine's speed drifts by half within
-minutes). FLOPs counted: 6 x (parameters outside the embedding) x (tokens the decoder
+best of ``--repeats`` after ``--warmup`` untimed ones, against the best of the matmul peaks
+measured before every timed step and after the last (``matmul_peaks_gflop_s``: the
+machine's speed drifts by half within minutes). FLOPs counted: 6 x (parameters outside the embedding) x (tokens the decoder
 computes: each group's shared prompt once) + 6 x (head parameters) x (trained tokens: the
 vocabulary projection runs only there); attention's own FLOPs are not counted, so that
 fraction is a lower bound. Printed beside it: the fraction counting the attention
@@ -113,6 +113,9 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps first in each dtype (a process's first bf16 steps fault "
+                         "~0.7 and ~0.2 million pages in, later ones ~0.02-0.03 million)")
     ap.add_argument("--sustain", type=float, default=5.0,
                     help="seconds of products for the sustained rate measured beside each step")
     args = ap.parse_args()
@@ -135,18 +138,19 @@ def main() -> None:
         contract = ExperimentContract.from_dict({"model": {"id": "tiny", "dtype": dtype}})
         backend = TorchBackend(model, adamw(list(model.parameters()), lr=1e-7, weight_decay=0.0))
         steps, passes, peaks, sustained = [], [], [], []  # passes: forward + backward alone
-        for k in range(args.repeats + 2):  # the first pass warms up; the last only measures
-            if k:  # this machine's speed drifts within minutes: measured beside every step
-                peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
-                sustained.append(matmul_peak("cpu", getattr(torch, dtype), seconds=args.sustain))
-            if k > args.repeats:
+        for _ in range(args.warmup):  # the first steps fault their memory in
+            policy_update(backend, None, batch.sequences, contract, pad_id=tokenizer.pad_token_id or 0, prox={})
+        for k in range(args.repeats + 1):  # the last only measures
+            # this machine's speed drifts within minutes: measured beside every step
+            peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
+            sustained.append(matmul_peak("cpu", getattr(torch, dtype), seconds=args.sustain))
+            if k == args.repeats:
                 break
             start = time.perf_counter()
             update = policy_update(backend, None, batch.sequences, contract,
                                    pad_id=tokenizer.pad_token_id or 0, prox={})
-            if k:
-                steps.append(time.perf_counter() - start)
-                passes.append(update["train/forward_backward_seconds"])
+            steps.append(time.perf_counter() - start)
+            passes.append(update["train/forward_backward_seconds"])
         seconds = min(steps)
         peak = max(peaks)  # the best the machine did during the run: the fractions err low
         # each step against the rate sustained just before and just after it

@@ -159,7 +159,7 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
 
     script = EXAMPLES.parent / "benchmarks" / "train_throughput.py"
     result = subprocess.run([sys.executable, str(script), "--model", "tiny", "--tasks", "1",
-                             "--repeats", "1", "--sustain", "0.2"], capture_output=True, text=True, cwd=tmp_path,
+                             "--repeats", "1", "--sustain", "0.2", "--warmup", "1"], capture_output=True, text=True, cwd=tmp_path,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout.strip().splitlines()[-1])
