@@ -37,7 +37,7 @@ import envs
 from agent_rl import checkpoint
 from agent_rl.config import SFTContract
 from agent_rl.distributed import TorchBackend, adamw, launched_world_size
-from agent_rl.grpo import picked_logprobs
+from agent_rl.grpo import picked_logprobs_and_entropy
 from agent_rl.models import model_fingerprint, resolve_device, rollout_copy
 from agent_rl.policy import HFPolicy
 from agent_rl.render import (
@@ -310,7 +310,8 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
             tensors = device_batch(bins, batch, pad_id, device)
             with autocast(device, dtype):
                 logits = trained_token_logits(model, tensors, head)  # [N, V]
-            logprobs = picked_logprobs(logits.float(), tensors["target"])  # [N]
+            logprobs, _ = picked_logprobs_and_entropy(  # [N], as policy_update's
+                logits, tensors["target"], grad_into=None if head is None else head.grad_rows)
             backend.backward(-logprobs.sum() / max(total, 1))
             nll_sum += float(-logprobs.detach().sum())
             correct += int((logits.detach().argmax(-1) == tensors["target"]).sum())

@@ -78,6 +78,17 @@ def test_sft_update_is_the_mean_nll_of_the_trained_tokens():
     assert m["micro_batches"] > 1
     assert m["tokens"] == count
     assert m["loss/sft"] == pytest.approx(nll / count, rel=1e-5)
+    # bf16 autocast: the same loss to bf16's rounding; from the second step on, the logits'
+    # gradients go straight into the head's kept rows (train.HeadGrads.grad_rows)
+    from agent_rl import train
+
+    placed, flush = [], train.HeadGrads.flush
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train.HeadGrads, "flush", lambda self: placed.append((self.placed, len(self.parts))) or flush(self))
+        for _ in range(2):
+            m = sft.sft_update(backend, batch, 0, 700, torch.device("cpu"), "bfloat16")
+            assert m["loss/sft"] == pytest.approx(nll / count, rel=2e-2)
+    assert placed[0][0] == 0 and placed[1][0] == placed[1][1] == m["micro_batches"]
 
 
 def test_select_episodes_counts_every_dropped_episode(tmp_path):
