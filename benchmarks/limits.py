@@ -22,7 +22,7 @@ def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.bfloat16, n: int
         a @ b
     sync()
     start, done = time.perf_counter(), 0
-    while done < repeats if seconds is None else done == 0 or time.perf_counter() - start < seconds:
+    while (done < repeats) if seconds is None else (done == 0 or time.perf_counter() - start < seconds):
         a @ b
         if seconds is not None:
             sync()
