@@ -993,11 +993,8 @@ class HeadGrads:
         return self._next_rows(rows) if self.placed == len(self.parts) else None
 
     def _next_rows(self, rows: int) -> torch.Tensor | None:
-        kept = HEAD_BUFFERS.get(id(self.weight), {}).get("rows")
-        if (kept is None or kept.dtype != self.dtype or kept.shape[1] != self.weight.shape[0]
-                or kept.shape[0] < self.placed_rows + rows):
-            return None
-        return kept[self.placed_rows:self.placed_rows + rows]
+        kept = self._kept("rows", self.placed_rows + rows, self.weight.shape[0])
+        return None if kept is None else kept[self.placed_rows:self.placed_rows + rows]
 
     def flush(self) -> None:
         """Add the held parts' product into the weight's gradient."""
@@ -1007,10 +1004,9 @@ class HeadGrads:
         placed, start = self.placed, self.placed_rows
         self.parts, self.held, self.placed, self.placed_rows = [], 0, 0, 0
         n = sum(g.shape[0] for g in grads)
-        kept = HEAD_BUFFERS.get(id(self.weight), {}).get("rows")
-        rows = self.buffer("rows", n, grads[0].shape[1])  # a new, larger tensor where n rows don't fit
-        if rows is not kept:  # nothing lies in the new one yet
-            placed, start = 0, 0
+        rows = self._kept("rows", n, grads[0].shape[1])
+        if rows is None:  # a new, larger tensor where n rows don't fit: nothing lies in it yet
+            rows, placed, start = self.buffer("rows", n, grads[0].shape[1]), 0, 0
         with torch.no_grad():
             if placed < len(grads):  # the rest after those in place
                 torch.cat(grads[placed:], out=rows[start:n])
@@ -1032,15 +1028,21 @@ class HeadGrads:
     def buffer(self, name: str, rows: int, cols: int | None = None) -> torch.Tensor:
         """The kept buffer ``name`` (``HEAD_BUFFERS``) in ``self.dtype``: at least ``rows`` x
         ``cols`` (the head's width by default), grown when a step needs more rows."""
-        kept = HEAD_BUFFERS.get(id(self.weight))
-        if kept is None:
-            kept = HEAD_BUFFERS[id(self.weight)] = {}
-            weakref.finalize(self.weight, HEAD_BUFFERS.pop, id(self.weight), None)
         cols = self.weight.shape[1] if cols is None else cols
-        buf = kept.get(name)
-        if buf is None or buf.dtype != self.dtype or buf.shape[0] < rows or buf.shape[1] != cols:
+        buf = self._kept(name, rows, cols)
+        if buf is None:
+            kept = HEAD_BUFFERS.get(id(self.weight))
+            if kept is None:
+                kept = HEAD_BUFFERS[id(self.weight)] = {}
+                weakref.finalize(self.weight, HEAD_BUFFERS.pop, id(self.weight), None)
             buf = kept[name] = torch.empty(rows, cols, dtype=self.dtype, device=self.weight.device)
         return buf
+
+    def _kept(self, name: str, rows: int, cols: int) -> torch.Tensor | None:
+        """The kept buffer ``name`` where it holds ``rows`` x ``cols`` in ``self.dtype``, else None."""
+        buf = HEAD_BUFFERS.get(id(self.weight), {}).get(name)
+        fits = buf is not None and buf.dtype == self.dtype and buf.shape[0] >= rows and buf.shape[1] == cols
+        return buf if fits else None
 
 
 def _held_elsewhere(buf: torch.Tensor) -> bool:
