@@ -7,9 +7,9 @@ episode) rolled out by the model itself, every group kept. One optimizer step of
 (``agent_rl.train.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
 best of ``--repeats`` after ``--warmup`` untimed ones, against the best of the matmul peaks
 measured before every timed step and after the last (``matmul_peaks_gflop_s``: the
-machine's speed drifts by half within minutes). FLOPs counted: 6 x (parameters outside the embedding) x (tokens the decoder
-computes: each group's shared prompt once) + 6 x (head parameters) x (trained tokens: the
-vocabulary projection runs only there); attention's own FLOPs are not counted, so that
+machine's speed drifts by half within minutes). FLOPs counted: 6 x (parameters outside the
+embedding) x (tokens the decoder computes: each group's shared prompt once) + 6 x (head
+parameters) x (trained tokens: the vocabulary projection runs only there); attention's own FLOPs are not counted, so that
 fraction is a lower bound. Printed beside it: the fraction counting the attention
 the masks need (12 x hidden size x layers FLOPs per allowed query x key pair, forward and
 backward), and the fraction counting all the work done: attention's pairs as computed (the
@@ -137,9 +137,13 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         contract = ExperimentContract.from_dict({"model": {"id": "tiny", "dtype": dtype}})
         backend = TorchBackend(model, adamw(list(model.parameters()), lr=1e-7, weight_decay=0.0))
+        def step(backend=backend, contract=contract) -> dict[str, float]:  # a fresh prox each step
+            return policy_update(backend, None, batch.sequences, contract,
+                                 pad_id=tokenizer.pad_token_id or 0, prox={})
+
         steps, passes, peaks, sustained = [], [], [], []  # passes: forward + backward alone
         for _ in range(args.warmup):  # the first steps fault their memory in
-            policy_update(backend, None, batch.sequences, contract, pad_id=tokenizer.pad_token_id or 0, prox={})
+            step()
         for k in range(args.repeats + 1):  # the last only measures
             # this machine's speed drifts within minutes: measured beside every step
             peaks.append(matmul_peak("cpu", getattr(torch, dtype)))
@@ -147,14 +151,14 @@ def main() -> None:
             if k == args.repeats:
                 break
             start = time.perf_counter()
-            update = policy_update(backend, None, batch.sequences, contract,
-                                   pad_id=tokenizer.pad_token_id or 0, prox={})
+            update = step()
             steps.append(time.perf_counter() - start)
             passes.append(update["train/forward_backward_seconds"])
-        seconds = min(steps)
+        seconds, fb_seconds = min(steps), min(passes)
         peak = max(peaks)  # the best the machine did during the run: the fractions err low
         # each step against the rate sustained just before and just after it
         paired = [flops / s / ((sustained[i] + sustained[i + 1]) / 2) for i, s in enumerate(steps)]
+        median = statistics.median(paired)
         share = update["train/recomputed_frac"]
         recomputed = share * (2 * body * result["shared_tokens"] + computed / 3)  # forward again
         work = flops + computed + recomputed
@@ -162,12 +166,12 @@ def main() -> None:
                          "matmul_peak_gflop_s": round(peak / 1e9, 1),
                          "matmul_peaks_gflop_s": [round(p / 1e9, 1) for p in peaks],
                          "of_peak": round(flops / seconds / peak, 4),
-                         "forward_backward_s": round(min(passes), 3),
-                         "of_peak_forward_backward": round(flops / min(passes) / peak, 4),
+                         "forward_backward_s": round(fb_seconds, 3),
+                         "of_peak_forward_backward": round(flops / fb_seconds / peak, 4),
                          "steps_s": [round(x, 3) for x in steps],
                          "matmul_sustained_gflop_s": [round(p / 1e9, 1) for p in sustained],
                          "of_sustained_paired": [round(f, 4) for f in paired],
-                         "of_sustained_median": round(statistics.median(paired), 4),
+                         "of_sustained_median": round(median, 4),
                          "of_peak_with_attention": round((flops + attention) / seconds / peak, 4),
                          "recomputed_frac": round(share, 4),
                          "of_peak_all_work": round(work / seconds / peak, 4)}
@@ -176,9 +180,9 @@ def main() -> None:
               f"{(flops + attention) / seconds / peak:.0%}; {share:.0%} of the layer work "
               f"recomputed, counting that and attention as computed {work / seconds / peak:.0%}; "
               f"the forward and backward passes alone (without the optimizer step and update_kl's "
-              f"forward) {min(passes):.2f} s, {flops / min(passes) / peak:.0%}; "
+              f"forward) {fb_seconds:.2f} s, {flops / fb_seconds / peak:.0%}; "
               f"each step against the rate sustained beside it ({args.sustain:g} s of products before "
-              f"and after): median {statistics.median(paired):.0%} "
+              f"and after): median {median:.0%} "
               f"({', '.join(f'{f:.0%}' for f in paired)})", flush=True)
     for micro_tokens in MICRO_TOKENS:
         p = result[f"micro{micro_tokens}"]
