@@ -287,27 +287,28 @@ def fits_decode(x: torch.Tensor, head_dim: int, group: int) -> bool:
 
 class ChunkAttention(torch.autograd.Function):
     """A plan's chunks in bfloat16, forward and backward one kernel call each
-    (``chunk_attention`` in ``csrc/kernels.cpp``): ``apply(q, k, v, chunks, keys, mask, scale,
-    dtype)`` with ``q`` ``[R, H, T, D]``, ``k``, ``v`` ``[R, H_kv, T, D]`` bfloat16 and a plan's
-    ``tables``; returns ``[R, T, H, D]`` in ``dtype``, float32 or bfloat16 (float32 sums rounded
-    once: what the next projection reads under bf16 autocast, kept once for both). The
-    gradient may come back in either."""
+    (``chunk_attention`` in ``csrc/kernels.cpp``): ``apply(q, k, v, chunks, keys, mask, extents,
+    scale, dtype)`` with ``q`` ``[R, H, T, D]``, ``k``, ``v`` ``[R, H_kv, T, D]`` bfloat16 and a
+    plan's ``tables``; returns ``[R, T, H, D]`` in ``dtype``, float32 or bfloat16 (float32 sums
+    rounded once: what the next projection reads under bf16 autocast, kept once for both). The
+    gradient may come back in either. A query's keys past its extent are masked, so the
+    products skip them (a chunk's later queries see more of its keys than its earlier ones)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks, keys, mask, scale, dtype):
-        out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale, dtype)
-        ctx.save_for_backward(q, k, v, out, lse, chunks, keys, mask)
+    def forward(ctx, q, k, v, chunks, keys, mask, extents, scale, dtype):
+        out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, extents, scale, dtype)
+        ctx.save_for_backward(q, k, v, out, lse, chunks, keys, mask, extents)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, chunks, keys, mask = ctx.saved_tensors
+        q, k, v, out, lse, chunks, keys, mask, extents = ctx.saved_tensors
         if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
         dq, dk, dv = torch.ops.agent_rl_kernels.chunk_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, chunks, keys, mask, ctx.scale)  # [R, T, H(_kv), D]
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None
+            grad.contiguous(), q, k, v, out, lse, chunks, keys, mask, extents, ctx.scale)  # [R, T, H(_kv), D]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None, None
 
 
 class TokenLogprobs(torch.autograd.Function):

@@ -761,7 +761,10 @@ void add_into(at::Tensor& dst, const at::Tensor& src) {
 // bfloat16 inputs and accumulate in float32 (AVX-512 BF16's dot product of pairs, vdpbf16ps):
 // the scores and the softmax are float32, the probabilities (and in backward their gradients)
 // are rounded to bfloat16 for the products with V (and with K and Q), as flash attention does
-// on a GPU. Without AVX-512 BF16 the same products run as scalar float32 loops.
+// on a GPU. Without AVX-512 BF16 the same products run as scalar float32 loops. Each query
+// comes with its extent (the plan's, one past its last key the mask does not rule out): the
+// products skip the keys past it in tiles of 6 queries x 16 keys (a chunk cut from a causal
+// segment: ~26% of a Relay-v0 step's products), the same numbers to the bit.
 //
 // A product C[M, N] (+)= A[M, K] B[K, N] takes A as rows of bfloat16 pairs along K (a row of
 // K bfloat16 read as K/2 uint32) and B packed as pairs, B2[p][n] = (B[2p][n], B[2p+1][n]) (low
@@ -822,23 +825,47 @@ void bf16_tile_cols(int nv, const uint32_t* A, int64_t lda, const uint32_t* B, i
 
 constexpr int64_t kGemmRows = 6;  // rows of A per register tile: up to 24 accumulators
 
+// What a product may skip where the operands are known zero (a query's keys past its extent,
+// masked): `ext` per row of A (keys a query sees, those after are masked); `ext_cols`: a row
+// tile computes only the columns its rows see (C's columns past are left as they were),
+// else only the pairs of the sum they see (A's pairs past are zero); `from` per 64 columns
+// of C: the first pair of the sum that is not zero (the rows of B before it are zero there).
+struct Skip {
+  const int64_t* ext = nullptr;
+  bool ext_cols = false;
+  const int64_t* from = nullptr;
+};
+
 // C[M, N] (row stride ldc) (+)= A (M rows of P pairs, row stride lda) . B2 (P x ldb pairs,
-// ldb >= N rounded up to 16, zero past N)
+// ldb >= N rounded up to 16, zero past N), skipping what `skip` says is zero
 void bf16_gemm(int64_t M, int64_t N, int64_t P, const uint32_t* A, int64_t lda, const uint32_t* B,
-               int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+               int64_t ldb, float* C, int64_t ldc, bool accumulate, const Skip& skip = {}) {
   for (int64_t j = 0; j < N; j += 64) {
-    const int64_t cols = std::min<int64_t>(64, N - j);
-    const int nv = (int)((cols + 15) / 16), last = (int)(cols - 16 * (nv - 1));
+    const int64_t p0 = skip.from ? std::min(skip.from[j / 64], P) : 0;
     for (int64_t i = 0; i < M; i += kGemmRows) {
-      const uint32_t* a = A + i * lda;
+      const int64_t rows = std::min<int64_t>(kGemmRows, M - i);
+      int64_t n = N, p = P;
+      if (skip.ext) {
+        const int64_t e = *std::max_element(skip.ext + i, skip.ext + i + rows);
+        if (skip.ext_cols)
+          n = std::min(N, e);
+        else
+          p = std::min(P, (e + 1) / 2);
+      }
+      if (j >= n) continue;
+      const int64_t cols = std::min<int64_t>(64, n - j);
+      const int nv = (int)((cols + 15) / 16), last = (int)(cols - 16 * (nv - 1));
+      const uint32_t* a = A + i * lda + p0;
+      const uint32_t* b = B + p0 * ldb + j;
       float* c = C + i * ldc + j;
-      switch (std::min<int64_t>(kGemmRows, M - i)) {
-        case 1: bf16_tile_cols<1>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
-        case 2: bf16_tile_cols<2>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
-        case 3: bf16_tile_cols<3>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
-        case 4: bf16_tile_cols<4>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
-        case 5: bf16_tile_cols<5>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate); break;
-        default: bf16_tile_cols<6>(nv, a, lda, B + j, ldb, P, c, ldc, last, accumulate);
+      const int64_t depth = std::max<int64_t>(p - p0, 0);
+      switch (rows) {
+        case 1: bf16_tile_cols<1>(nv, a, lda, b, ldb, depth, c, ldc, last, accumulate); break;
+        case 2: bf16_tile_cols<2>(nv, a, lda, b, ldb, depth, c, ldc, last, accumulate); break;
+        case 3: bf16_tile_cols<3>(nv, a, lda, b, ldb, depth, c, ldc, last, accumulate); break;
+        case 4: bf16_tile_cols<4>(nv, a, lda, b, ldb, depth, c, ldc, last, accumulate); break;
+        case 5: bf16_tile_cols<5>(nv, a, lda, b, ldb, depth, c, ldc, last, accumulate); break;
+        default: bf16_tile_cols<6>(nv, a, lda, b, ldb, depth, c, ldc, last, accumulate);
       }
     }
   }
@@ -942,7 +969,8 @@ struct ChunkBatch {  // a batch's tensors and plan, as the tasks read them
   int64_t H, Hkv, T, D;
   const int64_t *chunks, *keys;  // chunks [C, 5]: row, first query, queries, first key, keys
   const float* mask;             // each chunk's [queries, keys] additive mask, chunk after chunk
-  std::vector<int64_t> mask_at;  // where each chunk's mask starts
+  const int64_t* ext;            // each query's extent: its mask is -inf from there on, chunk after chunk
+  std::vector<int64_t> mask_at, query_at;  // where each chunk's mask and extents start
   float scale;
 
   const c10::BFloat16* qrow(int64_t b, int64_t h, int64_t t) const { return q + b * qsR + h * qsH + t * qsT; }
@@ -951,7 +979,7 @@ struct ChunkBatch {  // a batch's tensors and plan, as the tasks read them
 };
 
 ChunkBatch chunk_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& chunks,
-                       const at::Tensor& keys, const at::Tensor& mask, double scale) {
+                       const at::Tensor& keys, const at::Tensor& mask, const at::Tensor& extents, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kBFloat16 &&
                   k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "chunk_attention: q [R, H, T, D], k and v [R, H_kv, T, D], all bfloat16");
@@ -964,12 +992,13 @@ ChunkBatch chunk_batch(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "chunk_attention: head size must be a multiple of 32, heads contiguous, other strides even");
   TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 5 && chunks.scalar_type() == at::kLong && chunks.is_contiguous() &&
                   keys.scalar_type() == at::kLong && keys.is_contiguous() && mask.scalar_type() == at::kFloat &&
-                  mask.is_contiguous(),
-              "chunk_attention: chunks [C, 5] int64, keys int64, mask float32, all contiguous");
+                  mask.is_contiguous() && extents.scalar_type() == at::kLong && extents.is_contiguous(),
+              "chunk_attention: chunks [C, 5] int64, keys int64, mask float32, extents int64, all contiguous");
   ChunkBatch cb{q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), H, Hkv, T, D,
-                chunks.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), mask.data_ptr<float>(), {}, (float)scale};
+                chunks.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), mask.data_ptr<float>(),
+                extents.data_ptr<int64_t>(), {}, {}, (float)scale};
   const int64_t C = chunks.size(0);
   int64_t at = 0, queries = 0;
   for (int64_t c = 0; c < C; ++c) {
@@ -978,11 +1007,19 @@ ChunkBatch chunk_batch(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                     ch[4] > 0 && ch[3] + ch[4] <= keys.numel(),
                 "chunk_attention: chunk ", c, " is out of the batch's bounds");
     cb.mask_at.push_back(at);
+    cb.query_at.push_back(queries);
     at += ch[2] * ch[4];
     queries += ch[2];
   }
   TORCH_CHECK(at == mask.numel(), "chunk_attention: the mask holds ", mask.numel(), " entries, the chunks need ", at);
   TORCH_CHECK(queries == R * T, "chunk_attention: the chunks cover ", queries, " queries of ", R * T);
+  TORCH_CHECK(extents.numel() == queries, "chunk_attention: ", extents.numel(), " extents for ", queries, " queries");
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < cb.chunks[5 * c + 2]; ++i) {
+      const int64_t e = cb.ext[cb.query_at[c] + i];
+      TORCH_CHECK(e >= 1 && e <= cb.chunks[5 * c + 4], "chunk_attention: query ", i, " of chunk ", c,
+                  " has extent ", e, ", outside 1..", cb.chunks[5 * c + 4], " (its keys)");
+    }
   const int64_t* kp = cb.keys;
   for (int64_t i = 0; i < keys.numel(); ++i)
     TORCH_CHECK(kp[i] >= 0 && kp[i] < T, "chunk_attention: key position ", kp[i], " is outside the row");
@@ -1026,23 +1063,26 @@ void pack_keys(const ChunkBatch& cb, int64_t c, int64_t hk, bool backward, Scrat
   pack_pairs(nk, D, [&](int64_t i) { return cb.krow(b, hk, keys[i]); }, w.kp.data());
 }
 
-// head h's scores of chunk c, S = scale Q K^T + mask, into w.s [nq][round16(nk)]
+// head h's scores of chunk c, S = scale Q K^T + mask, into w.s [nq][round16(nk)]: each
+// query's only up to its extent, -inf from there on (as its mask is; the product skips them)
 void chunk_scores(const ChunkBatch& cb, int64_t c, int64_t h, Scratch& w) {
   const int64_t *ch = cb.chunks + 5 * c, b = ch[0], q0 = ch[1], nq = ch[2], nk = ch[4], D = cb.D;
   const int64_t ld = round16(nk);
+  const int64_t* ext = cb.ext + cb.query_at[c];
   w.s.resize(nq * ld);
   bf16_gemm(nq, nk, D / 2, reinterpret_cast<const uint32_t*>(cb.qrow(b, h, q0)), cb.qsT / 2, w.kt.data(), ld,
-            w.s.data(), ld, false);
+            w.s.data(), ld, false, Skip{ext, true});
   const float* m = cb.mask + cb.mask_at[c];
   for (int64_t i = 0; i < nq; ++i) {
     float* s = w.s.data() + i * ld;
     const float* mi = m + i * nk;
+    const int64_t e = ext[i];
     int64_t j = 0;
-    for (; j + 16 <= nk; j += 16) {
+    for (; j + 16 <= e; j += 16) {
       const f32x16 x = load16(s + j) * cb.scale + load16(mi + j);
       std::memcpy(s + j, &x, sizeof x);
     }
-    for (; j < nk; ++j) s[j] = s[j] * cb.scale + mi[j];
+    for (; j < e; ++j) s[j] = s[j] * cb.scale + mi[j];
     for (; j < ld; ++j) s[j] = -INFINITY;  // whole vectors on: exp16 gives 0 there
   }
 }
@@ -1062,8 +1102,9 @@ inline float hmax(const f32x16 v) {
 // out [R, T, H, D] in `dtype` (float32, or bfloat16 rounded once from float32 sums)
 std::tuple<at::Tensor, at::Tensor> chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    const at::Tensor& chunks, const at::Tensor& keys,
-                                                   const at::Tensor& mask, double scale, at::ScalarType dtype) {
-  const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, scale);
+                                                   const at::Tensor& mask, const at::Tensor& extents, double scale,
+                                                   at::ScalarType dtype) {
+  const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, extents, scale);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "chunk_attention: the result is float32 or bfloat16");
   const int64_t R = q.size(0), H = cb.H, T = cb.T, D = cb.D, group = H / cb.Hkv;
   at::Tensor out = at::empty({R, T, H, D}, q.options().dtype(dtype));  // [R, T, H, D]
@@ -1075,6 +1116,7 @@ std::tuple<at::Tensor, at::Tensor> chunk_attention(const at::Tensor& q, const at
     Scratch& w = scratch[thread];
     const int64_t *ch = cb.chunks + 5 * c, b = ch[0], q0 = ch[1], nq = ch[2], nk = ch[4];
     const int64_t ld = round16(nk), np = (nk + 1) / 2;
+    const int64_t* ext = cb.ext + cb.query_at[c];  // each query's keys: the products skip the rest
     pack_keys(cb, c, hk, false, w);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       chunk_scores(cb, c, h, w);
@@ -1082,30 +1124,33 @@ std::tuple<at::Tensor, at::Tensor> chunk_attention(const at::Tensor& q, const at
       uint16_t* pb = reinterpret_cast<uint16_t*>(w.a.data());
       for (int64_t i = 0; i < nq; ++i) {
         float* s = w.s.data() + i * ld;
+        const int64_t e = round16(ext[i]);  // zero from there on
         f32x16 vmax = f32x16{} - INFINITY;
-        for (int64_t j = 0; j < ld; j += 16) vmax = vmax > load16(s + j) ? vmax : load16(s + j);
+        for (int64_t j = 0; j < e; j += 16) vmax = vmax > load16(s + j) ? vmax : load16(s + j);
         const float mx = hmax(vmax);
         f32x16 vsum{};
-        for (int64_t j = 0; j < ld; j += 16) {
-          const f32x16 e = exp16(load16(s + j) - mx);
-          std::memcpy(s + j, &e, sizeof e);
-          vsum += e;
+        for (int64_t j = 0; j < e; j += 16) {
+          const f32x16 x = exp16(load16(s + j) - mx);
+          std::memcpy(s + j, &x, sizeof x);
+          vsum += x;
         }
         const float sum = hsum(vsum), inv = 1.0f / sum;
-        for (int64_t j = 0; j < ld; j += 16) {
+        for (int64_t j = 0; j < e; j += 16) {
           const f32x16 p = load16(s + j) * inv;
           std::memcpy(s + j, &p, sizeof p);
         }
+        std::fill(s + e, s + ld, 0.0f);
         to_bf16(s, nk, pb + i * 2 * np, 2 * np);
         ls[(b * H + h) * T + q0 + i] = mx + std::log(sum);
       }
       const int64_t at_row = ((b * T + q0) * H + h) * D;  // query i's row at at_row + i H D
       if (wide) {
-        bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, out.data_ptr<float>() + at_row, H * D, false);
+        bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, out.data_ptr<float>() + at_row, H * D, false,
+                  Skip{ext, false});
         continue;
       }
       w.tmp.resize(nq * D);
-      bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, w.tmp.data(), D, false);
+      bf16_gemm(nq, D, np, w.a.data(), np, w.vp.data(), D, w.tmp.data(), D, false, Skip{ext, false});
       uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()) + at_row;
       for (int64_t i = 0; i < nq; ++i) to_bf16(w.tmp.data() + i * D, D, ob + i * H * D, D);
     }
@@ -1146,8 +1191,9 @@ void pair_rows(const float* x, int64_t n, int64_t cols, int64_t ld, uint32_t* ou
 // positions under a lock per row and kv head (chunks share keys).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& chunks, const at::Tensor& keys, const at::Tensor& mask, double scale) {
-  const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, scale);
+    const at::Tensor& lse, const at::Tensor& chunks, const at::Tensor& keys, const at::Tensor& mask,
+    const at::Tensor& extents, double scale) {
+  const ChunkBatch cb = chunk_batch(q, k, v, chunks, keys, mask, extents, scale);
   const int64_t R = q.size(0), H = cb.H, Hkv = cb.Hkv, T = cb.T, D = cb.D, group = H / Hkv;
   const auto wide = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; };
   TORCH_CHECK((wide(dout) || dout.scalar_type() == at::kBFloat16) && (wide(out) || out.scalar_type() == at::kBFloat16) &&
@@ -1196,6 +1242,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
     const int64_t *ch = cb.chunks + 5 * c, b = ch[0], q0 = ch[1], nq = ch[2], nk = ch[4];
     const int64_t* keys = cb.keys + ch[3];
     const int64_t ld = round16(nk), np = (nk + 1) / 2, nqp = (nq + 1) / 2;
+    const int64_t* ext = cb.ext + cb.query_at[c];  // each query's keys: the products skip the rest
+    // dK^T and dV^T sum over the queries: per 64 keys, from the first pair of queries that sees one
+    std::vector<int64_t> from((nk + 63) / 64, nqp);
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t jb = 0; 64 * jb < ext[i]; ++jb) from[jb] = std::min(from[jb], i / 2);
     pack_keys(cb, c, hk, true, w);
     w.acc.assign(2 * D * ld, 0.0f);  // dK^T, dV^T [D][ld] over the group's heads
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
@@ -1213,8 +1264,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
       // dP = dO V^T, its columns past nk zeroed (whole vectors below)
       w.tmp.resize(nq * ld);
       bf16_gemm(nq, nk, D / 2, reinterpret_cast<const uint32_t*>(dorow), H * D / 2, w.vt.data(), ld, w.tmp.data(),
-                ld, false);
-      for (int64_t i = 0; i < nq; ++i) std::fill(w.tmp.data() + i * ld + nk, w.tmp.data() + (i + 1) * ld, 0.0f);
+                ld, false, Skip{ext, true});
+      for (int64_t i = 0; i < nq; ++i) std::fill(w.tmp.data() + i * ld + ext[i], w.tmp.data() + (i + 1) * ld, 0.0f);
       // P and dS (into w.s and w.tmp), then as bfloat16: dS rows (A of dQ), dS and P in pairs
       // of rows (B2 of dK^T and dV^T)
       const float* l = ls + (b * H + h) * T + q0;
@@ -1222,12 +1273,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
       for (int64_t i = 0; i < nq; ++i) {
         float *s = w.s.data() + i * ld, *dp = w.tmp.data() + i * ld;
         const f32x16 li = f32x16{} + l[i], gi = f32x16{} + di[i * H];
-        for (int64_t j = 0; j < ld; j += 16) {
+        const int64_t e = round16(ext[i]);  // zero from there on
+        for (int64_t j = 0; j < e; j += 16) {
           const f32x16 p = exp16(load16(s + j) - li);
           const f32x16 ds = p * (load16(dp + j) - gi) * cb.scale;
           std::memcpy(s + j, &p, sizeof p);
           std::memcpy(dp + j, &ds, sizeof ds);
         }
+        std::fill(s + e, s + ld, 0.0f);
+        std::fill(dp + e, dp + ld, 0.0f);
       }
       w.a.resize(nq * np);
       uint16_t* dsb = reinterpret_cast<uint16_t*>(w.a.data());
@@ -1236,10 +1290,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attention_backward(
       pair_rows(w.tmp.data(), nq, nk, ld, w.c.data(), ld);
       pair_rows(w.s.data(), nq, nk, ld, w.c.data() + nqp * ld, ld);
       // dQ = dS K
-      bf16_gemm(nq, D, np, w.a.data(), np, w.kp.data(), D, dqs + ((b * T + q0) * H + h) * D, H * D, false);
+      bf16_gemm(nq, D, np, w.a.data(), np, w.kp.data(), D, dqs + ((b * T + q0) * H + h) * D, H * D, false,
+                Skip{ext, false});
       // dK^T += Q^T dS, dV^T += dO^T P
-      bf16_gemm(D, nk, nqp, w.e.data(), nqp, w.c.data(), ld, w.acc.data(), ld, true);
-      bf16_gemm(D, nk, nqp, w.d.data(), nqp, w.c.data() + nqp * ld, ld, w.acc.data() + D * ld, ld, true);
+      bf16_gemm(D, nk, nqp, w.e.data(), nqp, w.c.data(), ld, w.acc.data(), ld, true, Skip{nullptr, false, from.data()});
+      bf16_gemm(D, nk, nqp, w.d.data(), nqp, w.c.data() + nqp * ld, ld, w.acc.data() + D * ld, ld, true,
+                Skip{nullptr, false, from.data()});
     }
     // dK^T and dV^T [D][ld] transposed to rows [ld][D]
     w.tmp.resize(2 * ld * D);
@@ -1460,8 +1516,8 @@ TORCH_LIBRARY(agent_rl_kernels, m) {
   m.def("silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("add_into(Tensor(a!) dst, Tensor src) -> ()");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, ScalarType dtype, bool transpose) -> Tensor");
-  m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, float scale, ScalarType dtype) -> (Tensor, Tensor)");
-  m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, Tensor keys, Tensor mask, Tensor extents, float scale, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("chunk_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor chunks, Tensor keys, Tensor mask, Tensor extents, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs(Tensor logits, Tensor targets, float temperature) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs_backward(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float temperature) -> Tensor");
   m.def("token_logprobs_backward_into(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float temperature, Tensor(a!) out) -> ()");

@@ -197,15 +197,29 @@ def test_blocked_leaves_other_implementations_alone_and_restores_on_error():
 
 def test_plan_tables_by_hand():
     """The plan as the bf16 kernel reads it: (row, first query, queries, first key, keys) per
-    chunk, the keys one chunk after another, the masks flattened (bool as 0 / -inf)."""
+    chunk, the keys one chunk after another, the masks flattened (bool as 0 / -inf), and each
+    query's extent (one past its last key not masked)."""
     plan = plan_blocks(shared_row_mask(), call_pairs=0)  # chunks (5, [0..4]), (3, [0, 1, 5, 6, 7])
-    chunks, keys, mask = plan.tables
+    chunks, keys, mask, extents = plan.tables
     assert chunks.tolist() == [[0, 0, 5, 0, 5], [0, 5, 3, 5, 5]]
     assert keys.tolist() == [0, 1, 2, 3, 4, 0, 1, 5, 6, 7]
     assert mask.shape == (5 * 5 + 3 * 5,) and mask.dtype == torch.float32
     assert mask[:5].tolist() == [0.0] + [-math.inf] * 4  # query 0 sees key 0
     assert mask[25:30].tolist() == [0.0, 0.0, 0.0, -math.inf, -math.inf]  # query 5: prompt and itself
+    # causal in each chunk: query i of the first sees keys 0..i; the second's see the prompt's
+    # two keys and their own sample's (keys 5, 6, 7 at 2, 3, 4 of the chunk)
+    assert extents.tolist() == [1, 2, 3, 4, 5, 3, 4, 5]
     assert plan.tables is plan.tables  # built once
+
+
+def test_plan_extents_of_additive_masks():
+    """An additive mask's -inf and float32's lowest rule a key out (a probability of exactly 0),
+    a finite bias does not: the extent is one past the last key with anything else."""
+    low = torch.finfo(torch.float32).min
+    mask = torch.tensor([[0.0, low, -math.inf], [0.0, -5.0, low], [0.0, 0.0, 0.0]]).view(1, 1, 3, 3)
+    plan = plan_blocks(mask, call_pairs=10**6)  # one chunk of all three queries and keys
+    assert plan.tables[0].tolist() == [[0, 0, 3, 0, 3]]
+    assert plan.tables[3].tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("autocast", [True, False])

@@ -502,7 +502,8 @@ def test_chunk_attention_by_hand():
     chunks = torch.tensor([[0, 0, 1, 0, 1], [0, 1, 1, 1, 2]])
     keys = torch.tensor([0, 0, 1])
     mask = torch.zeros(1 + 2)
-    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale, torch.float32)
+    ext = torch.tensor([1, 2])  # each query's keys
+    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, ext, scale, torch.float32)
     assert out.shape == (1, 2, 1, D) and out.dtype == torch.float32  # [R, T, H, D]
     assert out[0, 0, 0, :3].tolist() == [1.0, 2.0, 0.0]
     assert out[0, 1, 0, :3].tolist() == [2.0, 1.0, 0.0]
@@ -510,20 +511,25 @@ def test_chunk_attention_by_hand():
     grad = torch.zeros(1, 2, 1, D)
     grad[0, :, 0, 0] = 1.0
     dq, dk, dv = torch.ops.agent_rl_kernels.chunk_attention_backward(grad, q, k, v, out, lse, chunks, keys,
-                                                                      mask, scale)
+                                                                      mask, ext, scale)
     assert dq[0, 0, 0].abs().max() == 0 and dk.abs().max() == 0
     assert dq[0, 1, 0, :3].tolist() == [-0.25, 0.5, 0.0]  # 0.5 (-0.5 [1, 0] + 0.5 [0, 2])
     assert dv[0, 0, 0, :2].tolist() == [1.5, 0.0] and dv[0, 1, 0, :2].tolist() == [0.5, 0.0]
     # a masked key takes no weight: query 1 with key 1 masked out sees only v0
-    out, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys,
-                                                        torch.tensor([0.0, 0.0, -math.inf]), scale, torch.float32)
+    out, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, torch.tensor([0.0, 0.0, -math.inf]),
+                                                        ext, scale, torch.float32)
+    assert out[0, 1, 0, :2].tolist() == [1.0, 2.0]
+    # ... and so does a key past the query's extent, whatever its mask (the kernel skips it)
+    out, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, torch.tensor([1, 1]), scale,
+                                                        torch.float32)
     assert out[0, 1, 0, :2].tolist() == [1.0, 2.0]
     # bf16 out (these values are exact in bf16), and a bf16 gradient with it: the same numbers
-    out16, lse16 = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, scale, torch.bfloat16)
+    out16, lse16 = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, ext, scale,
+                                                              torch.bfloat16)
     assert out16.dtype == torch.bfloat16 and out16[0, 1, 0, :3].tolist() == [2.0, 1.0, 0.0]
     assert torch.equal(lse16, lse)
     dq16, dk16, dv16 = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.bfloat16(), q, k, v, out16, lse16,
-                                                                            chunks, keys, mask, scale)
+                                                                            chunks, keys, mask, ext, scale)
     assert dq16[0, 1, 0, :3].tolist() == [-0.25, 0.5, 0.0] and dk16.abs().max() == 0
     assert dv16[0, 0, 0, :2].tolist() == [1.5, 0.0] and dv16[0, 1, 0, :2].tolist() == [0.5, 0.0]
 
@@ -545,14 +551,14 @@ def test_chunk_attention_matches_float32_sdpa(d):
     mask = packed_attention_mask(seq, torch.bool, prefix=prefix)  # [2, 1, 72, 72]
     mask[:, 0].diagonal(dim1=-2, dim2=-1).fill_(True)  # padding sees itself
     plan = plan_blocks(mask, split=16, call_pairs=100)
-    chunks, keys, flat = plan.tables
+    chunks, keys, flat, ext = plan.tables
     q = torch.randn(2, 72, 6, d, generator=gen).bfloat16().transpose(1, 2)  # [R, H, T, D], strided
     k = torch.randn(2, 2, 72, d, generator=gen).bfloat16()
     v = torch.randn(2, 2, 72, d, generator=gen).bfloat16()
     scale = d ** -0.5
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     expect = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True)
-    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, scale, torch.float32)
+    out, lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, ext, scale, torch.float32)
     scores = qf @ kf.repeat_interleave(3, 1).transpose(-1, -2) * scale  # [R, H, T, T]
     torch.testing.assert_close(lse, scores.masked_fill(~mask, -math.inf).logsumexp(-1).detach(),
                                rtol=0, atol=1e-5)
@@ -564,24 +570,38 @@ def test_chunk_attention_matches_float32_sdpa(d):
     grad = torch.randn(expect.shape, generator=gen).bfloat16().float()
     theirs = torch.autograd.grad(expect, (qf, kf, vf), grad)
     mine = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.transpose(1, 2).contiguous(), q, k, v,
-                                                               out, lse, chunks, keys, flat, scale)
+                                                               out, lse, chunks, keys, flat, ext, scale)
     for a, b in zip(mine, theirs, strict=True):
         close(a.transpose(1, 2), b)
     # bf16 out: float32's rounded once; a bf16 gradient and out give the gradients within the
     # same bound
-    out16, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, scale, torch.bfloat16)
+    out16, _ = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, ext, scale, torch.bfloat16)
     assert torch.equal(out16, out.bfloat16())
     mine16 = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.transpose(1, 2).contiguous().bfloat16(), q,
-                                                                 k, v, out16, lse, chunks, keys, flat, scale)
+                                                                 k, v, out16, lse, chunks, keys, flat, ext, scale)
     for a, b in zip(mine16, theirs, strict=True):
         close(a.transpose(1, 2), b)
+    # the extents only skip what the mask rules out: every query at its chunk's full width
+    # gives the same numbers to the bit
+    full = torch.cat([torch.full((int(c[2]),), int(c[4])) for c in chunks])
+    assert bool((ext < full).any())  # there is something to skip
+    wide, wide_lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, full, scale,
+                                                                torch.float32)
+    assert torch.equal(wide, out) and torch.equal(wide_lse, lse)
+    wide_grads = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.transpose(1, 2).contiguous(), q, k, v,
+                                                                     out, lse, chunks, keys, flat, full, scale)
+    for a, b in zip(wide_grads, mine, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_chunk_attention_bad_inputs_are_named():
     q = torch.zeros(1, 2, 4, 32, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 1, 4, 32, dtype=torch.bfloat16)
-    chunks, keys, mask = torch.tensor([[0, 0, 4, 0, 4]]), torch.arange(4), torch.zeros(16)
-    op = torch.ops.agent_rl_kernels.chunk_attention
+    chunks, keys, mask, ext = torch.tensor([[0, 0, 4, 0, 4]]), torch.arange(4), torch.zeros(16), torch.full((4,), 4)
+
+    def op(q, k, v, chunks, keys, mask, scale, dtype, ext=ext):
+        return torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, mask, ext, scale, dtype)
+
     with pytest.raises(RuntimeError, match="all bfloat16"):
         op(q.float(), k, v, chunks, keys, mask, 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -596,9 +616,18 @@ def test_chunk_attention_bad_inputs_are_named():
         op(q, k, v, torch.tensor([[0, 0, 3, 0, 4]]), keys, mask[:12], 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="the result is float32 or bfloat16"):
         op(q, k, v, chunks, keys, mask, 1.0, torch.float16)
+    with pytest.raises(RuntimeError, match="3 extents for 4 queries"):
+        op(q, k, v, chunks, keys, mask, 1.0, torch.float32, ext=ext[:3])
+    with pytest.raises(RuntimeError, match=r"query 2 of chunk 0 has extent 5, outside 1..4"):
+        op(q, k, v, chunks, keys, mask, 1.0, torch.float32, ext=torch.tensor([4, 4, 5, 4]))
+    with pytest.raises(RuntimeError, match=r"query 0 of chunk 0 has extent 0"):
+        op(q, k, v, chunks, keys, mask, 1.0, torch.float32, ext=torch.tensor([0, 4, 4, 4]))
+    with pytest.raises(RuntimeError, match="extents int64"):
+        op(q, k, v, chunks, keys, mask, 1.0, torch.float32, ext=ext.int())
     out, lse = op(q, k, v, chunks, keys, mask, 1.0, torch.float32)
     with pytest.raises(RuntimeError, match="dout and out float32 or bfloat16"):
-        torch.ops.agent_rl_kernels.chunk_attention_backward(out.half(), q, k, v, out, lse, chunks, keys, mask, 1.0)
+        torch.ops.agent_rl_kernels.chunk_attention_backward(out.half(), q, k, v, out, lse, chunks, keys, mask, ext,
+                                                            1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
