@@ -13,7 +13,8 @@ parameters) x (trained tokens: the vocabulary projection runs only there); atten
 fraction is a lower bound. Printed beside it: the fraction counting the attention
 the masks need (12 x hidden size x layers FLOPs per allowed query x key pair, forward and
 backward), and the fraction counting all the work done: attention's pairs as computed (the
-trainer's blocked attention, ``attention.plan_blocks``: a few more than allowed) and the
+trainer's blocked attention, ``attention.plan_blocks``: a few more than allowed; in bf16 the
+pairs its kernel's tiles cover, ``kernel_pairs``) and the
 forward work a row longer than ``optim.micro_batch_tokens`` recomputes in backward
 (``train.recompute_layers``; its share of the layer work, ``train/recomputed_frac``, times
 the forward's FLOPs). The pairs SDPA over whole rows would compute are printed too.
@@ -93,18 +94,35 @@ def padding(rendered) -> dict[str, Any]:
         micro = micro_batches(pack(rows, min(micro_tokens, ROW_TOKENS)), micro_tokens)
         packed = padded(micro)
         # query x key pairs: those the masks allow (the work attention needs), those the
-        # trainer's blocked attention computes (attention.plan_blocks) and those SDPA over
-        # whole rows would (each micro-batch's rows padded to its longest, T^2 a row)
+        # trainer's blocked attention computes (attention.plan_blocks; in float32), those its
+        # bf16 kernel's products cover and those SDPA over whole rows would (each
+        # micro-batch's rows padded to its longest, T^2 a row)
         masks = [collate_shared(m, rendered, 0, torch.bool)["attention_mask"] for m in micro]
+        plans = [plan_blocks(m) for m in masks]
         out[f"attention_pairs_micro{micro_tokens}"] = {
             "allowed": sum(map(allowed_pairs, masks)),
-            "blocked": sum(plan_blocks(m).pairs for m in masks),
+            "blocked": sum(plan.pairs for plan in plans),
+            "bf16_kernel": sum(map(kernel_pairs, plans)),
             "whole_rows": sum(len(m) * max(map(bin_tokens, m)) ** 2 for m in micro)}
         unpacked = padded(micro_batches([[r] for r in rows], micro_tokens))
         out[f"micro{micro_tokens}"] = {
             "packed_padded_tokens": packed, "packed_waste": round(1 - computed / packed, 4),
             "unpacked_padded_tokens": unpacked, "unpacked_waste": round(1 - computed / unpacked, 4)}
     return out
+
+
+def kernel_pairs(plan) -> int:
+    """About the query x key pairs the bf16 kernel's score products cover (``chunk_attention``
+    in ``csrc/kernels.cpp``): a chunk's queries in tiles of 6, each tile's keys up to its
+    longest extent (``BlockPlan.tables``) in whole vectors of 16."""
+    chunks, _, _, extents = plan.tables
+    total, at = 0, 0
+    for _, _, queries, _, keys in chunks.tolist():
+        ext = extents[at:at + queries].tolist()
+        at += queries
+        for i in range(0, queries, 6):
+            total += len(ext[i:i + 6]) * min(-(-max(ext[i:i + 6]) // 16), -(-keys // 16)) * 16
+    return total
 
 
 def main() -> None:
@@ -130,7 +148,8 @@ def main() -> None:
     flops = 6 * body * result["shared_tokens"] + 6 * head * trained
     per_pair = 12 * model.config.hidden_size * model.config.num_hidden_layers  # forward + backward
     pairs = result["attention_pairs_micro512"]
-    attention, computed = per_pair * pairs["allowed"], per_pair * pairs["blocked"]
+    attention = per_pair * pairs["allowed"]
+    computed = {"float32": per_pair * pairs["blocked"], "bfloat16": per_pair * pairs["bf16_kernel"]}
     result.update(trained_tokens=trained, flops_per_step=flops, attention_flops_per_step=attention,
                   attention_flops_computed_per_step=computed)
 
@@ -160,8 +179,8 @@ def main() -> None:
         paired = [flops / s / ((sustained[i] + sustained[i + 1]) / 2) for i, s in enumerate(steps)]
         median = statistics.median(paired)
         share = update["train/recomputed_frac"]
-        recomputed = share * (2 * body * result["shared_tokens"] + computed / 3)  # forward again
-        work = flops + computed + recomputed
+        recomputed = share * (2 * body * result["shared_tokens"] + computed[dtype] / 3)  # forward again
+        work = flops + computed[dtype] + recomputed
         result[dtype] = {"step_s": round(seconds, 3), "achieved_gflop_s": round(flops / seconds / 1e9, 1),
                          "matmul_peak_gflop_s": round(peak / 1e9, 1),
                          "matmul_peaks_gflop_s": [round(p / 1e9, 1) for p in peaks],
@@ -192,7 +211,8 @@ def main() -> None:
               f"{p['unpacked_waste']:.1%} ({p['unpacked_padded_tokens']})")
         a = result[f"attention_pairs_micro{micro_tokens}"]
         print(f"attention, micro-batches of {micro_tokens}: {a['allowed']} query x key pairs allowed, "
-              f"{a['blocked']} computed blocked, {a['whole_rows']} over whole rows")
+              f"{a['blocked']} computed blocked (float32), {a['bf16_kernel']} by the bf16 kernel, "
+              f"{a['whole_rows']} over whole rows")
     print(json.dumps(result))
 
 

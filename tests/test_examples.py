@@ -152,6 +152,24 @@ def test_overheads_runs_as_a_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_throughput_kernel_pairs_by_hand(monkeypatch):
+    """One causal segment of 8 queries, one chunk of 8 keys, extents 1..8: the bf16 kernel's
+    tiles of 6 queries cover 16 keys each (whole vectors), 6 x 16 + 2 x 16 = 128 pairs where
+    the plan holds 64; 20 queries: tiles up to 6, 12, 18, 20 keys -> 16, 16, 32, 32."""
+    import torch
+
+    from agent_rl.attention import plan_blocks
+
+    monkeypatch.syspath_prepend(str(EXAMPLES.parent / "benchmarks"))
+    from train_throughput import kernel_pairs
+
+    def causal(t):
+        return torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
+
+    assert kernel_pairs(plan_blocks(causal(8))) == 128
+    assert kernel_pairs(plan_blocks(causal(20))) == 6 * 16 + 6 * 16 + 6 * 32 + 2 * 32
+
+
 def test_train_throughput_runs_as_a_smoke(tmp_path):
     """benchmarks/train_throughput.py on the tiny model: both dtypes timed against their
     measured peaks, and the padding fractions follow from the token counts it printed."""
@@ -175,12 +193,15 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
         a = s[f"attention_pairs_{micro}"]
         assert s["shared_tokens"] < a["allowed"] <= a["blocked"] <= a["whole_rows"]
         assert a["whole_rows"] >= p["packed_padded_tokens"]
+        assert a["allowed"] <= a["bf16_kernel"] and a["bf16_kernel"] % 16 == 0  # whole vectors of keys
     from agent_rl.models import tiny_model
 
     config = tiny_model(0)[0].config
     per_pair = 12 * config.hidden_size * config.num_hidden_layers
     assert s["attention_flops_per_step"] == per_pair * s["attention_pairs_micro512"]["allowed"]
-    assert s["attention_flops_computed_per_step"] == per_pair * s["attention_pairs_micro512"]["blocked"]
+    assert s["attention_flops_computed_per_step"] == {
+        "float32": per_pair * s["attention_pairs_micro512"]["blocked"],
+        "bfloat16": per_pair * s["attention_pairs_micro512"]["bf16_kernel"]}
     for dtype in ("float32", "bfloat16"):
         d = s[dtype]
         assert 0.0 <= d["recomputed_frac"] <= 1.0
