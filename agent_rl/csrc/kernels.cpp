@@ -764,7 +764,7 @@ void add_into(at::Tensor& dst, const at::Tensor& src) {
 // on a GPU. Without AVX-512 BF16 the same products run as scalar float32 loops. Each query
 // comes with its extent (the plan's, one past its last key the mask does not rule out): the
 // products skip the keys past it in tiles of 6 queries x 16 keys (a chunk cut from a causal
-// segment: ~26% of a Relay-v0 step's products), the same numbers to the bit.
+// segment: a Relay-v0 step's score products cover 24% fewer pairs), the same numbers to the bit.
 //
 // A product C[M, N] (+)= A[M, K] B[K, N] takes A as rows of bfloat16 pairs along K (a row of
 // K bfloat16 read as K/2 uint32) and B packed as pairs, B2[p][n] = (B[2p][n], B[2p+1][n]) (low
@@ -969,7 +969,7 @@ struct ChunkBatch {  // a batch's tensors and plan, as the tasks read them
   int64_t H, Hkv, T, D;
   const int64_t *chunks, *keys;  // chunks [C, 5]: row, first query, queries, first key, keys
   const float* mask;             // each chunk's [queries, keys] additive mask, chunk after chunk
-  const int64_t* ext;            // each query's extent: its mask is -inf from there on, chunk after chunk
+  const int64_t* ext;            // each query's extent: its mask rules out the keys from there on
   std::vector<int64_t> mask_at, query_at;  // where each chunk's mask and extents start
   float scale;
 
