@@ -39,7 +39,8 @@ of 1,000 tokens (9 heads; forward and backward, alternated), and a whole bf16 Re
 log-probs differ from float32's about as much as bf16 autocast's own: on that step's 1,126
 trained tokens, mean |difference| 0.0165 against the float32 chunks' 0.0169 (max 0.235 and
 0.189). The kernel skips each query's keys past its extent (``BlockPlan.tables``: a chunk's early
-queries do not see its later keys), the same numbers to the bit: on the Relay-v0 step's
+queries do not see its later keys), the same outputs and dQ to the bit (dK and dV to float32
+rounding: chunks sharing keys add in whichever order the threads take them): on the Relay-v0 step's
 micro-batches (one layer, captured plans, random inputs, alternated runs) forward 4.9-5.5 ->
 4.2-4.4 ms, backward 11.2-12.4 -> 10.0-10.7 ms. Other half precision (float16), other head
 sizes, or a CPU without AVX-512 BF16 runs the chunks in float32 through SDPA, rounding only the

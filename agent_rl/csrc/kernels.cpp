@@ -764,7 +764,9 @@ void add_into(at::Tensor& dst, const at::Tensor& src) {
 // on a GPU. Without AVX-512 BF16 the same products run as scalar float32 loops. Each query
 // comes with its extent (the plan's, one past its last key the mask does not rule out): the
 // products skip the keys past it in tiles of 6 queries x 16 keys (a chunk cut from a causal
-// segment: a Relay-v0 step's score products cover 24% fewer pairs), the same numbers to the bit.
+// segment: a Relay-v0 step's score products cover 24% fewer pairs), the same outputs and dQ
+// to the bit (dK and dV to float32 rounding: chunks that share keys add into them in
+// whichever order the threads take them, run to run alike).
 //
 // A product C[M, N] (+)= A[M, K] B[K, N] takes A as rows of bfloat16 pairs along K (a row of
 // K bfloat16 read as K/2 uint32) and B packed as pairs, B2[p][n] = (B[2p][n], B[2p+1][n]) (low

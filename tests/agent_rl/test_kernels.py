@@ -582,7 +582,8 @@ def test_chunk_attention_matches_float32_sdpa(d):
     for a, b in zip(mine16, theirs, strict=True):
         close(a.transpose(1, 2), b)
     # the extents only skip what the mask rules out: every query at its chunk's full width
-    # gives the same numbers to the bit
+    # gives the same out, lse and dq to the bit; dk and dv to float32 rounding (chunks sharing
+    # keys add into them in whichever order the threads take them, run to run alike)
     full = torch.cat([torch.full((int(c[2]),), int(c[4])) for c in chunks])
     assert bool((ext < full).any())  # there is something to skip
     wide, wide_lse = torch.ops.agent_rl_kernels.chunk_attention(q, k, v, chunks, keys, flat, full, scale,
@@ -590,8 +591,9 @@ def test_chunk_attention_matches_float32_sdpa(d):
     assert torch.equal(wide, out) and torch.equal(wide_lse, lse)
     wide_grads = torch.ops.agent_rl_kernels.chunk_attention_backward(grad.transpose(1, 2).contiguous(), q, k, v,
                                                                      out, lse, chunks, keys, flat, full, scale)
-    for a, b in zip(wide_grads, mine, strict=True):
-        assert torch.equal(a, b)
+    assert torch.equal(wide_grads[0], mine[0])
+    for a, b in zip(wide_grads[1:], mine[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_chunk_attention_bad_inputs_are_named():
