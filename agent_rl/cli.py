@@ -8,6 +8,11 @@ Commands: ``train CONFIG``, ``report RUN_DIR``, ``eval``, ``canary``, ``envs lis
 ``inspect EPISODES``. A policy is named ``base`` (the base model), ``PATH`` (a checkpoint bundle
 or a run directory) or ``openai:URL``; ``load_policy`` is the one place that turns it into one.
 
+What is printed may quote agent or task text (replies, ids, dataset rows, check and error
+messages): plain lines go through ``echo``, rich cells through ``terminal_text``, warnings
+through ``escaped_warnings``, all of them ``trajectories.display.escape_terminal``, so no
+escape sequence, C1 control or bidi override reaches the terminal and no such text is markup.
+
 Exit codes: 0 success; 1 a check failed (``inspect --verify`` found bad records, ``envs check``
 failed, ``canary`` rolled back or stopped); 2 a usage error, a broken contract (the message names
 the key), a missing file, model or bundle, or an unreadable record; 3 ``train`` stopped by a
@@ -24,6 +29,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,6 +215,34 @@ def console():
     return Console()
 
 
+def echo(text: str, file=None) -> None:
+    """``print`` for the CLI's plain lines: they may quote agent or task text (ids, replies,
+    dataset rows, check and error messages), so control characters are escaped
+    (``trajectories.display.escape_terminal``)."""
+    from trajectories.display import escape_terminal
+
+    print(escape_terminal(text), file=file)
+
+
+@contextmanager
+def escaped_warnings():
+    """While a command runs, a printed warning has its message escaped like every other line:
+    it may quote agent or task text (a task id, a path, a record). Only the printing changes
+    (``warnings.formatwarning``); filters and recorders see the warning as it was raised."""
+    from trajectories.display import escape_terminal
+
+    original = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        return original(escape_terminal(str(message)), category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
 # --- train --------------------------------------------------------------------------------
 
 
@@ -242,6 +276,8 @@ def before_after_table(result):
     compression boundaries (notes per episode, note tokens, share of notes used)."""
     from rich.table import Table
 
+    from trajectories.display import terminal_text
+
     table = Table(title="held-out reward before/after (greedy, hint-free)")
     for column in ("split", "policy", "reward mean", "95% interval", "n", "success",
                    "95% Wilson", "notes/ep", "note tok", "notes used"):
@@ -259,14 +295,14 @@ def before_after_table(result):
     for name in ["all", *(before.get("splits") or after.get("splits") or {})]:
         for tag, summary in (("before", pick(before, name)), ("after", pick(after, name))):
             if summary:
-                table.add_row(name, tag, number(summary["reward_mean"]),
+                table.add_row(terminal_text(name), tag, number(summary["reward_mean"]),
                               interval(summary["reward_lo"], summary["reward_hi"]),
                               str(summary["n"]), number(summary["success"]),
                               interval(summary["success_lo"], summary["success_hi"]),
                               *notes(summary))
         c = pick(comparison, name) if comparison else None
         if c:
-            table.add_row(name, "paired diff", f"{c['reward_diff']:+.3f}",
+            table.add_row(terminal_text(name), "paired diff", f"{c['reward_diff']:+.3f}",
                           interval(c["lo"], c["hi"]), str(c["n"]), "", "", "", "", "")
     return table
 
@@ -300,8 +336,8 @@ def train(args: argparse.Namespace) -> int:
             return 130
         latest = checkpoint.latest_complete(run_dir / "checkpoints")
         where = f"from {latest}" if latest else "from the start (no complete checkpoint yet)"
-        print(f"agent-rl train: interrupted; `agent-rl train {args.config} --resume` (same "
-              f"--set options) continues {where}", file=sys.stderr)
+        echo(f"agent-rl train: interrupted; `agent-rl train {args.config} --resume` (same "
+             f"--set options) continues {where}", file=sys.stderr)
         if run_dir.is_dir():
             write_run_report(run_dir)
         return 130
@@ -312,12 +348,11 @@ def train(args: argparse.Namespace) -> int:
     report = write_run_report(run_dir)
     if result.before or result.after:
         out.print(before_after_table(result))
-    out.print(f"report: {report}", highlight=False)
-    out.print(f"run dir: {run_dir}", highlight=False)
+    echo(f"report: {report}\nrun dir: {run_dir}")
     if result.stopped is not None:
         trip = result.stopped
-        print(f"agent-rl train: stopped by guard {trip.rule} ({trip.action}) at step "
-              f"{result.steps}: {trip.message}", file=sys.stderr)
+        echo(f"agent-rl train: stopped by guard {trip.rule} ({trip.action}) at step "
+             f"{result.steps}: {trip.message}", file=sys.stderr)
         return 3
     return 0
 
@@ -360,18 +395,14 @@ def sft(args: argparse.Namespace) -> int:
         return 130
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
         raise CLIError(str(exc)) from exc
-    out = console()
     data = result.data
-    out.print(f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
-              f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}), "
-              f"{result.steps} steps, loss {result.losses[0] if result.losses else float('nan'):.4f}"
-              f" -> {result.losses[-1] if result.losses else float('nan'):.4f}", highlight=False,
-              soft_wrap=True)
-    out.print(before_after_table(result))
-    out.print(f"bundle: {result.bundle} (sha256 {result.bundle_hash[:12]})", highlight=False,
-              soft_wrap=True)  # paths and commands stay whole, to be copied
-    out.print(f"start RL from it: agent-rl train CONFIG --set model.init={result.bundle}",
-              highlight=False, soft_wrap=True)
+    echo(f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
+         f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}), "
+         f"{result.steps} steps, loss {result.losses[0] if result.losses else float('nan'):.4f}"
+         f" -> {result.losses[-1] if result.losses else float('nan'):.4f}")
+    console().print(before_after_table(result))
+    echo(f"bundle: {result.bundle} (sha256 {result.bundle_hash[:12]})\n"  # whole, to be copied
+         f"start RL from it: agent-rl train CONFIG --set model.init={result.bundle}")
     return 0
 
 
@@ -392,7 +423,7 @@ def report(args: argparse.Namespace) -> int:
         raise CLIError(f"no run directory at {run_dir}")
     if not any((run_dir / name).exists() for name in ("metrics.jsonl", "eval.jsonl")):
         raise CLIError(f"{run_dir} is not a run directory: no metrics.jsonl or eval.jsonl")
-    print(write_run_report(run_dir))
+    echo(str(write_run_report(run_dir)))
     return 0
 
 
@@ -463,13 +494,14 @@ def slice_table(rows: list[dict[str, Any]], title: str):
     from rich.table import Table
 
     from evals.report import SLICE_NUMBERS
+    from trajectories.display import terminal_text
 
-    table = Table(title=title)
+    table = Table(title=terminal_text(title))
     for column in ("slice", "n", "reward mean", "95% interval", "success", "95% Wilson"):
         table.add_column(column, justify="left" if column == "slice" else "right", overflow="fold")
     for row in rows:
         label = " ".join(f"{k}={row[k]}" for k in row if k not in SLICE_NUMBERS) or "all"
-        table.add_row(label, str(row["n"]), number(row["reward/mean"]),
+        table.add_row(terminal_text(label), str(row["n"]), number(row["reward/mean"]),
                       interval(row["reward/lo"], row["reward/hi"]), number(row["success/rate"]),
                       interval(row["success/lo"], row["success/hi"]))
     return table
@@ -511,9 +543,9 @@ def eval_(args: argparse.Namespace) -> int:
                           episodes_path=episodes)
     console().print(slice_table(rows, title))
     faults = sum(r.infra_fault for r in run.records)
-    print(f"records: {records}\nepisodes: {episodes} ({len(run.episodes)} episodes, {faults} "
-          f"infrastructure faults)\nreport: {report} (the worst slices' transcripts)\n"
-          f"one episode: {inspect_command(episodes)} --episode ID")
+    echo(f"records: {records}\nepisodes: {episodes} ({len(run.episodes)} episodes, {faults} "
+         f"infrastructure faults)\nreport: {report} (the worst slices' transcripts)\n"
+         f"one episode: {inspect_command(episodes)} --episode ID")
     return 0
 
 
@@ -577,16 +609,16 @@ def canary(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
     result = release.run(bundle_candidate(cand), bundle_candidate(base), plan)
+    from trajectories.display import terminal_text
+
     out = console()
     for stage in result.stages:
         out.print(f"[bold]{stage.stage}[/bold]: {stage.status.upper()}")
-        for reason in stage.reasons:
-            out.print(f"  {reason}", markup=False, highlight=False)
-    out.print(f"result: {result.status} at {result.stage}; serving {result.serving[:12]}",
-              highlight=False)
+        for reason in stage.reasons:  # they quote task ids and slice names
+            out.print(terminal_text(f"  {reason}"))
+    echo(f"result: {result.status} at {result.stage}; serving {result.serving[:12]}")
     if result.rollback is not None:
-        out.print(f"rollback: live store restored to {result.rollback.store_hash[:12]}",
-                  highlight=False)
+        echo(f"rollback: live store restored to {result.rollback.store_hash[:12]}")
     return 0 if result.status == "promoted" else 1
 
 
@@ -628,12 +660,13 @@ def envs_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     import envs
+    from trajectories.display import terminal_text
 
     table = Table(title="registered environments")
     for column in ("id", "version", "description"):
         table.add_column(column)
-    for env_id in envs.list_envs():
-        table.add_row(env_id, *describe_env(env_id))
+    for env_id in envs.list_envs():  # ids and docstrings come from installed plugins
+        table.add_row(*map(terminal_text, (env_id, *describe_env(env_id))))
     console().print(table)
     return 0
 
@@ -645,11 +678,11 @@ def envs_new(args: argparse.Namespace) -> int:
         root = new_env_package(args.name, args.dest)
     except (ValueError, FileExistsError) as exc:
         raise CLIError(str(exc)) from exc
-    print(f"{root}: the environment {package_names(args.name)['env_id']} (edit its env.py)\n"
-          f"next, from this folder (the last trains it: 2 steps of the tiny model, evaluated "
-          f"before and after on its unseen tasks, into runs/{args.name}/):")
+    echo(f"{root}: the environment {package_names(args.name)['env_id']} (edit its env.py)\n"
+         f"next, from this folder (the last trains it: 2 steps of the tiny model, evaluated "
+         f"before and after on its unseen tasks, into runs/{args.name}/):")
     for step in next_steps(args.name, root):
-        print(f"  {step}")
+        echo(f"  {step}")
     return 0
 
 
@@ -663,7 +696,7 @@ def envs_check(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - shown to the user as is
             raise CLIError(str(exc)) from exc
     report = check_env_id(args.id, episodes=args.episodes)
-    print(report)
+    echo(str(report))  # its messages quote the env's tasks, replies and exceptions
     return 0 if report.passed else 1
 
 
@@ -689,11 +722,12 @@ ROLE_STYLE = {"system": "dim", "user": "bold blue", "assistant": "bold green", "
 
 def print_transcript(console, episode) -> None:
     """Every turn of every session, in the order they were made. Episode text is printed as
-    it is: never read as markup, never re-wrapped."""
-    from rich.text import Text
+    it is, its control characters escaped: never read as markup, never re-wrapped, newlines
+    and tabs kept."""
+    from trajectories.display import terminal_text
 
     def show(text: str, style: str = "") -> None:
-        console.print(Text(text, style=style), soft_wrap=True)
+        console.print(terminal_text(text, style), soft_wrap=True)
 
     for session in episode.sessions:
         show(f"── session {session.session_id} ({session.origin})", "bold")
@@ -725,7 +759,7 @@ def inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from trajectories import ASSIGNERS, RolloutStore, assign
-    from trajectories.display import episode_tree, summary_table
+    from trajectories.display import episode_tree, summary_table, terminal_text
 
     path = Path(args.path)
     if not path.is_file():
@@ -738,7 +772,7 @@ def inspect(args: argparse.Namespace) -> int:
     store = RolloutStore(path)
     if args.verify:
         report = store.verify()
-        console.print(str(report), markup=False, highlight=False)
+        console.print(terminal_text(str(report)))  # it names episode ids
         if not report.ok:
             return 1
 
@@ -768,8 +802,8 @@ def inspect(args: argparse.Namespace) -> int:
             raise CLIError(str(exc)) from exc
         finally:
             for warning in caught:
-                Console(stderr=True).print(f"warning: {warning.message}", style="yellow",
-                                           markup=False, highlight=False)
+                Console(stderr=True).print(terminal_text(f"warning: {warning.message}",
+                                                         "yellow"))
     missing = sorted(wanted - found) if args.limit is None else []
     if missing:
         as_tasks = [f"{m!r} is a task id; its episodes: {', '.join(tasks[m])}"
@@ -802,9 +836,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent_rl.openai_policy import OpenAIPolicyError
 
     try:
-        code = args._run(args)
+        with escaped_warnings():
+            code = args._run(args)
     except (CLIError, OpenAIPolicyError) as exc:  # a remote endpoint's failure is redacted
-        print(f"agent-rl {args.command}: error: {exc}", file=sys.stderr)
+        echo(f"agent-rl {args.command}: error: {exc}", file=sys.stderr)  # it may quote agent text
         code = 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "torch" in sys.modules:  # (else no group)
         from agent_rl.distributed import end_launched_rank

@@ -33,6 +33,7 @@ from agent_rl.models import fingerprint_changes
 from agent_rl.rollout import RolloutBatch
 from evals.run import EvalRecord, slice_summary
 from evals.stats import paired_bootstrap
+from trajectories.display import escape_terminal
 
 LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl", "curriculum.jsonl")
 RUN_FILES = (*LOG_FILES, "checkpoints")
@@ -394,7 +395,9 @@ def train_status(m: dict[str, Any]) -> str:
 
 class progress_bar:
     """A rich progress bar over steps showing ``status(latest metrics)`` (the training
-    reward and loss by default), or nothing when not ``enabled``."""
+    reward and loss by default), or nothing when not ``enabled``. The status line is shown
+    as text, never markup, its control characters escaped: a caller's status may quote what
+    a step saw (a task id, a reply)."""
 
     def __init__(self, enabled: bool, total: int, completed: int, label: str = "train",
                  status=train_status):
@@ -414,13 +417,13 @@ class progress_bar:
 
         self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("{task.fields[status]}"))
+                                 TextColumn("{task.fields[status]}", markup=False))
         self.progress.start()
         task = self.progress.add_task(self.label, total=self.total, completed=self.completed,
                                       status="")
 
         def advance(m: dict[str, Any]) -> None:
-            self.progress.update(task, advance=1, status=self.status(m))
+            self.progress.update(task, advance=1, status=escape_terminal(self.status(m)))
 
         return advance
 
