@@ -114,7 +114,9 @@ What each backend isolates:
 
 ``files_written`` lists the work dir's regular files, links and other non-directories that the
 run created or whose content differs from what ``files`` put there (found by comparing hashes
-after the run), so a trusted caller can audit, say, a planted ``conftest.py``.
+after the run), so a trusted caller can audit, say, a planted ``conftest.py``. The guest chooses
+these names: a byte that is not UTF-8 shows as ``\\xNN`` (Python's ``backslashreplace``), so every
+entry is valid text (a name holding that text itself reads the same).
 """
 
 from __future__ import annotations
@@ -235,7 +237,8 @@ class SandboxResult:
     backend: str
     """The backend that actually ran."""
     files_written: tuple[str, ...] = ()
-    """Work-dir paths the run created or changed, relative, sorted."""
+    """Work-dir paths the run created or changed, relative, sorted; bytes that are not UTF-8 as
+    ``\\xNN`` (``b"\\xff.txt"`` is ``"\\\\xff.txt"``), so each entry encodes to UTF-8."""
     detail: str = ""
     """Why, for every status but ``ok``."""
 
@@ -501,6 +504,12 @@ def _write_new(path: str, data: bytes, mode: int) -> None:
         os.close(fd)
 
 
+def _shown_name(path: str) -> str:
+    """A path as read from the filesystem (``os.fsdecode``: a byte that is not UTF-8 held as a lone
+    surrogate, which no UTF-8 text can carry) with each such byte written ``\\xNN`` instead."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -571,13 +580,14 @@ class _WorkDir:
         return sum(max(st.st_blocks * 512, 4096) for _, st in self._entries())
 
     def written(self) -> tuple[str, ...]:
+        """``files_written``: what the run made or changed, named as ``_shown_name`` does."""
         out = []
         for rel, st in self._entries():
             if stat.S_ISDIR(st.st_mode):
                 continue
             if stat.S_ISREG(st.st_mode) and rel in self.given and self._hash(rel) == self.given[rel]:
                 continue
-            out.append(rel)
+            out.append(_shown_name(rel))
         return tuple(sorted(out))
 
     def _hash(self, rel: str) -> str | None:

@@ -186,6 +186,22 @@ def test_runs_at_once_stay_apart(backend):
         assert (r.status, r.stdout, r.files_written) == ("ok", f"{i}{i}\n", (f"w{i}",))
 
 
+def test_files_written_are_named_in_utf8_text(backend):
+    """A guest names files with any bytes: each byte that is not UTF-8 reads ``\\xNN``; valid
+    names stay as they are; a given file left as given is not listed."""
+    code = ("import os\n"
+            "open(b'\\xff\\xfe.txt', 'w').close()\n"
+            "os.mkdir(b'd\\xff')\n"
+            "open(b'd\\xff/ok.txt', 'w').close()\n"
+            "open('caf\\u00e9.txt', 'w').close()\n"
+            "open('given.txt', 'w').write('same')\n")
+    r = run(code, files={"given.txt": "same"}, backend=backend)
+    assert r.status == "ok", r
+    assert r.files_written == ("\\xff\\xfe.txt", "caf\u00e9.txt", "d\\xff/ok.txt")
+    assert [name.encode("utf-8") for name in r.files_written] == [
+        b"\\xff\\xfe.txt", b"caf\xc3\xa9.txt", b"d\\xff/ok.txt"]
+
+
 # --- sandboxes started ahead of their program (prepare) --------------------------------------
 
 def test_a_guest_started_ahead_runs_like_run(backend):
