@@ -13,7 +13,9 @@ Docker, the same interpreter copied into the image by ``build_image``): no site-
 neither the script's directory nor the cwd on ``sys.path`` (a program importing a file it was
 given starts with ``sys.path.insert(0, "")``). The cwd is the writable work dir (``/work`` in
 bwrap and Docker) holding ``files``; ``HOME`` is the work dir, ``LANG=C.UTF-8``, stdin is empty.
-When this process is root, the guest runs as uid/gid 65534 on every backend.
+When this process is root, the guest runs as uid/gid 65534 (``GUEST_UID``) on bwrap and Docker,
+and as 65533 (``SUBPROCESS_UID``) on ``subprocess``: its guests see the host, so they share no uid
+with any bwrap process (the fork server, whose user namespace that uid owns).
 
 A sandbox can be started before its program is known: ``guest = prepare(limits, backend)``
 starts it (bwrap and subprocess: cgroups, rlimits, namespaces and the interpreter, which then
@@ -58,9 +60,11 @@ child never runs Python, so starting a run costs the same in a process holding g
 
 bwrap's fork server (``FORK_SERVER``, on by default; ``envs/_fork_server.py``): as root, with a
 pids cgroup, the first bwrap run of a process starts one bwrap sandbox holding a warm guest
-interpreter (uid 65534, capabilities only inside that sandbox's user namespace), and every bwrap
-run is then two forks of it instead of a new bwrap and interpreter (~4 ms a run against
-~20). Each run's processes join the run's own cgroups, then get their own mount, pid, net
+interpreter (uid 65534, capabilities only inside that sandbox's user namespace; started with an
+empty environment, so none of this process's variables, API keys included, is in any of its
+processes, and undumpable, so no other process of that uid can open its ``/proc`` files), and
+every bwrap run is then two forks of it instead of a new bwrap and interpreter (~4 ms a run
+against ~20). Each run's processes join the run's own cgroups, then get their own mount, pid, net
 (loopback only), ipc, uts and cgroup namespaces, a new ``/proc``, the run's ``/work`` and
 ``/sandbox`` and nothing of any other run's, their rlimits, and no capabilities, before the
 program runs; the server itself never runs a program. What differs from a fresh interpreter:
@@ -154,6 +158,11 @@ SandboxStatus = Literal["ok", "runtime_error", "timeout", "resource_limit", "san
 BACKENDS = ("docker", "bwrap", "subprocess")
 PYTHON = "/usr/bin/python3"  # the Debian interpreter, never the venv's
 GUEST_UID = 65534  # nobody/nogroup: the guest's uid and gid whenever we can choose
+SUBPROCESS_UID = 65533
+"""The ``subprocess`` backend's guest uid and gid as root. Not ``GUEST_UID``: such a guest sees the
+host's files (bwrap runs' work dirs, that uid's, among them), and the uid that owns the bwrap fork
+server's user namespace may trace the server whatever its dumpability. 65533 is outside systemd's
+dynamic users (61184-65519), in Debian's reserved, never allocated 65000-65533."""
 IMAGE_REPOSITORY = "agent-rl-sandbox"
 _GUEST_ARGS = ("-I", "-S")
 _MIB = 1 << 20
@@ -956,8 +965,11 @@ def _processes_of(uid: int) -> list[int]:
 
 # --- process backends: subprocess and bwrap --------------------------------------------------
 
-def _guest_uid() -> int | None:
-    return GUEST_UID if os.geteuid() == 0 else None
+def _guest_uid(backend: str) -> int | None:
+    """The uid a process backend's guest runs as; None (this process's own) unless root."""
+    if os.geteuid() != 0:
+        return None
+    return SUBPROCESS_UID if backend == "subprocess" else GUEST_UID
 
 
 @functools.cache
@@ -1047,7 +1059,7 @@ class _Process:
         self.status_r = self.status_w = -1
         self.pumps: list[threading.Thread] = []
         self.watch = _Watch(limits, self.kill)
-        uid = _guest_uid()
+        uid = _guest_uid(backend)
         self.workdir = _WorkDir(uid)
         try:
             self._start(uid)
@@ -1296,10 +1308,13 @@ class _ForkServer:
                  PYTHON, *_GUEST_ARGS, "-c", _FORK_SOURCE.read_text(), str(theirs.fileno())]
         try:
             launch = _launcher(None, self.cgroup, GUEST_UID, 0)
-            # on the launcher thread: bwrap's --die-with-parent follows the starting thread
+            # on the launcher thread: bwrap's --die-with-parent follows the starting thread;
+            # no environment: bwrap needs none, and every process of the server's (bwrap's two,
+            # outside its --clearenv, included) runs as GUEST_UID, whose /proc/PID/environ
+            # that uid's processes could read
             self.proc = _launcher_thread().submit(
                 subprocess.Popen, launch + argv, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True, env={},
                 pass_fds=(theirs.fileno(),), start_new_session=True).result()
         except (OSError, subprocess.SubprocessError) as exc:
             raise _ServerGone(f"bwrap could not start: {exc}") from None

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -165,7 +166,10 @@ def test_guest_interpreter_is_isolated_python(backend):
     assert r.status == "ok", r.stderr
     first, second = r.stdout.splitlines()
     assert first == "1 1 /usr/bin/python3 False False False []"
-    assert second == ("nobody" if os.geteuid() == 0 or backend == "docker" else str(os.getuid()))
+    if os.geteuid() == 0 and backend == "subprocess":  # never the uid of bwrap's fork server
+        assert second == str(sandbox.SUBPROCESS_UID) != str(sandbox.GUEST_UID)
+    else:
+        assert second == ("nobody" if os.geteuid() == 0 or backend == "docker" else str(os.getuid()))
 
 
 def _at_once(runs: int, one: Callable[[int], SandboxResult]) -> dict[int, SandboxResult]:
@@ -636,6 +640,72 @@ def test_fork_server_closed_leaves_nothing(monkeypatch):
     assert r.status == "sandbox_error", r
 
 
+# --- the trainer's environment: in no process a guest can read ------------------------------
+
+_ENVIRON_WALK = """
+import os
+for pid in sorted(filter(str.isdigit, os.listdir("/proc")), key=int):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            print(pid, f.read().replace(b"\\0", b" ").decode("latin-1"))
+    except OSError as exc:
+        print(pid, type(exc).__name__)
+"""
+
+
+def _secret(monkeypatch) -> str:
+    """A secret put in this process's environment (as an API key would be)."""
+    secret = "sk-" + uuid.uuid4().hex
+    monkeypatch.setenv("AGENT_RL_TEST_API_KEY", secret)
+    return secret
+
+
+def test_no_guest_reads_the_trainers_environment(backend, monkeypatch):
+    """Each guest prints every ``/proc/*/environ`` it can read while a bwrap fork server, started
+    after the secret was set, is live (as root: its processes run as the bwrap guests' uid):
+    the secret is in none. (A subprocess guest once read it from the server's bwrap processes.)"""
+    if backend == "subprocess" and os.geteuid() != 0:
+        pytest.skip("as non-root a subprocess guest is this user and reads its processes "
+                    "(the subprocess backend is no isolation, and says so)")
+    secret = _secret(monkeypatch)
+    server = sandbox._ForkServer() if _fork_server_possible() and available("bwrap") else None
+    try:
+        if server is not None:
+            assert server.run("print(1)", {}, Limits()).stdout == "1\n" and server.alive()
+        r = run(_ENVIRON_WALK, backend=backend)
+    finally:
+        if server is not None:
+            server.close()
+    assert r.status == "ok", r
+    assert "LANG=C.UTF-8" in r.stdout  # it read its own environment at least
+    assert secret not in r.stdout
+
+
+def test_the_fork_server_holds_no_secret_and_no_process_of_its_uid_reads_it(monkeypatch):
+    """The fork server's processes (bwrap's, which ``--clearenv`` does not clean, and its
+    interpreters) hold none of this process's environment, and a process of the guest uid on
+    the host, outside any sandbox, cannot open the interpreters' ``/proc`` files (undumpable)."""
+    _need_fork_server(monkeypatch)
+    secret = _secret(monkeypatch)
+    server = sandbox._ForkServer()
+    try:
+        assert server.run("print(1)", {}, Limits()).stdout == "1\n"
+        pids = [int(pid) for pid in sandbox._read(server.cgroup.dirs["pids"] / "cgroup.procs")]
+        interpreters = {pid for pid in pids if "python" in os.readlink(f"/proc/{pid}/exe")}
+        assert len(pids) == 4 and len(interpreters) == 2, pids  # bwrap twice, pid 1, the server
+        assert not [pid for pid in pids if secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()]
+        uid = str(sandbox.GUEST_UID)
+        walk = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sandbox.PYTHON,
+             "-I", "-S", "-c", _ENVIRON_WALK], env={}, capture_output=True, text=True, timeout=30)
+    finally:
+        server.close()
+    assert walk.returncode == 0, walk.stderr
+    assert secret not in walk.stdout
+    seen = dict(line.split(" ", 1) for line in walk.stdout.splitlines())
+    assert {seen[str(pid)] for pid in interpreters} == {"PermissionError"}, seen
+
+
 # --- the escape corpus: bwrap and docker -----------------------------------------------------
 
 _CONNECT = """
@@ -939,7 +1009,8 @@ def test_the_guest_starts_under_its_rlimits_uid_and_cgroups(mode, monkeypatch):
     rlimits, ids, cgroups = r.stdout.split("\n", 2)
     assert rlimits == str([(4, 5), (300 << 20, 300 << 20), (7 << 20, 7 << 20), (0, 0)])
     if os.geteuid() == 0:
-        assert ids == "65534 65534 []"
+        uid = 65533 if name == "subprocess" else 65534
+        assert ids == f"{uid} {uid} []"
         if name == "subprocess":  # bwrap's cgroup namespace hides the path
             run_dirs = [line for line in cgroups.splitlines() if "/agent-rl-sandbox/" in line]
             assert {line.split(":")[1] for line in run_dirs} >= {"pids", "memory"}
