@@ -86,8 +86,8 @@ def _marked(marker: str) -> str:
     return f"import ctypes\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
 
 
-def _live(marker: str) -> list[int]:
-    """Live (not zombie) processes named ``marker``."""
+def _live(marker: str, zombies: bool = False) -> list[int]:
+    """Live processes named ``marker``; with ``zombies``, those not yet reaped too."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -95,7 +95,7 @@ def _live(marker: str) -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if comm == marker and state not in "ZX":
+        if comm == marker and (zombies or state not in "ZX"):
             out.append(int(pid))
     return out
 
@@ -850,6 +850,59 @@ def test_fork_bomb_that_swallows_errors_ends_at_the_wall_clock(backend):
     _assert_no_survivors(marker)
 
 
+_LINGERING = """
+import os, signal, time
+r, w = os.pipe()
+if os.fork() == 0:  # a daemon: a new session, then a second fork (its parent exits at once)
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, b"d")
+        time.sleep(60)
+    os._exit(0)
+if os.fork() == 0:  # a child that ignores SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.write(w, b"t")
+    time.sleep(60)
+os.close(w)
+print(sorted(os.read(r, 1) + os.read(r, 1)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["exits", "times_out"])
+def test_nothing_of_a_run_outlives_it(backend, ending):
+    """A daemon that left the session and a child that ignores SIGTERM, both running when the
+    program ends (or times out): right after ``run`` returns, no process of the run is left,
+    not even a zombie (every one named by the marker it inherited, looked for in ``/proc``)."""
+    if backend == "subprocess" and os.geteuid() != 0:
+        pytest.skip("the subprocess backend gets a pid namespace only as root: without one, a "
+                    "process that leaves the run's session outlives it (the module doc says so)")
+    marker = _marker()
+    code = _marked(marker) + _LINGERING + ("time.sleep(60)\n" if ending == "times_out" else "")
+    r = run(code, limits=Limits(wall_s=1 if ending == "times_out" else 10), backend=backend)
+    left = _live(marker, zombies=True)
+    assert (r.status, r.stdout) == ("ok" if ending == "exits" else "timeout", f"{[100, 116]}\n"), r
+    assert left == [], f"processes of the run left after it returned: {left}"
+
+
+def test_subprocess_runs_without_a_pid_namespace_where_none_can_be_made(monkeypatch):
+    """As root, a subprocess run is pid 2 of its own pid namespace (its ``sh`` init is pid 1);
+    where ``unshare`` fails (a container without ``CAP_SYS_ADMIN``), runs go on without one."""
+    _need("subprocess")
+    if os.geteuid() != 0:
+        pytest.skip("only root gives subprocess runs a pid namespace")
+    code = "import os\nprint(os.getpid(), os.getppid())"
+    assert run(code, backend="subprocess").stdout == "2 1\n"
+    tool = sandbox._system_tool
+    monkeypatch.setattr(sandbox, "_system_tool", lambda name: "/bin/false" if name == "unshare" else tool(name))
+    sandbox._pid_namespaces.cache_clear()
+    try:
+        r = run(code, backend="subprocess")
+        assert not sandbox._pid_namespaces()
+    finally:
+        sandbox._pid_namespaces.cache_clear()
+    assert r.status == "ok" and int(r.stdout.split()[0]) > 2, r
+
+
 def test_allocate_10_gb(backend):
     r = run("x = b'x' * (10 * 1024 ** 3)\nprint('allocated')", backend=backend)
     assert r.status == "resource_limit" and r.detail == "memory over 512 MiB", r
@@ -1033,11 +1086,12 @@ def test_a_launch_that_cannot_join_its_cgroup_is_a_sandbox_error(name, monkeypat
 
 def test_missing_util_linux_tools_are_named(monkeypatch):
     _need("subprocess")
+    as_root = "prlimit, unshare and setpriv" if sandbox._pid_namespaces() else "prlimit and setpriv"
     monkeypatch.setattr(sandbox, "_system_tool", lambda name: None)
     r = run("print(1)", backend="subprocess")
     assert r.status == "sandbox_error"
-    assert r.detail == "subprocess could not start: prlimit" + (
-        " and setpriv" if os.geteuid() == 0 else "") + " not found (util-linux)"
+    assert r.detail == f"subprocess could not start: {as_root if os.geteuid() == 0 else 'prlimit'}" \
+        " not found (util-linux)"
 
 
 # --- inputs, checked before anything runs ----------------------------------------------------
