@@ -4,7 +4,10 @@ The host starts it as the guest (uid 65534) inside one bubblewrap sandbox, under
 interpreter (``python3 -I -S -c SOURCE``, stdlib only), with capabilities in that sandbox's
 user namespace (``--cap-add ALL``; no further user namespaces), its control socket's fd as
 its one argument,
-the host's runs folder at ``/runs`` and the run cgroups' parent folders at ``/cg/CONTROLLER``.
+the host's runs folder at ``/runs`` and the run cgroups' parent folders at ``/cg/CONTROLLER``,
+and an empty environment (bwrap's ``--setenv``s only). It makes itself undumpable first
+(``PR_SET_DUMPABLE`` 0: its ``/proc`` files belong to root, so other processes of its uid on the
+host cannot open them); C, which runs a program, is dumpable again.
 
 Each request names one run (its folder under ``/runs``, its cgroups' ``cgroup.procs``, its
 rlimits, its ``/dev/shm`` size) and carries four fds (stdout, stderr, status, go). For each the
@@ -68,7 +71,7 @@ CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 47, 4
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 SETUP_FAILED = 125
 _IFREQ = "16sH22x"  # struct ifreq: name, flags
@@ -223,6 +226,9 @@ def _run(job, out, err, status, go, net):
         for fd, target in ((null, 0), (out, 1), (err, 2)):
             os.dup2(fd, target)
         _drop_capabilities()
+        # dumpable again, as a fresh interpreter (its own processes may read its /proc files):
+        # nothing of the server's is secret here; B, which holds capabilities, stays undumpable
+        _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "set dumpable")
         if os.read(go, 1) != b"g":
             os._exit(0)  # the host closed the run unused
         os.write(status, b"started")
@@ -261,6 +267,10 @@ def _preload(source):
 def _serve():
     """The server's loop: runs started, their ends reported; returns only in a run's C."""
     control_fd = int(sys.argv[1])
+    # not dumpable: its /proc files (environ, mem, fds) belong to root, not to the uid it runs
+    # as, so no other process of that uid on the host can open them; its forks inherit it (B
+    # keeps it, C sets itself dumpable again for the program)
+    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "set not dumpable")
     # pid 1 of a pid namespace of its own: one owned by the user namespace it holds its
     # capabilities in (bwrap's --disable-userns nests one under the pid namespace's owner),
     # so that it may setns back into it after each run's

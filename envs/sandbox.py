@@ -13,7 +13,9 @@ Docker, the same interpreter copied into the image by ``build_image``): no site-
 neither the script's directory nor the cwd on ``sys.path`` (a program importing a file it was
 given starts with ``sys.path.insert(0, "")``). The cwd is the writable work dir (``/work`` in
 bwrap and Docker) holding ``files``; ``HOME`` is the work dir, ``LANG=C.UTF-8``, stdin is empty.
-When this process is root, the guest runs as uid/gid 65534 on every backend.
+When this process is root, the guest runs as uid/gid 65534 (``GUEST_UID``) on bwrap and Docker,
+and as 65533 (``SUBPROCESS_UID``) on ``subprocess``: its guests see the host, so they share no uid
+with any bwrap process (the fork server, whose user namespace that uid owns).
 
 A sandbox can be started before its program is known: ``guest = prepare(limits, backend)``
 starts it (bwrap and subprocess: cgroups, rlimits, namespaces and the interpreter, which then
@@ -54,13 +56,27 @@ disk_mb        RLIMIT_FSIZE per file, and the work dir's usage polled every 50 m
 The process backends start the guest through ``/bin/sh`` (joins the run's cgroups), util-linux's
 ``prlimit`` (the rlimits) and, as root, ``setpriv`` (the guest uid), not a ``preexec_fn``: the
 child never runs Python, so starting a run costs the same in a process holding gigabytes
-(a forked trainer would copy its page tables: tens of milliseconds a run).
+(a forked trainer would copy its page tables: tens of milliseconds a run). As root, ``subprocess``
+runs also go through util-linux's ``unshare`` into a pid namespace of their own, with a new
+``/proc`` (a mount namespace for it) and ``/bin/sh`` as its init (~1.5 ms a run), where the
+kernel allows it (not, e.g., in a container without ``CAP_SYS_ADMIN``: checked once).
+
+Nothing of a run outlives ``run``'s return (nor a ``Guest``'s ``close``): every process of the
+run is killed (SIGKILL, which no program can ignore) and waited for until it has exited. A
+run's processes are those of its session, its cgroups and its pid namespace (bwrap runs always
+have one, ``subprocess`` runs as root), whose init exits only once the kernel has ended and
+reaped every other process in it: none is left, not even as a zombie, daemons that ``setsid``
+and double-fork included. A ``subprocess`` run without a pid namespace leaves the zombies of
+its orphans to the host's init, and without cgroups either (not root) cannot find a process
+that left its session (``setsid``): such a process outlives the run.
 
 bwrap's fork server (``FORK_SERVER``, on by default; ``envs/_fork_server.py``): as root, with a
 pids cgroup, the first bwrap run of a process starts one bwrap sandbox holding a warm guest
-interpreter (uid 65534, capabilities only inside that sandbox's user namespace), and every bwrap
-run is then two forks of it instead of a new bwrap and interpreter (~4 ms a run against
-~20). Each run's processes join the run's own cgroups, then get their own mount, pid, net
+interpreter (uid 65534, capabilities only inside that sandbox's user namespace; started with an
+empty environment, so none of this process's variables, API keys included, is in any of its
+processes, and undumpable, so no other process of that uid can open its ``/proc`` files), and
+every bwrap run is then two forks of it instead of a new bwrap and interpreter (~4 ms a run
+against ~20). Each run's processes join the run's own cgroups, then get their own mount, pid, net
 (loopback only), ipc, uts and cgroup namespaces, a new ``/proc``, the run's ``/work`` and
 ``/sandbox`` and nothing of any other run's, their rlimits, and no capabilities, before the
 program runs; the server itself never runs a program. What differs from a fresh interpreter:
@@ -108,13 +124,16 @@ What each backend isolates:
   is always removed. Not given: anything beyond Docker's default seccomp and AppArmor profiles
   (one kernel shared with the host), and a CPU-time verdict for a program that ignores SIGXCPU
   (its SIGKILL at the hard limit reads as ``runtime_error``).
-* ``subprocess``: rlimits, cgroups, a temp work dir and a host timeout only. The guest sees
-  the whole filesystem this user can read and the network; it is no isolation boundary and
-  says so once (``RuntimeWarning``).
+* ``subprocess``: rlimits, cgroups, a temp work dir and a host timeout only; as root, also a
+  uid of its own (``SUBPROCESS_UID``) and a pid namespace with its own ``/proc`` (no host
+  process is in sight). The guest sees the whole filesystem its uid can read and the network;
+  it is no isolation boundary and says so once (``RuntimeWarning``).
 
 ``files_written`` lists the work dir's regular files, links and other non-directories that the
 run created or whose content differs from what ``files`` put there (found by comparing hashes
-after the run), so a trusted caller can audit, say, a planted ``conftest.py``.
+after the run), so a trusted caller can audit, say, a planted ``conftest.py``. The guest chooses
+these names: a byte that is not UTF-8 shows as ``\\xNN`` (Python's ``backslashreplace``), so every
+entry is valid text (a name holding that text itself reads the same).
 """
 
 from __future__ import annotations
@@ -152,6 +171,11 @@ SandboxStatus = Literal["ok", "runtime_error", "timeout", "resource_limit", "san
 BACKENDS = ("docker", "bwrap", "subprocess")
 PYTHON = "/usr/bin/python3"  # the Debian interpreter, never the venv's
 GUEST_UID = 65534  # nobody/nogroup: the guest's uid and gid whenever we can choose
+SUBPROCESS_UID = 65533
+"""The ``subprocess`` backend's guest uid and gid as root. Not ``GUEST_UID``: such a guest sees the
+host's files (bwrap runs' work dirs, that uid's, among them), and the uid that owns the bwrap fork
+server's user namespace may trace the server whatever its dumpability. 65533 is outside systemd's
+dynamic users (61184-65519), in Debian's reserved, never allocated 65000-65533."""
 IMAGE_REPOSITORY = "agent-rl-sandbox"
 _GUEST_ARGS = ("-I", "-S")
 _MIB = 1 << 20
@@ -235,7 +259,8 @@ class SandboxResult:
     backend: str
     """The backend that actually ran."""
     files_written: tuple[str, ...] = ()
-    """Work-dir paths the run created or changed, relative, sorted."""
+    """Work-dir paths the run created or changed, relative, sorted; bytes that are not UTF-8 as
+    ``\\xNN`` (``b"\\xff.txt"`` is ``"\\\\xff.txt"``), so each entry encodes to UTF-8."""
     detail: str = ""
     """Why, for every status but ``ok``."""
 
@@ -501,6 +526,12 @@ def _write_new(path: str, data: bytes, mode: int) -> None:
         os.close(fd)
 
 
+def _shown_name(path: str) -> str:
+    """A path as read from the filesystem (``os.fsdecode``: a byte that is not UTF-8 held as a lone
+    surrogate, which no UTF-8 text can carry) with each such byte written ``\\xNN`` instead."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -571,13 +602,14 @@ class _WorkDir:
         return sum(max(st.st_blocks * 512, 4096) for _, st in self._entries())
 
     def written(self) -> tuple[str, ...]:
+        """``files_written``: what the run made or changed, named as ``_shown_name`` does."""
         out = []
         for rel, st in self._entries():
             if stat.S_ISDIR(st.st_mode):
                 continue
             if stat.S_ISREG(st.st_mode) and rel in self.given and self._hash(rel) == self.given[rel]:
                 continue
-            out.append(rel)
+            out.append(_shown_name(rel))
         return tuple(sorted(out))
 
     def _hash(self, rel: str) -> str | None:
@@ -835,7 +867,9 @@ class _Cgroup:
         return oom, pids
 
     def kill(self) -> bool:
-        """SIGKILL every process in them until none is left; whether there was any."""
+        """SIGKILL every process in them, each waited for until it has exited, until none is
+        left; whether there was any. (``cgroup.procs`` leaves out a process that is exiting: one
+        killed in an earlier round is waited for, never merely signalled.)"""
         found = False
         for d in self.dirs.values():
             procs = f"{d}/cgroup.procs"
@@ -844,12 +878,7 @@ class _Cgroup:
                 if not pids:
                     break
                 found = True
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.001)
+                _end(pids)
         return found
 
     def close(self) -> None:
@@ -865,6 +894,52 @@ class _Cgroup:
                 except OSError:  # the last exits are still being accounted
                     time.sleep(0.005)
         _LIVE_CGROUPS.discard(self.name)
+
+
+_EXIT_WAIT_S = 10.0  # for killed processes to exit (one in uninterruptible I/O may take a while)
+
+
+def _end(pids: list[int], group: int | None = None) -> None:
+    """SIGKILL ``pids`` (and the process group ``group``) and return once each has exited, its
+    teardown done (``_EXIT_WAIT_S`` at most): a pidfd per process, opened before any signal, so
+    that neither a reused pid nor one reaped meanwhile is mistaken for it."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            continue  # gone already
+        except OSError:  # no pidfds (Linux before 5.3): signalled, not waited for
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        if group is not None:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        poller = select.poll()
+        for fd in fds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # exited, not yet reaped: its pidfd reads ready below
+            poller.register(fd, select.POLLIN)  # readable once the process has exited
+        waiting, deadline = len(fds), time.monotonic() + _EXIT_WAIT_S
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                waiting -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (Linux's ``/proc/PID/task/PID/children``)."""
+    return [int(child) for line in _read(f"/proc/{pid}/task/{pid}/children") for child in line.split()]
 
 
 _SWEPT: dict[Path, float] = {}  # a cgroup parent: when it was last swept
@@ -946,8 +1021,11 @@ def _processes_of(uid: int) -> list[int]:
 
 # --- process backends: subprocess and bwrap --------------------------------------------------
 
-def _guest_uid() -> int | None:
-    return GUEST_UID if os.geteuid() == 0 else None
+def _guest_uid(backend: str) -> int | None:
+    """The uid a process backend's guest runs as; None (this process's own) unless root."""
+    if os.geteuid() != 0:
+        return None
+    return SUBPROCESS_UID if backend == "subprocess" else GUEST_UID
 
 
 @functools.cache
@@ -958,7 +1036,11 @@ def _system_tool(name: str) -> str | None:
 _JOIN_AND_EXEC = ('while [ "$1" != -- ]; do { echo $$ > "$1"; } 2>/dev/null || '
                   '{ echo "agent-rl-sandbox: cannot join the cgroup $1" >&2; exit 125; }; '
                   'shift; done; shift; exec "$@"')
-_LAUNCHER_FAILED = re.compile(r"^(?:agent-rl-sandbox|\S*prlimit|\S*setpriv): ")
+# the init of a subprocess run's pid namespace: runs the rest (after ``--``) as its child, with its
+# own stderr on /dev/null (sh says "Segmentation fault" when its child dies so), and exits with
+# the child's status, 128 + N after signal N; reaps orphans meanwhile
+_PID1 = 'exec 3>&2 2>/dev/null; shift; (exec "$@" 2>&3 3>&-); exit $?'
+_LAUNCHER_FAILED = re.compile(r"^(?:agent-rl-sandbox|\S*prlimit|\S*unshare|\S*setpriv): ")
 
 
 def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
@@ -967,21 +1049,43 @@ def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
     return {"CPU": (cpu, cpu + 1), "AS": (memory, memory), "FSIZE": (disk, disk), "CORE": (0, 0)}
 
 
-def _launcher(limits: Limits | None, cgroup: _Cgroup, uid: int | None, extra_processes: int
-              ) -> list[str]:
-    """The argv prefix that puts the program in its cgroups, under its rlimits (none for
-    ``limits=None``: the fork server, whose runs lower their own), as the guest.
+_UNSHARE_PID = ("--pid", "--fork", "--kill-child", "--mount-proc")
 
-    ``sh`` writes its pid into each cgroup, then execs util-linux's ``prlimit`` and (as root)
-    ``setpriv``, which exec the program: three small execs in place of a ``preexec_fn``, which
-    would make ``subprocess`` copy this whole process (a forked trainer with a model loaded
-    costs tens of milliseconds; ``vfork`` cannot run Python code in the child).
+
+@functools.cache
+def _pid_namespaces() -> bool:
+    """Can this process give ``subprocess`` runs a pid namespace (root, and ``unshare`` works:
+    not in a container without ``CAP_SYS_ADMIN``)? Tried once."""
+    unshare = _system_tool("unshare")
+    if os.geteuid() != 0 or unshare is None:
+        return False
+    try:
+        return subprocess.run([unshare, *_UNSHARE_PID, "--", "/bin/sh", "-c", _PID1, "sh", "--", "true"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={}, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _launcher(limits: Limits | None, cgroup: _Cgroup, uid: int | None, extra_processes: int,
+              pid_namespace: bool = False) -> list[str]:
+    """The argv prefix that puts the program in its cgroups, under its rlimits (none for
+    ``limits=None``: the fork server, whose runs lower their own), as the guest; with
+    ``pid_namespace`` (root only), in a pid namespace of its own under ``_PID1``.
+
+    ``sh`` writes its pid into each cgroup, then execs util-linux's ``prlimit``, ``unshare``
+    (its child is the namespace's init) and (as root) ``setpriv``, which exec the program: small
+    execs in place of a ``preexec_fn``, which would make ``subprocess`` copy this whole process
+    (a forked trainer with a model loaded costs tens of milliseconds; ``vfork`` cannot run
+    Python code in the child).
     """
-    tools = {name: _system_tool(name) for name in ("prlimit", "setpriv")}
-    needed = (("prlimit",) if limits is not None else ()) + (("setpriv",) if uid is not None else ())
+    tools = {name: _system_tool(name) for name in ("prlimit", "unshare", "setpriv")}
+    needed = [name for name, used in (("prlimit", limits is not None), ("unshare", pid_namespace),
+                                      ("setpriv", uid is not None)) if used]
     missing = [name for name in needed if tools[name] is None]
     if missing:
-        raise FileNotFoundError(f"{' and '.join(missing)} not found (util-linux)")
+        names = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+        raise FileNotFoundError(f"{names} not found (util-linux)")
     argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "sh"]
     argv += [str(d / "cgroup.procs") for d in cgroup.dirs.values()]
     if limits is not None:
@@ -990,6 +1094,8 @@ def _launcher(limits: Limits | None, cgroup: _Cgroup, uid: int | None, extra_pro
     if limits is not None and "pids" not in cgroup.dirs:  # per user: counts the uid's other processes
         nproc = limits.processes + extra_processes + len(_processes_of(os.geteuid() if uid is None else uid))
         argv.append(f"--nproc={nproc}:{nproc}")
+    if pid_namespace:  # unshare waits for its child, the init, which ends with the namespace
+        argv += ["--", tools["unshare"], *_UNSHARE_PID, "--", "/bin/sh", "-c", _PID1, "sh"]
     if uid is not None:
         argv += ["--", tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     return argv + ["--"]
@@ -1037,7 +1143,7 @@ class _Process:
         self.status_r = self.status_w = -1
         self.pumps: list[threading.Thread] = []
         self.watch = _Watch(limits, self.kill)
-        uid = _guest_uid()
+        uid = _guest_uid(backend)
         self.workdir = _WorkDir(uid)
         try:
             self._start(uid)
@@ -1047,6 +1153,7 @@ class _Process:
 
     def _start(self, uid: int | None) -> None:
         main = str(self.workdir.main)
+        pid_namespace = self.backend == "subprocess" and uid is not None and _pid_namespaces()
         if self.backend == "bwrap":
             bwrap = _system_tool("bwrap")
             if bwrap is None:
@@ -1058,11 +1165,13 @@ class _Process:
         else:
             if not os.path.exists(PYTHON):
                 raise _LaunchFailed(f"{PYTHON} not found (the sandbox runs the system Python)")
+            # in a pid namespace, unshare's two processes (it and the init) count too
             argv, env, cwd, extra = ([PYTHON, *_GUEST_ARGS, "-c", _BOOT, main],
-                                     _guest_env(str(self.workdir.work)), self.workdir.work, 0)
+                                     _guest_env(str(self.workdir.work)), self.workdir.work,
+                                     2 if pid_namespace else 0)
         self.cgroup = _Cgroup(self.limits.processes + extra, self.limits.memory_mb * _MIB)
         try:
-            launch = _launcher(self.limits, self.cgroup, uid, extra)
+            launch = _launcher(self.limits, self.cgroup, uid, extra, pid_namespace=pid_namespace)
             self.proc = subprocess.Popen(
                 launch + argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
@@ -1076,11 +1185,12 @@ class _Process:
                       self.watch.pump(self.proc.stderr.fileno(), self.watch.stderr)]
 
     def kill(self) -> None:
+        """SIGKILL the run's processes and return once they have exited: the launched process,
+        its session's process group and its children (the init of bwrap's or unshare's pid
+        namespace, which exits last in it), then whatever is left in its cgroups."""
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            leader = self.proc.pid
+            _end([leader, *_children(leader)], group=leader)
         if self.cgroup is not None:
             self.cgroup.kill()
 
@@ -1286,10 +1396,13 @@ class _ForkServer:
                  PYTHON, *_GUEST_ARGS, "-c", _FORK_SOURCE.read_text(), str(theirs.fileno())]
         try:
             launch = _launcher(None, self.cgroup, GUEST_UID, 0)
-            # on the launcher thread: bwrap's --die-with-parent follows the starting thread
+            # on the launcher thread: bwrap's --die-with-parent follows the starting thread;
+            # no environment: bwrap needs none, and every process of the server's (bwrap's two,
+            # outside its --clearenv, included) runs as GUEST_UID, whose /proc/PID/environ
+            # that uid's processes could read
             self.proc = _launcher_thread().submit(
                 subprocess.Popen, launch + argv, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True, env={},
                 pass_fds=(theirs.fileno(),), start_new_session=True).result()
         except (OSError, subprocess.SubprocessError) as exc:
             raise _ServerGone(f"bwrap could not start: {exc}") from None

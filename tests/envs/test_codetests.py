@@ -305,7 +305,7 @@ def test_names_the_agent_chooses_stay_valid_utf8():
     episode.to_json().encode("utf-8")
     audit = episode.reward.audit
     assert audit["hack"] == ["wrote_files"] and audit["results"] == ["pass"] * 5
-    assert episode.reward.total == 0.0 and "\ufffd0" in audit["files_written"]
+    assert episode.reward.total == 0.0 and "\\xff0" in audit["files_written"]  # the byte, escaped
     assert len(audit["files_written"]) == 21 and audit["files_written"][-1] == "... 10 more"
 
 

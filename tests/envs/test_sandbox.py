@@ -13,6 +13,7 @@ import importlib.util
 import os
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -85,8 +86,8 @@ def _marked(marker: str) -> str:
     return f"import ctypes\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
 
 
-def _live(marker: str) -> list[int]:
-    """Live (not zombie) processes named ``marker``."""
+def _live(marker: str, zombies: bool = False) -> list[int]:
+    """Live processes named ``marker``; with ``zombies``, those not yet reaped too."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -94,7 +95,7 @@ def _live(marker: str) -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if comm == marker and state not in "ZX":
+        if comm == marker and (zombies or state not in "ZX"):
             out.append(int(pid))
     return out
 
@@ -165,7 +166,10 @@ def test_guest_interpreter_is_isolated_python(backend):
     assert r.status == "ok", r.stderr
     first, second = r.stdout.splitlines()
     assert first == "1 1 /usr/bin/python3 False False False []"
-    assert second == ("nobody" if os.geteuid() == 0 or backend == "docker" else str(os.getuid()))
+    if os.geteuid() == 0 and backend == "subprocess":  # never the uid of bwrap's fork server
+        assert second == str(sandbox.SUBPROCESS_UID) != str(sandbox.GUEST_UID)
+    else:
+        assert second == ("nobody" if os.geteuid() == 0 or backend == "docker" else str(os.getuid()))
 
 
 def _at_once(runs: int, one: Callable[[int], SandboxResult]) -> dict[int, SandboxResult]:
@@ -184,6 +188,22 @@ def test_runs_at_once_stay_apart(backend):
                                         files={"n.txt": str(i)}, backend=backend))
     for i, r in results.items():
         assert (r.status, r.stdout, r.files_written) == ("ok", f"{i}{i}\n", (f"w{i}",))
+
+
+def test_files_written_are_named_in_utf8_text(backend):
+    """A guest names files with any bytes: each byte that is not UTF-8 reads ``\\xNN``; valid
+    names stay as they are; a given file left as given is not listed."""
+    code = ("import os\n"
+            "open(b'\\xff\\xfe.txt', 'w').close()\n"
+            "os.mkdir(b'd\\xff')\n"
+            "open(b'd\\xff/ok.txt', 'w').close()\n"
+            "open('caf\\u00e9.txt', 'w').close()\n"
+            "open('given.txt', 'w').write('same')\n")
+    r = run(code, files={"given.txt": "same"}, backend=backend)
+    assert r.status == "ok", r
+    assert r.files_written == ("\\xff\\xfe.txt", "caf\u00e9.txt", "d\\xff/ok.txt")
+    assert [name.encode("utf-8") for name in r.files_written] == [
+        b"\\xff\\xfe.txt", b"caf\xc3\xa9.txt", b"d\\xff/ok.txt"]
 
 
 # --- sandboxes started ahead of their program (prepare) --------------------------------------
@@ -620,6 +640,72 @@ def test_fork_server_closed_leaves_nothing(monkeypatch):
     assert r.status == "sandbox_error", r
 
 
+# --- the trainer's environment: in no process a guest can read ------------------------------
+
+_ENVIRON_WALK = """
+import os
+for pid in sorted(filter(str.isdigit, os.listdir("/proc")), key=int):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            print(pid, f.read().replace(b"\\0", b" ").decode("latin-1"))
+    except OSError as exc:
+        print(pid, type(exc).__name__)
+"""
+
+
+def _secret(monkeypatch) -> str:
+    """A secret put in this process's environment (as an API key would be)."""
+    secret = "sk-" + uuid.uuid4().hex
+    monkeypatch.setenv("AGENT_RL_TEST_API_KEY", secret)
+    return secret
+
+
+def test_no_guest_reads_the_trainers_environment(backend, monkeypatch):
+    """Each guest prints every ``/proc/*/environ`` it can read while a bwrap fork server, started
+    after the secret was set, is live (as root: its processes run as the bwrap guests' uid):
+    the secret is in none. (A subprocess guest once read it from the server's bwrap processes.)"""
+    if backend == "subprocess" and os.geteuid() != 0:
+        pytest.skip("as non-root a subprocess guest is this user and reads its processes "
+                    "(the subprocess backend is no isolation, and says so)")
+    secret = _secret(monkeypatch)
+    server = sandbox._ForkServer() if _fork_server_possible() and available("bwrap") else None
+    try:
+        if server is not None:
+            assert server.run("print(1)", {}, Limits()).stdout == "1\n" and server.alive()
+        r = run(_ENVIRON_WALK, backend=backend)
+    finally:
+        if server is not None:
+            server.close()
+    assert r.status == "ok", r
+    assert "LANG=C.UTF-8" in r.stdout  # it read its own environment at least
+    assert secret not in r.stdout
+
+
+def test_the_fork_server_holds_no_secret_and_no_process_of_its_uid_reads_it(monkeypatch):
+    """The fork server's processes (bwrap's, which ``--clearenv`` does not clean, and its
+    interpreters) hold none of this process's environment, and a process of the guest uid on
+    the host, outside any sandbox, cannot open the interpreters' ``/proc`` files (undumpable)."""
+    _need_fork_server(monkeypatch)
+    secret = _secret(monkeypatch)
+    server = sandbox._ForkServer()
+    try:
+        assert server.run("print(1)", {}, Limits()).stdout == "1\n"
+        pids = [int(pid) for pid in sandbox._read(server.cgroup.dirs["pids"] / "cgroup.procs")]
+        interpreters = {pid for pid in pids if "python" in os.readlink(f"/proc/{pid}/exe")}
+        assert len(pids) == 4 and len(interpreters) == 2, pids  # bwrap twice, pid 1, the server
+        assert not [pid for pid in pids if secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()]
+        uid = str(sandbox.GUEST_UID)
+        walk = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sandbox.PYTHON,
+             "-I", "-S", "-c", _ENVIRON_WALK], env={}, capture_output=True, text=True, timeout=30)
+    finally:
+        server.close()
+    assert walk.returncode == 0, walk.stderr
+    assert secret not in walk.stdout
+    seen = dict(line.split(" ", 1) for line in walk.stdout.splitlines())
+    assert {seen[str(pid)] for pid in interpreters} == {"PermissionError"}, seen
+
+
 # --- the escape corpus: bwrap and docker -----------------------------------------------------
 
 _CONNECT = """
@@ -762,6 +848,59 @@ def test_fork_bomb_that_swallows_errors_ends_at_the_wall_clock(backend):
     r = run(code, limits=Limits(wall_s=2, processes=32), backend=backend)
     assert r.status == "timeout" and r.exit_code is None, r
     _assert_no_survivors(marker)
+
+
+_LINGERING = """
+import os, signal, time
+r, w = os.pipe()
+if os.fork() == 0:  # a daemon: a new session, then a second fork (its parent exits at once)
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, b"d")
+        time.sleep(60)
+    os._exit(0)
+if os.fork() == 0:  # a child that ignores SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.write(w, b"t")
+    time.sleep(60)
+os.close(w)
+print(sorted(os.read(r, 1) + os.read(r, 1)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["exits", "times_out"])
+def test_nothing_of_a_run_outlives_it(backend, ending):
+    """A daemon that left the session and a child that ignores SIGTERM, both running when the
+    program ends (or times out): right after ``run`` returns, no process of the run is left,
+    not even a zombie (every one named by the marker it inherited, looked for in ``/proc``)."""
+    if backend == "subprocess" and os.geteuid() != 0:
+        pytest.skip("the subprocess backend gets a pid namespace only as root: without one, a "
+                    "process that leaves the run's session outlives it (the module doc says so)")
+    marker = _marker()
+    code = _marked(marker) + _LINGERING + ("time.sleep(60)\n" if ending == "times_out" else "")
+    r = run(code, limits=Limits(wall_s=1 if ending == "times_out" else 10), backend=backend)
+    left = _live(marker, zombies=True)
+    assert (r.status, r.stdout) == ("ok" if ending == "exits" else "timeout", f"{[100, 116]}\n"), r
+    assert left == [], f"processes of the run left after it returned: {left}"
+
+
+def test_subprocess_runs_without_a_pid_namespace_where_none_can_be_made(monkeypatch):
+    """As root, a subprocess run is pid 2 of its own pid namespace (its ``sh`` init is pid 1);
+    where ``unshare`` fails (a container without ``CAP_SYS_ADMIN``), runs go on without one."""
+    _need("subprocess")
+    if os.geteuid() != 0:
+        pytest.skip("only root gives subprocess runs a pid namespace")
+    code = "import os\nprint(os.getpid(), os.getppid())"
+    assert run(code, backend="subprocess").stdout == "2 1\n"
+    tool = sandbox._system_tool
+    monkeypatch.setattr(sandbox, "_system_tool", lambda name: "/bin/false" if name == "unshare" else tool(name))
+    sandbox._pid_namespaces.cache_clear()
+    try:
+        r = run(code, backend="subprocess")
+        assert not sandbox._pid_namespaces()
+    finally:
+        sandbox._pid_namespaces.cache_clear()
+    assert r.status == "ok" and int(r.stdout.split()[0]) > 2, r
 
 
 def test_allocate_10_gb(backend):
@@ -923,7 +1062,8 @@ def test_the_guest_starts_under_its_rlimits_uid_and_cgroups(mode, monkeypatch):
     rlimits, ids, cgroups = r.stdout.split("\n", 2)
     assert rlimits == str([(4, 5), (300 << 20, 300 << 20), (7 << 20, 7 << 20), (0, 0)])
     if os.geteuid() == 0:
-        assert ids == "65534 65534 []"
+        uid = 65533 if name == "subprocess" else 65534
+        assert ids == f"{uid} {uid} []"
         if name == "subprocess":  # bwrap's cgroup namespace hides the path
             run_dirs = [line for line in cgroups.splitlines() if "/agent-rl-sandbox/" in line]
             assert {line.split(":")[1] for line in run_dirs} >= {"pids", "memory"}
@@ -946,11 +1086,12 @@ def test_a_launch_that_cannot_join_its_cgroup_is_a_sandbox_error(name, monkeypat
 
 def test_missing_util_linux_tools_are_named(monkeypatch):
     _need("subprocess")
+    as_root = "prlimit, unshare and setpriv" if sandbox._pid_namespaces() else "prlimit and setpriv"
     monkeypatch.setattr(sandbox, "_system_tool", lambda name: None)
     r = run("print(1)", backend="subprocess")
     assert r.status == "sandbox_error"
-    assert r.detail == "subprocess could not start: prlimit" + (
-        " and setpriv" if os.geteuid() == 0 else "") + " not found (util-linux)"
+    assert r.detail == f"subprocess could not start: {as_root if os.geteuid() == 0 else 'prlimit'}" \
+        " not found (util-linux)"
 
 
 # --- inputs, checked before anything runs ----------------------------------------------------
