@@ -406,8 +406,12 @@ def reward_source(spec: str) -> Path:
         found = importlib.util.find_spec(where)
     except (ImportError, ValueError) as exc:
         raise ImportError(f"reward {spec!r}: cannot find module {where!r} ({exc})") from None
-    if found is None or not found.origin or not Path(found.origin).is_file():
-        raise ImportError(f"reward {spec!r}: module {where!r} has no source file to pin")
+    if found is None:
+        raise ImportError(f"reward {spec!r}: no module {where!r}; install it, put its folder "
+                          "on PYTHONPATH, or name the file: 'path/to/file.py:function'")
+    if not found.origin or not Path(found.origin).is_file():
+        raise ImportError(f"reward {spec!r}: module {where!r} has no source file to pin "
+                          f"({found.origin}); name a .py file instead")
     return Path(found.origin)
 
 
