@@ -498,11 +498,16 @@ DATASET_ENV = "agent_rl/Dataset-v0"  # kwargs.path: the tasks' file; kwargs.rewa
 
 def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
     """The files an env section makes the run read, by dotted key, each as ``{path, sha256}``
-    (a user reward as ``{function, sha256}`` of the file that defines it): the holdout's
+    (a user reward as ``{function, sha256}`` of the file that defines it): the module that
+    defines an env registered from outside agent-rl (``env.id`` as ``{id, sha256}``: a
+    scaffolded or plugin env's scoring is its code), the holdout's
     ``task_ids_file``, and for Dataset-v0 the data (``env.kwargs.path``) and a user reward
     function (``env.kwargs.reward``: ``path/file.py:fn`` pins that file, ``module:fn`` the
     module's source file). Editing any of them is a new contract."""
     pins: dict[str, dict[str, Any]] = {}
+    source = user_env_source(env.id)
+    if source is not None:
+        pins["env.id"] = {"id": env.id, "sha256": content_hash(str(source), "env.id")}
     if env.holdout is not None and env.holdout.task_ids_file is not None:
         path = env.holdout.task_ids_file
         pins["env.holdout.task_ids_file"] = {
@@ -524,10 +529,28 @@ def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
     return pins
 
 
+def user_env_source(env_id: str) -> Path | None:
+    """The source file of ``env_id``'s class or factory when it lies outside the agent-rl
+    packages (a plugin, a scaffolded package, a test's env), else None: a built-in env's code
+    is the installed agent-rl, pinned by its version in every episode's verifier id."""
+    import envs
+    from envs.registry import entry_point_source
+
+    try:
+        source = entry_point_source(env_id)
+    except (LookupError, ImportError) as exc:
+        raise ContractError(f"env.id: {exc}") from None
+    root = Path(envs.__file__).resolve().parent.parent
+    ours = [root / package for package in ("envs", "agent_rl", "evals", "trajectories")]
+    if source is None or any(source.is_relative_to(package) for package in ours):
+        return None
+    return source
+
+
 def _pin_text(pin: dict[str, Any] | None) -> str:
     if pin is None:
         return "not pinned"
-    what = pin.get("path", pin.get("function"))
+    what = pin.get("path", pin.get("function", pin.get("id")))
     digest = pin.get("sha256", pin.get("bundle", ""))
     return f"{what} sha256 {digest[:12]}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
 
 import pytest
 
@@ -653,3 +654,30 @@ def test_dataset_arguments_are_contract_errors_naming_the_key(kwargs, message):
                  for k, v in kwargs.items()]
     assert re.search(message, contract_error(
         {"env": {"id": "agent_rl/Dataset-v0"}, "eval": {"split": "holdout_iid"}}, overrides))
+
+
+def test_an_env_registered_from_outside_agent_rl_is_pinned_by_its_source(tmp_path, monkeypatch):
+    """A scaffolded or plugin env scores with its own code: editing it is a new contract."""
+    import envs
+    from envs import registry
+
+    package = tmp_path / "pinned_env_pkg"
+    package.mkdir()
+    source = (Path(envs.__file__).parent / "arithmetic.py").read_text()
+    (package / "__init__.py").write_text("")
+    (package / "env.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    envs.register("tests/PinnedArithmetic-v0", "pinned_env_pkg.env:ArithmeticEnv")
+    try:
+        contract = ExperimentContract.from_dict({"env": {"id": "tests/PinnedArithmetic-v0"}})
+        pins = contract.input_pins()
+        assert pins == {"env.id": {"id": "tests/PinnedArithmetic-v0",
+                                   "sha256": hashlib.sha256(source.encode()).hexdigest()}}
+        before = contract.contract_hash()
+        (package / "env.py").write_text(source + "\n# edited\n")
+        assert contract.contract_hash() != before
+        assert [c.split(":")[0] for c in contract.pin_changes(pins)] == ["env.id"]
+    finally:
+        registry._REGISTERED.pop("tests/PinnedArithmetic-v0", None)
+        import gymnasium
+        gymnasium.registry.pop("tests/PinnedArithmetic-v0", None)
