@@ -74,7 +74,7 @@ Reward
 
     ``weights`` are finite and >= 0, at least one of them > 0 (all zero, every reply would be
     ``correct``). Every scoring call (built-in or yours) runs in a worker process
-    (``envs.deadline``: about 0.1 ms a call) and is stopped after ``reward_timeout_s`` seconds
+    (``envs.deadline``: about 0.2 ms a call) and is stopped after ``reward_timeout_s`` seconds
     (default 10; a finite number > 0): the episode is then a ``sandbox_error`` like a raising
     function, with a ``RewardFaultWarning`` naming the task. Agent text never hangs scoring.
 

@@ -12,7 +12,7 @@ Workers are plain ``python -c`` processes (not ``multiprocessing``, which would 
 caller's ``__main__``): each gets the caller's ``sys.path``, and every request carries the
 caller's working directory and ``sys.path``, so the function runs as it would in the caller.
 A worker is reused for the next call (one per concurrent caller, kept idle in between): a call
-costs a pickle round trip over a socket pair, about 0.1 ms, plus the function itself; starting
+costs a pickle round trip over a socket pair, 0.07 to 0.2 ms, plus the function; starting
 a worker (importing ``envs``) takes about 0.4 s, once per process and again after each kill.
 The deadline counts from the request, so it covers a user module's first import in a worker.
 
