@@ -284,8 +284,10 @@ class AcceptanceSection(_Section):
 
 class _Contract(_Section):
     """What every contract kind shares: YAML in with ``--set`` overrides, the run directory, and
-    the hash over the resolved contract, less the ``UNHASHED`` keys, plus the content hash of
-    the bundle ``model.init`` names (so a changed bundle is a changed contract)."""
+    the hash over the resolved contract, less the ``UNHASHED`` keys, with the content of every
+    file the contract makes the run read (``input_pins``: data, held-out ids, a user reward
+    function's source, the ``model.init`` bundle) in place of its name, so an edited file is a
+    changed contract."""
 
     UNHASHED: ClassVar[tuple[str, ...]] = ()
 
@@ -332,26 +334,30 @@ class _Contract(_Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    def input_pins(self) -> dict[str, dict[str, Any]]:
+        """Every file the contract makes the run read, pinned by its content: dotted key ->
+        what the hash holds in place of the key's value (the one place that decides this).
+        ``model.init``: ``{path, bundle}`` (``checkpoint.bundle_hash``); the env's files
+        (``env_pins``). A file that cannot be read is a ``ContractError`` naming its key."""
+        pins = env_pins(self.env)
+        if self.model.init is not None:
+            pins["model.init"] = {"path": self.model.init,
+                                  "bundle": init_bundle_hash(self.model.init)}
+        return pins
+
     def hashed_fields(self) -> dict[str, Any]:
-        """The resolved contract as plain JSON types, less the ``UNHASHED`` keys; ``model.init``
-        as ``{path, bundle}`` with the bundle's content hash (``checkpoint.bundle_hash``), or
-        left out when null (a contract without a warm start hashes as before the key existed).
-        A ``model.init`` that names no complete bundle is a ``ContractError``."""
+        """The resolved contract as plain JSON types, less the ``UNHASHED`` keys, with every
+        ``input_pins`` key holding its pin; a null ``model.init`` is left out (a contract
+        without a warm start hashes as before the key existed)."""
         data = self.model_dump(mode="json")
-        model = data.get("model")
-        if isinstance(model, dict) and "init" in model:
-            if model["init"] is None:
-                del model["init"]
-            else:
-                model["init"] = {"path": model["init"], "bundle": init_bundle_hash(model["init"])}
-        env = data["env"]  # the files the tasks come from: pinned by content, not by name
-        if env["holdout"] and env["holdout"]["task_ids_file"] is not None:
-            path = env["holdout"]["task_ids_file"]
-            env["holdout"]["task_ids_file"] = {"path": path, "sha256": content_hash(
-                path, "env.holdout.task_ids_file")}
-        if env["id"] == DATASET_ENV and isinstance(env["kwargs"].get("path"), str):
-            path = env["kwargs"]["path"]
-            env["kwargs"]["path"] = {"path": path, "sha256": content_hash(path, "env.kwargs.path")}
+        if self.model.init is None:
+            del data["model"]["init"]
+        for dotted, pin in self.input_pins().items():
+            *sections, key = dotted.split(".")
+            node = data
+            for section in sections:
+                node = node[section]
+            node[key] = pin
         for dotted in self.UNHASHED:
             *sections, key = dotted.split(".")
             node = data
@@ -368,6 +374,15 @@ class _Contract(_Section):
         mine, theirs = _leaves(self), _leaves(other)
         return [f"{key}: {theirs[key]!r} -> {mine[key]!r}"
                 for key in mine if key not in self.UNHASHED and mine[key] != theirs[key]]
+
+    def pin_changes(self, pinned: dict[str, Any]) -> list[str]:
+        """``key: content changed (...)`` for every input pin that differs from ``pinned`` (the
+        ``input_pins`` a run directory recorded): what ``changes_from`` cannot see, since the
+        key's value is the same and the file's content is not."""
+        mine = self.input_pins()
+        return [f"{key}: content changed ({_pin_text(pinned.get(key))} -> "
+                f"{_pin_text(mine.get(key))})"
+                for key in sorted(set(mine) | set(pinned)) if mine.get(key) != pinned.get(key)]
 
 
 
@@ -478,7 +493,66 @@ class ExperimentContract(_Contract):
             raise ValueError(f"credit.params: {exc}") from None
         return self
 
-DATASET_ENV = "agent_rl/Dataset-v0"  # its kwargs.path names the file the tasks come from
+DATASET_ENV = "agent_rl/Dataset-v0"  # kwargs.path: the tasks' file; kwargs.reward: maybe code
+
+
+def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
+    """The files an env section makes the run read, by dotted key, each as ``{path, sha256}``
+    (a user reward as ``{function, sha256}`` of the file that defines it): the module that
+    defines an env registered from outside agent-rl (``env.id`` as ``{id, sha256}``: a
+    scaffolded or plugin env's scoring is its code), the holdout's
+    ``task_ids_file``, and for Dataset-v0 the data (``env.kwargs.path``) and a user reward
+    function (``env.kwargs.reward``: ``path/file.py:fn`` pins that file, ``module:fn`` the
+    module's source file). Editing any of them is a new contract."""
+    pins: dict[str, dict[str, Any]] = {}
+    source = user_env_source(env.id)
+    if source is not None:
+        pins["env.id"] = {"id": env.id, "sha256": content_hash(str(source), "env.id")}
+    if env.holdout is not None and env.holdout.task_ids_file is not None:
+        path = env.holdout.task_ids_file
+        pins["env.holdout.task_ids_file"] = {
+            "path": path, "sha256": content_hash(path, "env.holdout.task_ids_file")}
+    if env.id != DATASET_ENV:
+        return pins
+    path, reward = env.kwargs.get("path"), env.kwargs.get("reward")
+    if isinstance(path, str):
+        pins["env.kwargs.path"] = {"path": path, "sha256": content_hash(path, "env.kwargs.path")}
+    if isinstance(reward, str) and ":" in reward:
+        from envs.datasets import DatasetError, reward_source
+
+        try:
+            source = reward_source(reward)
+        except (DatasetError, ImportError) as exc:
+            raise ContractError(f"env.kwargs.reward: {exc}") from None
+        pins["env.kwargs.reward"] = {"function": reward,
+                                     "sha256": content_hash(str(source), "env.kwargs.reward")}
+    return pins
+
+
+def user_env_source(env_id: str) -> Path | None:
+    """The source file of ``env_id``'s class or factory when it lies outside the agent-rl
+    packages (a plugin, a scaffolded package, a test's env), else None: a built-in env's code
+    is the installed agent-rl, pinned by its version in every episode's verifier id."""
+    import envs
+    from envs.registry import entry_point_source
+
+    try:
+        source = entry_point_source(env_id)
+    except (LookupError, ImportError) as exc:
+        raise ContractError(f"env.id: {exc}") from None
+    root = Path(envs.__file__).resolve().parent.parent
+    ours = [root / package for package in ("envs", "agent_rl", "evals", "trajectories")]
+    if source is None or any(source.is_relative_to(package) for package in ours):
+        return None
+    return source
+
+
+def _pin_text(pin: dict[str, Any] | None) -> str:
+    if pin is None:
+        return "not pinned"
+    what = pin.get("path", pin.get("function", pin.get("id")))
+    digest = pin.get("sha256", pin.get("bundle", ""))
+    return f"{what} sha256 {digest[:12]}"
 
 
 def content_hash(path: str, key: str) -> str:
@@ -541,6 +615,14 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(f"env.kwargs.{unknown[0]}: {env_id} takes no such argument; it takes "
                          f"{sorted(takes)}")
+    if env_id == DATASET_ENV:  # its arguments that need no file, checked without reading one
+        from envs.datasets import DatasetError, check_arguments
+
+        try:
+            check_arguments(**kwargs)
+        except DatasetError as exc:
+            raise ValueError(f"env.kwargs.{exc.key}: {exc}" if exc.key else
+                             f"env.kwargs: {exc}") from None
 
 
 UNHASHED = ExperimentContract.UNHASHED
@@ -604,13 +686,13 @@ class SFTContract(_Contract):
         check_env_kwargs(self.env.id, self.env.kwargs)
         return self
 
-    def hashed_fields(self) -> dict[str, Any]:
+    def input_pins(self) -> dict[str, dict[str, Any]]:
         """As every contract's, with ``data.store`` as ``{path, sha256}`` of the file's bytes."""
-        data = super().hashed_fields()
+        pins = super().input_pins()
         if self.data.store:
-            data["data"]["store"] = {"path": self.data.store,
-                                     "sha256": content_hash(self.data.store, "data.store")}
-        return data
+            pins["data.store"] = {"path": self.data.store,
+                                  "sha256": content_hash(self.data.store, "data.store")}
+        return pins
 
 
 def read_contract(path: str | Path, overrides: list[str] | None = None) -> ExperimentContract | SFTContract:

@@ -1,6 +1,7 @@
 """The run directory: what a training run writes and reads back.
 
-``contract.yaml`` + ``contract.sha256`` and ``base_model.json`` (the content hashes of the
+``contract.yaml`` + ``contract.sha256``, ``contract.pins.json`` (the content hashes of the
+files the contract reads: ``input_pins``) and ``base_model.json`` (the content hashes of the
 base model's files: pinned before the first rollout), ``metrics.jsonl`` (one namespaced
 record per step, mirrored to TensorBoard when it is installed), ``eval.jsonl`` (held-out
 summaries) and ``evals/<tag>.jsonl`` (one record per held-out episode), ``rollouts.jsonl``
@@ -38,6 +39,7 @@ from trajectories.display import escape_terminal
 LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl", "curriculum.jsonl")
 RUN_FILES = (*LOG_FILES, "checkpoints")
 BASE_MODEL_FILE = "base_model.json"
+PINS_FILE = "contract.pins.json"  # the content hashes of the files the contract reads
 
 
 def peak_rss_mb() -> float:
@@ -208,6 +210,8 @@ def check_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: st
             changed = contract.changes_from(ExperimentContract.from_yaml(run_dir / "contract.yaml"))
         except ValueError:  # the old contract.yaml is missing or no longer validates
             changed = []
+        if (run_dir / PINS_FILE).is_file():  # files whose content changed under the same name
+            changed += contract.pin_changes(json.loads((run_dir / PINS_FILE).read_text()))
         raise RunDirError(f"{run_dir} belongs to another contract ({pinned[:12]} != "
                           f"{contract_hash[:12]}; changed: {'; '.join(changed) or '?'}); "
                           "use a new run_dir or restore the old config")
@@ -247,6 +251,8 @@ def pin_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,
     run_dir.mkdir(parents=True, exist_ok=True)
     write_file(run_dir / "contract.yaml", contract.to_yaml())
     write_file(run_dir / "contract.sha256", contract_hash + "\n")
+    write_file(run_dir / PINS_FILE, json.dumps(contract.input_pins(), indent=2, sort_keys=True)
+               + "\n")
     write_file(run_dir / BASE_MODEL_FILE, json.dumps(base_model, indent=2, sort_keys=True) + "\n")
 
 

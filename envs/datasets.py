@@ -27,8 +27,11 @@ Description
     Bad data fails at construction, before any training, naming the file, the row (1-based,
     with its line in a file) and the column: a missing or null cell, an empty prompt or answer,
     a prompt that is not text, an answer the reward cannot read (``numeric``: not one number;
-    ``choice``: not one letter; ``regex``: an invalid pattern), bad metadata, a repeated id.
-    No row is dropped silently.
+    ``choice``: not one letter; ``regex``: an invalid pattern), bad metadata, a repeated id, a
+    byte that is not UTF-8, a CSV cell over the ``csv`` module's 131072 characters (JSONL has
+    no such limit), a JSON integer over Python's 4300 digits (quote it), a row nesting lists or
+    objects more than 100 levels deep. No row is dropped silently. Arguments that need no file
+    (``check_arguments``) are checked first; a ``DatasetError`` about one names it (``key``).
 
 Tools
     None.
@@ -51,7 +54,8 @@ Reward
       string holding exactly one such number.
     * ``regex``: the answer cell is a Python ``re`` pattern (compiled at construction), and
       ``re.search(pattern, reply)`` finds it (anchor with ``^...$`` for a whole-reply match;
-      ``(?i)`` for case-insensitive). Patterns are trusted input, applied to the whole reply.
+      ``(?i)`` for case-insensitive). A pattern that backtracks catastrophically on a reply
+      (``^(a+)+$`` on ``"a" * 40 + "!"``) is stopped by ``reward_timeout_s``, as below.
     * ``choice``: the answer cell is one letter (``B``, ``(B)``, ``b.``); the reply's choice is,
       in order: the whole reply as such a letter; the last ``answer/option/choice (is) (:) X``
       with an upper-case ``X``; a leading ``X.``/``X)``/``X:``; the last ``(X)`` or ``[X]``.
@@ -62,10 +66,17 @@ Reward
       ``accuracy``; a dict's keys are components, weighted by ``weights`` (default
       ``{"accuracy": 1.0}``: the dict must then hold ``accuracy``; keys without a weight are
       recorded with weight 0). It is called once at construction on the first row's reference
-      reply, so a wrong return type fails before training. Later, a function that raises or
-      returns something else scores the episode as an infrastructure fault
-      (``sandbox_error``: masked out of the loss, counted by the ``max_verifier_error_rate``
-      guard), its message in ``reward.audit["reward_error"]``.
+      reply, so a wrong return type fails before training. Later, a function that raises
+      scores the episode as an infrastructure fault (``sandbox_error``: masked out of the loss,
+      counted by the ``max_verifier_error_rate`` guard), its message in
+      ``reward.audit["reward_error"]``; one that returns something else (a bool, a string, a
+      NaN) is a bug in the function: ``RewardReturnError`` naming the function and the value.
+
+    ``weights`` are finite and >= 0, at least one of them > 0 (all zero, every reply would be
+    ``correct``). Every scoring call (built-in or yours) runs in a worker process
+    (``envs.deadline``: about 0.2 ms a call) and is stopped after ``reward_timeout_s`` seconds
+    (default 10; a finite number > 0): the episode is then a ``sandbox_error`` like a raising
+    function, with a ``RewardFaultWarning`` naming the task. Agent text never hangs scoring.
 
     Outcome: ``correct`` at the maximum total, ``format_error`` when the reply holds no answer
     (empty; ``numeric``: no number; ``choice``: no letter), otherwise ``wrong``.
@@ -97,6 +108,7 @@ import os
 import re
 import sys
 import unicodedata
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
@@ -106,29 +118,49 @@ from typing import Any
 
 import numpy as np
 
+from envs import deadline
 from envs.arithmetic import numbers
 from envs.core import TaskMeta, TaskSpec, ToolEnv
 from trajectories import Outcome, RewardBreakdown
 
-__all__ = ["DEFAULT_PATH", "REWARDS", "DatasetEnv", "DatasetError", "choice_reward",
-           "contains_reward", "exact_reward", "from_dataset", "normalize", "numeric_reward",
-           "read_choice", "regex_reward"]
+__all__ = ["DEFAULT_PATH", "REWARDS", "DatasetEnv", "DatasetError", "RewardFaultWarning",
+           "RewardReturnError", "check_arguments", "choice_reward", "contains_reward",
+           "exact_reward", "from_dataset", "normalize", "numeric_reward", "read_choice",
+           "regex_reward", "reward_source"]
 
 DEFAULT_PATH = Path(__file__).with_name("data") / "qa_sample.jsonl"
 META_FIELDS = ("skills", "structure", "entity_group", "length", "difficulty")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+REWARD_TIMEOUT_S = 10.0
+MAX_DEPTH = 100  # JSON nesting levels a row may have
 
 
 class DatasetError(ValueError):
-    """A dataset that cannot become tasks: the message names the file, row and column."""
+    """A dataset that cannot become tasks: the message names the file, row and column, or
+    the keyword argument (``key``) that is wrong."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class RewardReturnError(TypeError):
+    """A user reward function returned something that is not a score: a bug in the function,
+    raised (never scored), the message naming the function and the value."""
+
+
+class RewardFaultWarning(RuntimeWarning):
+    """A reply could not be scored (the reward raised, or ran past ``reward_timeout_s``): the
+    episode is a ``sandbox_error``, masked out of the loss and counted."""
 
 
 # ---------------------------------------------------------------------------------------------
 # Rewards: small pure functions of (reply, target), also usable by evaluation
 # ---------------------------------------------------------------------------------------------
 
-_LETTER = re.compile(r"\s*[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?\s*")
-_SAID = re.compile(r"(?i:\b(?:answer|option|choice))\s*(?i:is\b)?\s*:?\s*[(\[]?([A-Z])(?![A-Za-z0-9])")
+_LETTER = re.compile(r"\s*(?:[(\[]\s*)?([A-Za-z])\s*(?:[)\]]\s*)?(?:[.:]\s*)?")
+_SAID = re.compile(  # one \s* per whitespace run, none adjacent: linear on any reply
+    r"(?i:\b(?:answer|option|choice))\s*(?:(?i:is)\b\s*)?(?::\s*)?[(\[]?([A-Z])(?![A-Za-z0-9])")
 _LEADING = re.compile(r"\s*([A-Z])[.):](?:\s|$)")
 _BRACKETED = re.compile(r"[(\[]([A-Za-z])[)\]]")
 _NUMBER_CELL = re.compile(r"\s*-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?\s*")
@@ -268,16 +300,26 @@ def built_in(kind: str, tolerance: float = 0.0) -> Verifier:
         return Verifier(kind, _answer_text, lambda r, t: contains_reward(r, t.target),
                         _nonblank, str, _ANSWER)
     raise DatasetError(f"reward {kind!r} is not one of {list(REWARDS)}, nor a "
-                       "'module:function' path to your own function")
+                       "'module:function' path to your own function", key="reward")
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    """``(where, function)`` of a user reward ``module:function`` or ``file.py:function``."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise DatasetError(f"reward {spec!r}: a user reward is 'module:function' or "
+                           "'path/to/file.py:function'", key="reward")
+    return where, name
+
+
+def _is_file(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or os.sep in where
 
 
 def load_reward_function(spec: str) -> Callable[[str, TaskSpec], Any]:
     """The user function ``"package.module:function"`` or ``"path/to/file.py:function"``."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name.isidentifier():
-        raise DatasetError(f"reward {spec!r}: a user reward is 'module:function' or "
-                           "'path/to/file.py:function'")
-    if where.endswith(".py") or "/" in where or os.sep in where:
+    where, name = _split_spec(spec)
+    if _is_file(where):
         file = Path(where).resolve()
         if not file.is_file():
             raise ImportError(f"reward {spec!r}: no file {file} (relative paths are read from "
@@ -310,32 +352,67 @@ def load_reward_function(spec: str) -> Callable[[str, TaskSpec], Any]:
 
 
 def user_components(spec: str, value: Any, weights: Mapping[str, float]) -> dict[str, float]:
-    """A user function's return value as reward components; ``TypeError`` naming ``spec``
-    for anything but a finite number or a dict of them holding every weighted key."""
+    """A user function's return value as reward components; ``RewardReturnError`` naming
+    ``spec`` and the value for anything but a finite number (not a bool) or a dict of them
+    holding every weighted key."""
     def number(v: Any, what: str) -> float:
+        if isinstance(v, bool):
+            raise RewardReturnError(f"reward function {spec} returned {what}{v!r} (bool); a "
+                                    "score is a float: return float(...) or 1.0 / 0.0")
         if not isinstance(v, _numbers.Real) or not math.isfinite(float(v)):
-            raise TypeError(f"reward function {spec} returned {what}{v!r:.80} "
-                            f"({type(v).__name__}); it must return a finite float or a dict "
-                            "of them")
+            raise RewardReturnError(f"reward function {spec} returned {what}{v!r:.80} "
+                                    f"({type(v).__name__}); it must return a finite float or a "
+                                    "dict of them")
         return float(v)
 
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise TypeError(f"reward function {spec} returned a dict key {k!r}; keys are "
-                                "component names (str)")
+                raise RewardReturnError(f"reward function {spec} returned a dict key {k!r}; "
+                                        "keys are component names (str)")
             out[k] = number(v, f"component {k!r} = ")
         missing = sorted(set(weights) - set(out))
         if missing:
-            raise TypeError(f"reward function {spec} returned components {sorted(out)} without "
-                            f"the weighted {missing}; return them, or pass weights naming "
-                            f"your components, e.g. weights={dict.fromkeys(sorted(out), 1.0)}")
+            raise RewardReturnError(
+                f"reward function {spec} returned components {sorted(out)} without the "
+                f"weighted {missing}; return them, or pass weights naming your components, "
+                f"e.g. weights={dict.fromkeys(sorted(out), 1.0)}")
         return out
     if set(weights) != {"accuracy"}:
-        raise TypeError(f"reward function {spec} returned a float, but weights name "
-                        f"{sorted(weights)}: return a dict with those keys")
+        raise RewardReturnError(f"reward function {spec} returned a float, but weights name "
+                                f"{sorted(weights)}: return a dict with those keys")
     return {"accuracy": number(value, "")}
+
+
+def reply_components(reward: str, tolerance: float, weights: tuple[tuple[str, float], ...],
+                     reply: str, task: TaskSpec) -> dict[str, float]:
+    """The reward components of ``reply`` on ``task`` under reward ``reward`` (a built-in
+    kind, or a user function's spec with an absolute file path): what ``DatasetEnv.score``
+    runs in a deadline worker (``envs.deadline``)."""
+    if ":" in reward:
+        return user_components(reward, load_reward_function(reward)(reply, task), dict(weights))
+    return {"accuracy": built_in(reward, tolerance).score(reply, task)}
+
+
+def reward_source(spec: str) -> Path:
+    """The source file that defines the user reward ``spec`` (``path/to/file.py:function``:
+    that file; ``module:function``: the module's file), found without running the function;
+    ``ImportError`` when there is none."""
+    where, _ = _split_spec(spec)
+    if _is_file(where):
+        return Path(where).resolve()
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError) as exc:
+        raise ImportError(f"reward {spec!r}: cannot find module {where!r} ({exc})") from None
+    if found is None:
+        raise ImportError(f"reward {spec!r}: no module {where!r}; install it, put its folder "
+                          "on PYTHONPATH, or name the file: 'path/to/file.py:function'")
+    if not found.origin or not Path(found.origin).is_file():
+        raise ImportError(f"reward {spec!r}: module {where!r} has no source file to pin "
+                          f"({found.origin}); name a .py file instead")
+    return Path(found.origin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,47 +424,110 @@ def _fail(path: Path, where: str, message: str) -> DatasetError:
     return DatasetError(f"{path}: {where}: {message}")
 
 
+class _LongInteger(ValueError):
+    """A JSON integer longer than Python converts (``sys.get_int_max_str_digits``)."""
+
+
+def _json_int(digits: str) -> int:
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()  # 0: no limit (before 3.10.7)
+    if limit and len(digits.lstrip("-")) > limit:
+        raise _LongInteger(f"holds an integer of {len(digits.lstrip('-'))} digits (Python reads "
+                           f"at most {limit}); write it as a string: \"{digits[:12]}...\"")
+    return int(digits)
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in a JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 def _read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
             where = f"row {len(rows) + 1} (line {line_no})"
             try:
-                record = json.loads(line)
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _fail(path, where, f"byte {exc.start + 1} of the line (0x{raw[exc.start]:02x}) "
+                                         "is not UTF-8; save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line, parse_int=_json_int)
             except json.JSONDecodeError as exc:
                 raise _fail(path, where, f"not valid JSON ({exc.msg} at column {exc.colno}); "
                                          "each line must be one JSON object") from None
+            except _LongInteger as exc:
+                raise _fail(path, where, str(exc)) from None
+            except RecursionError:
+                raise _fail(path, where, f"nested deeper than JSON can be read here; a row "
+                                         f"nests at most {MAX_DEPTH} levels") from None
             if not isinstance(record, dict):
                 raise _fail(path, where, f"a JSON {type(record).__name__}, not an object "
                                          '({"prompt": ..., "answer": ...})')
+            if _depth(record) > MAX_DEPTH:
+                raise _fail(path, where, f"nested {_depth(record)} levels deep; a row nests at "
+                                         f"most {MAX_DEPTH} levels")
             rows.append((where, record))
     return rows
+
+
+def _undecodable(text: str) -> int | None:
+    """The index of the first byte that was not UTF-8 (decoded with ``surrogateescape``)."""
+    return next((i for i, c in enumerate(text) if "\udc80" <= c <= "\udcff"), None)
 
 
 def _read_csv(path: Path) -> list[tuple[str, dict[str, Any]]]:
     rows = []
-    with path.open(encoding="utf-8-sig", newline="") as f:
+    limit = csv.field_size_limit()
+    with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         reader = csv.DictReader(f)
-        header = reader.fieldnames
-        if not header:
-            raise DatasetError(f"{path}: no header row; the first line must name the columns "
-                               "(e.g. prompt,answer)")
-        repeated = sorted({c for c in header if header.count(c) > 1})
-        if repeated:
-            raise DatasetError(f"{path}: the header repeats column(s) {repeated}")
-        for record in reader:
-            where = f"row {len(rows) + 1} (line {reader.line_num})"
-            if None in record:
-                raise _fail(path, where, f"{len(record[None])} more cell(s) than the header's "
-                                         f"{len(header)} columns")
-            short = [c for c, v in record.items() if v is None]
-            if short:
-                raise _fail(path, where, f"fewer cells than the header's {len(header)} "
-                                         f"columns (no {short})")
-            rows.append((where, record))
+        where = "row 1 (line 2)"
+        try:
+            header = reader.fieldnames
+            if not header:
+                raise DatasetError(f"{path}: no header row; the first line must name the "
+                                   "columns (e.g. prompt,answer)")
+            for name in header:
+                if (at := _undecodable(name)) is not None:
+                    raise DatasetError(f"{path}: line 1 (the header): column name {name!r:.60} "
+                                       f"holds byte 0x{ord(name[at]) - 0xdc00:02x}, not UTF-8; "
+                                       "save the file as UTF-8")
+            repeated = sorted({c for c in header if header.count(c) > 1})
+            if repeated:
+                raise DatasetError(f"{path}: the header repeats column(s) {repeated}")
+            for record in reader:
+                where = f"row {len(rows) + 1} (line {reader.line_num})"
+                rows.append((where, _csv_record(path, where, record, header)))
+                where = f"row {len(rows) + 1} (line {reader.line_num + 1})"
+        except csv.Error as exc:
+            raise _fail(path, where, f"not readable as CSV ({exc}); a .csv cell holds at most "
+                                     f"{limit} characters: put longer ones in a .jsonl file"
+                        ) from None
     return rows
+
+
+def _csv_record(path: Path, where: str, record: dict, header: list[str]) -> dict[str, Any]:
+    if None in record:
+        raise _fail(path, where, f"{len(record[None])} more cell(s) than the header's "
+                                 f"{len(header)} columns")
+    short = [c for c, v in record.items() if v is None]
+    if short:
+        raise _fail(path, where, f"fewer cells than the header's {len(header)} columns "
+                                 f"(no {short})")
+    for column, cell in record.items():
+        if (at := _undecodable(cell)) is not None:
+            raise _fail(path, where, f"column {column!r} holds byte "
+                                     f"0x{ord(cell[at]) - 0xdc00:02x} at character {at + 1}, "
+                                     "not UTF-8; save the file as UTF-8")
+    return record
 
 
 def _read_folder(path: Path, dataset_split: str | None) -> list[tuple[str, dict[str, Any]]]:
@@ -583,29 +723,24 @@ class DatasetEnv(ToolEnv):
         task_id: str | None = None,
         solution: str | None = None,
         dataset_split: str | None = None,
+        reward_timeout_s: float = REWARD_TIMEOUT_S,
         **kwargs: Any,
     ):
         """Keywords: module docstring. ``kwargs`` go to ``ToolEnv`` (``max_turns``, ...)."""
         super().__init__(**kwargs)
-        for name, value in (("prompt", prompt), ("answer", answer), ("task_id", task_id),
-                            ("solution", solution)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise DatasetError(f"{name} must name a column (a non-empty string), got {value!r}")
-        if meta is not None and (not isinstance(meta, Mapping) or not all(
-                isinstance(k, str) and k and isinstance(v, str) and v for k, v in meta.items())):
-            raise DatasetError(f"meta maps TaskMeta fields to column names, e.g. "
-                               f"{{'entity_group': 'topic'}}; got {meta!r}")
-        if (not isinstance(tolerance, int | float) or isinstance(tolerance, bool)
-                or not math.isfinite(tolerance) or tolerance < 0):
-            raise DatasetError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
-        if not isinstance(reward, str):
-            raise DatasetError(f"reward must be a string, got {reward!r}")
+        check_arguments(prompt=prompt, answer=answer, reward=reward, meta=meta,
+                        tolerance=tolerance, weights=weights, task_id=task_id,
+                        solution=solution, reward_timeout_s=reward_timeout_s)
         custom = ":" in reward
         self.reward_weights = _weights(weights, None if custom else reward)
-        self._reward_fn = load_reward_function(reward) if custom else None
-        self.verifier = (Verifier(reward, _jsonable, self._reward_fn, _nonblank,
+        self.reward_timeout_s = float(reward_timeout_s)
+        self.verifier = (Verifier(reward, _jsonable, load_reward_function(reward), _nonblank,
                                   lambda target: None, _ANSWER)
                          if custom else built_in(reward, tolerance))
+        # what a deadline worker computes: picklable, a file path made absolute
+        spec = f"{reward_source(reward)}:{_split_spec(reward)[1]}" if custom else reward
+        self._components = partial(reply_components, spec, float(tolerance),
+                                   tuple(self.reward_weights.items()))
         self.path = Path(path)
         if not self.path.exists():
             raise DatasetError(f"{self.path}: no such file or folder (relative paths are read "
@@ -622,16 +757,19 @@ class DatasetEnv(ToolEnv):
     def _probe(self, task: TaskSpec) -> None:
         """Call the user function once, on the first row's reference reply."""
         reply = task.data["reference"] or ""
+        checked = f"on {task.task_id} (reply {reply!r:.60}), checked at construction"
         try:
-            value = self._reward_fn(reply, task)
+            deadline.call(self._components, reply, task, timeout_s=self.reward_timeout_s)
+        except RewardReturnError as exc:
+            raise DatasetError(f"{exc} ({checked})") from None
+        except deadline.DeadlineExceeded:
+            raise DatasetError(f"reward function {self.verifier.name} returned nothing within "
+                               f"reward_timeout_s={self.reward_timeout_s:g} s {checked}; make "
+                               "it faster or raise reward_timeout_s", key="reward_timeout_s"
+                               ) from None
         except Exception as exc:
             raise DatasetError(f"reward function {self.verifier.name} raised "
-                               f"{type(exc).__name__}: {exc} on {task.task_id} (reply "
-                               f"{reply!r:.60}), checked at construction") from exc
-        try:
-            user_components(self.verifier.name, value, self.reward_weights)
-        except TypeError as exc:
-            raise DatasetError(f"{exc} (on {task.task_id}, checked at construction)") from None
+                               f"{type(exc).__name__}: {exc} {checked}") from exc
 
     # --- hooks ---------------------------------------------------------------------------
     def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
@@ -641,18 +779,21 @@ class DatasetEnv(ToolEnv):
         return [self.tasks[i] for i in order]
 
     def score(self, task: TaskSpec, answer: str, state: None) -> RewardBreakdown:
+        """The reward of ``answer``, computed in a deadline worker within ``reward_timeout_s``;
+        a reward that raises, runs past it or kills its worker is a ``sandbox_error`` (warned,
+        the reason in ``audit["reward_error"]``); a user function returning a non-score raises
+        ``RewardReturnError``."""
         verifier_id = f"{self.env_id}@{self.version}/{self.verifier.name}"
-        if self._reward_fn is None:
-            components = {"accuracy": self.verifier.score(answer, task)}
-        else:
-            try:
-                components = user_components(self.verifier.name, self._reward_fn(answer, task),
-                                             self.reward_weights)
-            except Exception as exc:  # the verifier's fault, not the agent's: masked, counted
-                return RewardBreakdown.from_components(
-                    dict.fromkeys(self.reward_weights, 0.0), self.reward_weights,
-                    Outcome.sandbox_error, verifier_id,
-                    audit={"reward_error": f"{type(exc).__name__}: {exc}"[:2000]})
+        try:
+            components = deadline.call(self._components, answer, task,
+                                       timeout_s=self.reward_timeout_s)
+        except RewardReturnError:
+            raise
+        except deadline.DeadlineExceeded:
+            return self._fault(task, verifier_id, f"DeadlineExceeded: no reward within "
+                               f"reward_timeout_s={self.reward_timeout_s:g} s (stopped)")
+        except Exception as exc:  # the verifier's fault, not the agent's: masked, counted
+            return self._fault(task, verifier_id, f"{type(exc).__name__}: {exc}")
         total = sum(self.reward_weights.get(k, 0.0) * v for k, v in components.items())
         best = sum(w for w in self.reward_weights.values() if w > 0)
         if total >= best - 1e-9:
@@ -664,21 +805,76 @@ class DatasetEnv(ToolEnv):
         return RewardBreakdown.from_components(components, self.reward_weights, outcome,
                                                verifier_id)
 
+    def _fault(self, task: TaskSpec, verifier_id: str, reason: str) -> RewardBreakdown:
+        """A reply the reward could not score: ``sandbox_error``, warned naming the task."""
+        warnings.warn(f"{self.env_id} task {task.task_id}: reward {self.verifier.name} failed "
+                      f"({reason:.300}); the episode is a sandbox_error (masked out of the loss, "
+                      "counted in reward/infra_error_rate)", RewardFaultWarning, stacklevel=3)
+        return RewardBreakdown.from_components(
+            dict.fromkeys(self.reward_weights, 0.0), self.reward_weights, Outcome.sandbox_error,
+            verifier_id, audit={"reward_error": reason[:2000], "task_id": task.task_id})
+
     def reference_action(self) -> str | None:
         return None if self.task is None else self.task.data["reference"]
 
 
+def check_arguments(prompt: Any = "prompt", answer: Any = "answer", reward: Any = "exact",
+                    meta: Any = None, tolerance: Any = 0.0, weights: Any = None,
+                    task_id: Any = None, solution: Any = None,
+                    reward_timeout_s: Any = REWARD_TIMEOUT_S, **_: Any) -> None:
+    """The keyword arguments of ``DatasetEnv`` that need no file, checked without reading
+    one: a ``DatasetError`` naming the argument (``key``). An experiment contract calls it on
+    ``env.kwargs`` before any work."""
+    for name, value in (("prompt", prompt), ("answer", answer), ("task_id", task_id),
+                        ("solution", solution)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise DatasetError(f"{name} must name a column (a non-empty string), got {value!r}",
+                               key=name)
+    if meta is not None and (not isinstance(meta, Mapping) or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in meta.items())):
+        raise DatasetError(f"meta maps TaskMeta fields to column names, e.g. "
+                           f"{{'entity_group': 'topic'}}; got {meta!r}", key="meta")
+    if not _finite(tolerance) or tolerance < 0:
+        raise DatasetError(f"tolerance must be a finite number >= 0, got {tolerance!r}",
+                           key="tolerance")
+    if not _finite(reward_timeout_s) or reward_timeout_s <= 0:
+        raise DatasetError(f"reward_timeout_s must be a finite number of seconds > 0, got "
+                           f"{reward_timeout_s!r}", key="reward_timeout_s")
+    if not isinstance(reward, str):
+        raise DatasetError(f"reward must be a string, got {reward!r}", key="reward")
+    if ":" in reward:
+        _split_spec(reward)
+    else:
+        built_in(reward)
+    _weights(weights, None if ":" in reward else reward)
+
+
+def _finite(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
 def _weights(weights: Mapping[str, float] | None, kind: str | None) -> dict[str, float]:
-    """The reward weights (``kind``: the built-in reward, None for a user function)."""
+    """The reward weights (``kind``: the built-in reward, None for a user function): finite,
+    none negative, some positive (else every reply would score the best total)."""
     if weights is None:
         return {"accuracy": 1.0}
     if not isinstance(weights, Mapping) or not weights or not all(
-            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-            and math.isfinite(v) for k, v in weights.items()):
-        raise DatasetError(f"weights must map component names to finite numbers, got {weights!r}")
+            isinstance(k, str) and _finite(v) for k, v in weights.items()):
+        raise DatasetError(f"weights must map component names to finite numbers, got "
+                           f"{weights!r}", key="weights")
     if kind is not None and set(weights) != {"accuracy"}:
         raise DatasetError(f"reward {kind!r} has the one component 'accuracy'; weights "
-                           f"{sorted(weights)} name others (they are for a user function)")
+                           f"{sorted(weights)} name others (they are for a user function)",
+                           key="weights")
+    negative = sorted(k for k, v in weights.items() if v < 0)
+    if negative:
+        raise DatasetError(f"weights {negative} are negative ({weights!r}); a weight is >= 0 "
+                           "(a penalty is a component your function makes negative)",
+                           key="weights")
+    if not any(v > 0 for v in weights.values()):
+        raise DatasetError(f"weights {weights!r} are all zero: every reply would score the best "
+                           "total (outcome correct); give a weight > 0", key="weights")
     return {k: float(v) for k, v in weights.items()}
 
 
@@ -687,6 +883,7 @@ def from_dataset(path: str | os.PathLike, prompt: str = "prompt", answer: str = 
                  system: str | None = None, **kw: Any) -> DatasetEnv:
     """Tasks from a JSONL/CSV file or a ``datasets`` folder as a ``ToolEnv`` (the same
     keywords as ``envs.make("agent_rl/Dataset-v0", ...)``: ``tolerance``, ``weights``,
-    ``task_id``, ``solution``, ``dataset_split`` and ``ToolEnv``'s; module docstring)."""
+    ``task_id``, ``solution``, ``dataset_split``, ``reward_timeout_s`` and ``ToolEnv``'s;
+    module docstring)."""
     return DatasetEnv(path, prompt=prompt, answer=answer, reward=reward, meta=meta,
                       system=system, **kw)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import gymnasium
@@ -65,9 +66,7 @@ def accepted_kwargs(id: str) -> set[str] | None:
     (following ``**kwargs`` up the ``__init__`` chain) without building the environment;
     ``None`` for a factory taking ``**kwargs``, whose names are not knowable. Raises
     ``UnregisteredEnv`` (a ``LookupError``) or ``ImportError`` for an id that cannot be built."""
-    _check_registered(id)
-    entry = _REGISTERED[id]["entry_point"]
-    creator = entry if callable(entry) else gymnasium.envs.registration.load_env_creator(entry)
+    creator = _creator(id)
     inits = ([vars(k)["__init__"] for k in creator.__mro__[:-1] if "__init__" in vars(k)]
              if inspect.isclass(creator) else [creator])
     takes: set[str] = set()
@@ -77,6 +76,24 @@ def accepted_kwargs(id: str) -> set[str] | None:
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             return takes - {"self"}  # this constructor passes nothing further up
     return takes - {"self"} if inspect.isclass(creator) else None
+
+
+def entry_point_source(id: str) -> Path | None:
+    """The source file that defines the class or factory ``make(id)`` builds from (None when
+    it has none, e.g. a compiled one), importing it but building nothing. Raises as
+    ``accepted_kwargs`` does for an id that cannot be built."""
+    creator = _creator(id)
+    try:
+        source = inspect.getsourcefile(creator)
+    except TypeError:
+        return None
+    return Path(source).resolve() if source else None
+
+
+def _creator(id: str) -> Any:
+    _check_registered(id)
+    entry = _REGISTERED[id]["entry_point"]
+    return entry if callable(entry) else gymnasium.envs.registration.load_env_creator(entry)
 
 
 def _check_registered(id: str) -> None:

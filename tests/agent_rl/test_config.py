@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 
 import pytest
 
@@ -573,3 +575,109 @@ def test_curriculum_is_a_contract_key(design_file):
 ])
 def test_curriculum_errors_name_the_key(overrides, message):
     assert message in contract_error(overrides=overrides)
+
+
+# --- Dataset-v0: the files it reads are pinned, its arguments checked ---------------------------
+
+
+REWARD_V1 = "def score(answer, task):\n    return float(answer.strip() == task.target)\n"
+REWARD_V2 = "def score(answer, task):\n    return float(task.target in answer)\n"
+
+
+def dataset_contract(reward: str, **kwargs) -> ExperimentContract:
+    return ExperimentContract.from_dict({
+        "env": {"id": "agent_rl/Dataset-v0", "iid_fraction": 0.5,
+                "kwargs": {"path": "qa.jsonl", "reward": reward, **kwargs}},
+        "eval": {"split": "holdout_iid"}})
+
+
+@pytest.fixture
+def dataset_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the contract's paths are read from the working directory
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (tmp_path / "rewards.py").write_text(REWARD_V1)
+    return tmp_path
+
+
+def test_a_reward_function_file_is_pinned_by_its_content(dataset_dir):
+    contract = dataset_contract("rewards.py:score")
+    before, pins = contract.contract_hash(), contract.input_pins()
+    assert contract.hashed_fields()["env"]["kwargs"]["reward"] == {
+        "function": "rewards.py:score", "sha256": hashlib.sha256(REWARD_V1.encode()).hexdigest()}
+    assert contract.pin_changes(pins) == []
+    (dataset_dir / "rewards.py").write_text(REWARD_V2)  # the same name, another body
+    assert contract.contract_hash() != before
+    assert contract.changes_from(contract) == []  # no key changed ...
+    (change,) = contract.pin_changes(pins)  # ... the content of one file did, and it is named
+    assert change == (f"env.kwargs.reward: content changed (rewards.py:score sha256 "
+                      f"{hashlib.sha256(REWARD_V1.encode()).hexdigest()[:12]} -> rewards.py:score "
+                      f"sha256 {hashlib.sha256(REWARD_V2.encode()).hexdigest()[:12]})")
+    (dataset_dir / "rewards.py").write_text(REWARD_V1)
+    assert contract.contract_hash() == before
+
+
+def test_a_reward_function_module_is_pinned_by_its_source_file(dataset_dir, monkeypatch):
+    (dataset_dir / "pinned_reward_mod.py").write_text(REWARD_V1)
+    monkeypatch.syspath_prepend(str(dataset_dir))
+    contract = dataset_contract("pinned_reward_mod:score")
+    before = contract.contract_hash()
+    (dataset_dir / "pinned_reward_mod.py").write_text(REWARD_V2)
+    assert contract.contract_hash() != before
+    assert [c.split(":")[0] for c in contract.pin_changes({})] == ["env.kwargs.path",
+                                                                   "env.kwargs.reward"]
+
+
+def test_built_in_rewards_and_other_envs_pin_no_code(dataset_dir):
+    assert set(dataset_contract("numeric").input_pins()) == {"env.kwargs.path"}
+    assert ExperimentContract().input_pins() == {}
+
+
+@pytest.mark.parametrize(("reward", "message"), [
+    ("missing.py:score", r"env.kwargs.reward: cannot read .*missing.py"),
+    ("no_such_module_xyz:score", "env.kwargs.reward: reward 'no_such_module_xyz:score': no module"),
+])
+def test_a_reward_function_that_cannot_be_pinned_names_the_key(dataset_dir, reward, message):
+    with pytest.raises(ContractError, match=message):
+        dataset_contract(reward).contract_hash()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"weights": {"accuracy": 0}}, r"env.kwargs.weights: weights \{'accuracy': 0\} are all zero"),
+    ({"weights": {"accuracy": -1}}, r"env.kwargs.weights: weights \['accuracy'\] are negative"),
+    ({"reward_timeout_s": 0}, "env.kwargs.reward_timeout_s: reward_timeout_s must be a finite"),
+    ({"reward": "fuzzy"}, "env.kwargs.reward: reward 'fuzzy' is not one of"),
+    ({"reward": ":f"}, "env.kwargs.reward: reward ':f': a user reward is 'module:function'"),
+    ({"tolerance": -1}, "env.kwargs.tolerance: tolerance must be"),
+])
+def test_dataset_arguments_are_contract_errors_naming_the_key(kwargs, message):
+    overrides = [f"env.kwargs.{k}={v!r}" if not isinstance(v, dict) else f"env.kwargs.{k}={v}"
+                 for k, v in kwargs.items()]
+    assert re.search(message, contract_error(
+        {"env": {"id": "agent_rl/Dataset-v0"}, "eval": {"split": "holdout_iid"}}, overrides))
+
+
+def test_an_env_registered_from_outside_agent_rl_is_pinned_by_its_source(tmp_path, monkeypatch):
+    """A scaffolded or plugin env scores with its own code: editing it is a new contract."""
+    import envs
+    from envs import registry
+
+    package = tmp_path / "pinned_env_pkg"
+    package.mkdir()
+    source = (Path(envs.__file__).parent / "arithmetic.py").read_text()
+    (package / "__init__.py").write_text("")
+    (package / "env.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    envs.register("tests/PinnedArithmetic-v0", "pinned_env_pkg.env:ArithmeticEnv")
+    try:
+        contract = ExperimentContract.from_dict({"env": {"id": "tests/PinnedArithmetic-v0"}})
+        pins = contract.input_pins()
+        assert pins == {"env.id": {"id": "tests/PinnedArithmetic-v0",
+                                   "sha256": hashlib.sha256(source.encode()).hexdigest()}}
+        before = contract.contract_hash()
+        (package / "env.py").write_text(source + "\n# edited\n")
+        assert contract.contract_hash() != before
+        assert [c.split(":")[0] for c in contract.pin_changes(pins)] == ["env.id"]
+    finally:
+        registry._REGISTERED.pop("tests/PinnedArithmetic-v0", None)
+        import gymnasium
+        gymnasium.registry.pop("tests/PinnedArithmetic-v0", None)

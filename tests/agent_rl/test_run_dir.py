@@ -23,7 +23,7 @@ from agent_rl import models, runlog, train
 from agent_rl.models import tiny_model
 from agent_rl.runlog import RunDirError
 from tests.agent_rl import toy_env
-from tests.agent_rl.test_train import make_contract, read_jsonl
+from tests.agent_rl.test_train import BASE, make_contract, read_jsonl
 
 SHORT = ("optim.max_steps=2", "checkpoint.every=1", "eval.every=0")
 RECORDS = 2 * 2 * 4  # steps x tasks_per_step x group_size
@@ -179,3 +179,24 @@ def test_log_lines_are_fsynced(tmp_path, monkeypatch):
     runlog.log_json(tmp_path / "metrics.jsonl", {"step": 1})
     assert len(synced) == 1
 
+
+
+def test_resume_refuses_a_reward_function_whose_source_changed(tmp_path, monkeypatch):
+    """``reward: rewards.py:score`` is pinned by the file's content: after an edit of the
+    function's body, --resume is refused naming env.kwargs.reward, writing nothing."""
+    monkeypatch.chdir(tmp_path)
+    Path("qa.jsonl").write_text("".join(f'{{"prompt": "{i}+1?", "answer": "{i + 1}"}}\n'
+                                        for i in range(8)))
+    Path("rewards.py").write_text("def score(answer, task):\n    return float(answer == task.target)\n")
+    base = {**BASE, "name": "qa", "eval": {"split": "holdout_iid", "n": 2, "every": 0},
+            "env": {"id": "agent_rl/Dataset-v0", "iid_fraction": 0.5, "pool_size": 8,
+                    "kwargs": {"path": "qa.jsonl", "reward": "rewards.py:score"}}}
+    contract = make_contract(Path("run"), "optim.max_steps=1", "checkpoint.every=1", base=base)
+    train.run(contract, progress=False)
+    before = snapshot(Path("run"))
+    Path("rewards.py").write_text("def score(answer, task):\n    return 1.0\n")
+    with pytest.raises(RunDirError, match=r"another contract .*changed: env.kwargs.reward: "
+                                          r"content changed \(rewards.py:score sha256 \w{12} -> "
+                                          r"rewards.py:score sha256 \w{12}\)"):
+        train.run(contract, resume=True, progress=False)
+    assert snapshot(Path("run")) == before

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from envs.checks import check_env_id, hostile_actions
 from envs.datasets import (
     DEFAULT_PATH,
     DatasetError,
+    RewardFaultWarning,
+    RewardReturnError,
     choice_reward,
     contains_reward,
     exact_reward,
@@ -564,3 +568,219 @@ def test_training_two_steps_on_the_example_contract(tmp_path):
     episode = json.loads((run_dir / "rollouts.jsonl").read_text().splitlines()[0])
     assert episode["env_id"] == "agent_rl/Dataset-v0"
     assert episode["reward"]["verifier"] == "agent_rl/Dataset-v0@0/numeric"
+
+
+# --- scoring is bounded: agent text never hangs it ------------------------------------------
+
+
+SLOW_PY = '''
+import os, time
+
+def sleeps_on_cue(answer, task):
+    if answer == "sleep":
+        time.sleep(3600)
+    return float(answer.strip() == str(task.target))
+
+def sleeps_always(answer, task):
+    time.sleep(3600)
+
+def exits_on_cue(answer, task):
+    if answer == "exit":
+        os._exit(3)
+    return 1.0
+
+def says_true_on_cue(answer, task):
+    return True if answer == "yes" else 0.0
+
+def says_true(answer, task):
+    return answer == str(task.target)
+'''
+
+
+@pytest.fixture
+def slow_rewards(tmp_path) -> str:
+    (tmp_path / "slow_rewards.py").write_text(textwrap.dedent(SLOW_PY))
+    return str(tmp_path / "slow_rewards.py")
+
+
+def scored_quickly(env, reply: str, limit_s: float = 20.0):
+    """The RewardBreakdown of ``reply`` on the first row, with its warnings; it must come back
+    well within ``limit_s`` (the env's reward_timeout_s is far below it)."""
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reward = answer_with(env, reply)
+    assert time.monotonic() - started < limit_s
+    return reward, [str(w.message) for w in caught if w.category is RewardFaultWarning]
+
+
+def assert_stopped(reward, said: list[str], timeout_s: float, task_id: str = "t-1") -> None:
+    assert reward.outcome == Outcome.sandbox_error and reward.is_infrastructure_fault
+    assert reward.total == 0.0 and reward.audit["task_id"] == task_id
+    assert f"reward_timeout_s={timeout_s:g} s" in reward.audit["reward_error"]
+    assert len(said) == 1 and f"task {task_id}" in said[0] and "sandbox_error" in said[0]
+
+
+def test_a_catastrophic_regex_is_stopped_at_reward_timeout_s(tmp_path):
+    """``^(a+)+$`` against 40 a's and a '!' backtracks for longer than the universe's age: the
+    episode ends as a counted infrastructure fault after reward_timeout_s, and the next reply
+    is scored as usual."""
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "Say a's.", "answer": "^(a+)+$"}])
+    env = from_dataset(path, reward="regex", reward_timeout_s=0.5)
+    reward, said = scored_quickly(env, "a" * 40 + "!")
+    assert_stopped(reward, said, 0.5)
+    assert answer_with(env, "aaaa").outcome == Outcome.correct
+    assert answer_with(env, "aab").outcome == Outcome.wrong
+
+
+def test_a_user_function_that_hangs_is_stopped_and_the_next_reply_is_scored(tmp_path, slow_rewards):
+    env = from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS),
+                       reward=f"{slow_rewards}:sleeps_on_cue", reward_timeout_s=0.5)
+    reward, said = scored_quickly(env, "sleep")
+    assert_stopped(reward, said, 0.5)
+    assert "slow_rewards.py:sleeps_on_cue" in said[0]
+    assert answer_with(env, "5").outcome == Outcome.correct  # a fresh worker after the kill
+
+
+def test_a_user_function_that_exits_its_process_is_a_fault_not_an_exit(tmp_path, slow_rewards):
+    env = from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS),
+                       reward=f"{slow_rewards}:exits_on_cue")
+    reward, said = scored_quickly(env, "exit")
+    assert reward.outcome == Outcome.sandbox_error and len(said) == 1
+    assert "WorkerDied" in reward.audit["reward_error"] and "exit code 3" in said[0]
+    assert answer_with(env, "5").total == 1.0
+
+
+def test_a_user_function_that_hangs_at_construction_names_reward_timeout_s(tmp_path, slow_rewards):
+    started = time.monotonic()
+    with pytest.raises(DatasetError, match=r"sleeps_always returned nothing within "
+                                           r"reward_timeout_s=0.5 s on t-1 .*raise "
+                                           "reward_timeout_s") as info:
+        from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS),
+                     reward=f"{slow_rewards}:sleeps_always", reward_timeout_s=0.5)
+    assert info.value.key == "reward_timeout_s" and time.monotonic() - started < 20
+
+
+def test_the_choice_reward_reads_long_whitespace_in_linear_time():
+    """'answer' and 100000 spaces took minutes (three adjacent ``\\s*`` backtracking); one
+    reading of each whitespace run is linear. The letter forms still read as before."""
+    for reply in ["answer" + " " * 100_000 + "!", " " * 100_000 + "x!", "x" + " " * 100_000 + "!"]:
+        started = time.monotonic()
+        assert read_choice(reply) is None
+        assert time.monotonic() - started < 2.0
+    assert [read_choice(r) for r in ["The answer is: (C)", "answeris D", "Answer  :  E.",
+                                     " ( b ) . ", "[c]:"]] == ["C", "D", "E", "B", "C"]
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "10"])
+def test_reward_timeout_s_is_a_finite_positive_number(tmp_path, value):
+    with pytest.raises(DatasetError, match="reward_timeout_s must be a finite number of "
+                                           "seconds > 0") as info:
+        from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS), reward_timeout_s=value)
+    assert info.value.key == "reward_timeout_s"
+
+
+def test_stopped_rewards_are_masked_and_counted_by_the_trainer(tmp_path):
+    """The trainer's rollout leaves a stopped reward out of its group and counts it
+    (``reward/infra_error_rate``), with the task id and the reason on the episode."""
+    from agent_rl.rollout import budget_report, filter_groups
+    from envs.runner import Completion, run_episodes
+
+    class Replies:
+        def generate(self, batch, sampling):
+            return [Completion("a" * 40 + "!" if i == 0 else "aaa", [1], [-0.1])
+                    for i, _ in enumerate(batch)]
+
+    rows = [{"prompt": "Say a's.", "answer": "^(a+)+$", "id": "hang"}]
+    env = from_dataset(write_jsonl(tmp_path / "t.jsonl", rows), reward="regex", task_id="id",
+                       reward_timeout_s=0.5)
+    with pytest.warns(RewardFaultWarning, match="task hang"):
+        episodes = run_episodes([env, from_dataset(tmp_path / "t.jsonl", reward="regex",
+                                                   task_id="id", reward_timeout_s=0.5)],
+                                env.tasks, Replies(), samples_per_task=2)
+    assert [e.reward.outcome for e in episodes] == [Outcome.sandbox_error, Outcome.correct]
+    assert episodes[0].task_id == "hang" and "DeadlineExceeded" in episodes[0].reward.audit[
+        "reward_error"]
+    decided, drops = filter_groups(episodes, dynamic_sampling=False)
+    assert [e.filter["reason"] for e in decided] == ["infrastructure_fault", "kept"]
+    assert budget_report(decided, drops, "mask")["infrastructure_faults"] == 1
+
+
+# --- reward weights and return values -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("reward", "weights", "message"), [
+    ("exact", {"accuracy": 0}, r"weights \{'accuracy': 0\} are all zero: every reply would"),
+    ("exact", {"accuracy": -1.0}, r"weights \['accuracy'\] are negative"),
+    ("exact", {"accuracy": float("inf")}, "finite numbers"),
+    ("exact", {"accuracy": True}, "finite numbers"),
+    ("parts", {"accuracy": 0.0, "short": 0.0}, "are all zero"),
+    ("parts", {"accuracy": 1.0, "short": -0.5}, r"weights \['short'\] are negative"),
+])
+def test_degenerate_weights_are_refused_naming_weights(tmp_path, rewards_file, reward, weights,
+                                                       message):
+    spec = f"{rewards_file}:{reward}" if reward == "parts" else reward
+    with pytest.raises(DatasetError, match=message) as info:
+        from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS), reward=spec, weights=weights)
+    assert info.value.key == "weights"
+
+
+def test_a_zero_weight_beside_a_positive_one_is_recorded_not_scored(tmp_path, rewards_file):
+    env = from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS), reward=f"{rewards_file}:parts",
+                       weights={"accuracy": 1.0, "short": 0.0})
+    r = answer_with(env, "4")  # wrong but short: 1 x 0 + 0 x 1
+    assert (r.total, r.outcome) == (0.0, Outcome.wrong)
+
+
+def test_a_user_function_returning_a_bool_fails_at_construction(tmp_path, slow_rewards):
+    with pytest.raises(DatasetError, match=r"slow_rewards.py:says_true returned True \(bool\); "
+                                           r"a score is a float: return float\(...\)"):
+        from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS), reward=f"{slow_rewards}:says_true")
+
+
+def test_a_user_function_returning_a_bool_later_is_a_loud_error(tmp_path, slow_rewards):
+    env = from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS),
+                       reward=f"{slow_rewards}:says_true_on_cue")
+    assert answer_with(env, "no").outcome == Outcome.wrong
+    with pytest.raises(RewardReturnError, match=r"says_true_on_cue returned True \(bool\)"):
+        answer_with(env, "yes")
+
+
+# --- rows Python cannot read are named like any bad row -------------------------------------
+
+
+GOOD = b'{"prompt": "a?", "answer": "1"}\n'
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("bad.jsonl", GOOD + b'{"prompt": "caf\xff?", "answer": "1"}\n',
+     r"row 2 \(line 2\): byte 16 of the line \(0xff\) is not UTF-8; save the file as UTF-8"),
+    ("bad.jsonl", GOOD + b"\n" + b'{"prompt": "a?", "answer": ' + b"7" * 5000 + b"}\n",
+     r"row 2 \(line 3\): holds an integer of 5000 digits \(Python reads at most 4300\); "
+     r'write it as a string: "777777777777..."'),
+    ("bad.jsonl", GOOD + b'{"prompt": "a?", "answer": "1", "x": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}\n", r"row 2 \(line 2\): nested deeper than JSON can be read here"),
+    ("bad.jsonl", GOOD + b'{"prompt": "a?", "answer": "1", "x": ' + b"[" * 500 + b"]" * 500
+     + b"}\n", r"row 2 \(line 2\): nested 501 levels deep; a row nests at most 100 levels"),
+    ("bad.csv", b"prompt,answer\na?,1\ncaf\xff?,1\n",
+     r"row 2 \(line 3\): column 'prompt' holds byte 0xff at character 4, not UTF-8"),
+    ("bad.csv", b"prompt,\xe9nswer\na?,1\n", r"line 1 \(the header\): column name .* holds byte "
+                                             r"0xe9, not UTF-8"),
+    ("bad.csv", b'prompt,answer\na?,1\n"' + b"x" * 200_000 + b'",1\nb?,2\n',
+     r"row 2 \(line 3\): not readable as CSV \(field larger than field limit \(131072\)\); a "
+     r"\.csv cell holds at most 131072 characters: put longer ones in a \.jsonl file"),
+], ids=["jsonl-not-utf8", "jsonl-5000-digits", "jsonl-100000-deep", "jsonl-500-deep",
+        "csv-not-utf8", "csv-header-not-utf8", "csv-200k-cell"])
+def test_rows_python_cannot_read_are_named_with_file_row_and_line(tmp_path, name, content,
+                                                                  message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DatasetError, match=message) as info:
+        from_dataset(path)
+    assert str(info.value).startswith(f"{path}: ")
+
+
+def test_a_long_integer_answer_in_a_csv_cell_is_read_as_text(tmp_path):
+    path = write_csv(tmp_path / "t.csv", ["prompt", "answer"], [["Big?", "7" * 5000]])
+    env = from_dataset(path, reward="numeric")
+    assert answer_with(env, "It is " + "7" * 5000).outcome == Outcome.correct
