@@ -138,7 +138,7 @@ def test_sft_run_writes_a_full_weight_bundle_that_train_starts_from(tmp_path):
     assert pinned == {"path": str(result.run_dir), "bundle": result.bundle_hash}
 
     # a second sft run into the same folder is refused, the first one left whole
-    with pytest.raises(ValueError, match="is not empty"):
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
         sft.run(c, progress=False)
     assert checkpoint.verify_bundle(result.bundle) == result.bundle_hash
 
