@@ -62,6 +62,19 @@ class Holder:
         return cls(pid if isinstance(pid, int) else None, *(
             str(data[k]) if data.get(k) is not None else None for k in ("host", "started", "command")))
 
+    def gone(self) -> bool:
+        """Is the process that took the lock known to have ended (a pid of this host that
+        no longer runs)?"""
+        if self.pid is None or self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
     def __str__(self) -> str:
         if self.pid is None:
             return "a process that has not written its pid yet"
@@ -127,10 +140,12 @@ def _lock(path: Path) -> int:
         except BlockingIOError:
             holder = Holder.read(_read(fd))
             os.close(fd)
+            gone = ("; that process is gone, but one it forked still holds the lock: "
+                    f"`fuser -v {path}` names it" if holder.gone() else "")
             raise RunDirBusy(f"run_dir {path.parent} is in use by another agent-rl process "
-                             f"({holder}; lock file {path}): two runs in one folder would "
-                             "corrupt it. Wait for it to end or stop it, or choose another "
-                             "run_dir") from None
+                             f"({holder}; lock file {path}{gone}): two runs in one folder "
+                             "would corrupt it. Wait for it to end or stop it, or choose "
+                             "another run_dir") from None
         if _same_file(fd, path):
             break
         os.close(fd)  # its holder removed it as we opened it: lock the file there now

@@ -5,7 +5,9 @@ base model's files: pinned before the first rollout), ``metrics.jsonl`` (one nam
 record per step, mirrored to TensorBoard when it is installed), ``eval.jsonl`` (held-out
 summaries) and ``evals/<tag>.jsonl`` (one record per held-out episode), ``rollouts.jsonl``
 (every episode), ``curriculum.jsonl`` (one record per difficulty-filter round, keyed by the
-first step it trains), ``checkpoints/``, ``guard.json``, ``result.json``.
+first step it trains), ``checkpoints/``, ``guard.json``, ``result.json``; ``run.lock`` while a
+process runs there (``runlock``: one process per run directory). ``agent-rl sft`` writes its
+resume bundles to ``resume/`` and its final bundle to ``checkpoints/``.
 
 What a user owns is never overwritten or dropped: ``check_run_dir`` refuses, writing
 nothing, a folder that is no run of this contract and base model, or whose logs lost what

@@ -13,6 +13,7 @@ the same contract) is copied and damaged per test.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -287,6 +288,38 @@ def test_the_lock_is_released_on_any_exit_and_held_by_rank_0_only(tmp_path, monk
             (run_dir / "metrics.jsonl").write_text("")
             raise RunDirError("already holds a run")
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+    # a holder killed while a process it forked lives on: the lock is still held, and the
+    # message says by whom
+    forked = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+                               "from agent_rl import runlock\n"
+                               f"with runlock.hold_run_dir({str(run_dir)!r}):\n"
+                               "    if os.fork() == 0:\n"
+                               "        print(os.getpid(), flush=True); time.sleep(120)\n"
+                               "    os._exit(0)"],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(forked.stdout.readline())
+        forked.wait(timeout=60)
+        with pytest.raises(runlock.RunDirBusy, match=rf"pid {forked.pid} on host .*; that "
+                                                     "process is gone, but one it forked still "
+                                                     "holds the lock: `fuser -v"):
+            runlock.hold_run_dir(run_dir).__enter__()
+    finally:
+        os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    with open(run_dir / runlog.LOCK_FILE) as fh:  # the kernel drops the lock as the child ends
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the killed child still holds the lock"
+                time.sleep(0.05)
+    with pytest.warns(UserWarning, match=f"taking over the lock of pid {forked.pid}"):
+        with runlock.hold_run_dir(run_dir):
+            pass
 
     monkeypatch.setenv("RANK", "1")
     with runlock.hold_if_main(run_dir) as lock:
