@@ -85,6 +85,11 @@ class BundleError(RuntimeError):
     """A bundle is missing, incomplete, corrupt, or does not fit the model; says which file."""
 
 
+class DiskFullError(BundleError):
+    """No space was left while writing a bundle: says where, and which complete bundle is the
+    newest (``no_space``); the partial one is gone, the earlier ones are untouched."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Files: the one write path, fsync, hashing, canonical JSON
 # ---------------------------------------------------------------------------------------------
@@ -117,12 +122,15 @@ def _writer_bytes(data: bytes) -> Callable[[Path], None]:
 
 
 def _writer_torch(obj: Any) -> Callable[[Path], None]:
-    def write(path: Path) -> None:
-        # A Python file object, so a failed write surfaces as OSError (with errno) in the chain.
-        with open(path, "wb") as f:
-            torch.save(obj, f)
+    return lambda path: save_torch(obj, path)
 
-    return write
+
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` into a Python file object: given a path, torch's own writer reports a
+    failed write (a full disk) as "unexpected pos" without its errno; through a file object
+    the ``OSError`` (ENOSPC) comes out, and ``is_disk_full`` sees it."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def _sha256_file(path: Path) -> str:
@@ -133,7 +141,9 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _is_disk_full(exc: BaseException | None) -> bool:
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Is ``exc``, or an exception in its chain, a full disk or quota (by errno, or by the text
+    safetensors' and torch's writers give it)?"""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -143,6 +153,18 @@ def _is_disk_full(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def no_space(where: str | os.PathLike, root: str | os.PathLike, exc: BaseException) -> DiskFullError:
+    """The error for a full disk while writing ``where`` (a bundle under ``root``, or a file of
+    the run whose bundles are under ``root``): where, and the newest complete bundle, the one
+    a resume continues from."""
+    last = latest_complete(root)
+    held = (f"the last complete checkpoint is step {int(_STEP_DIR.match(last.name).group(1))} "
+            f"({last})" if last else "there is no complete checkpoint yet")
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return DiskFullError(f"no space left on {where} ({reason}), {held}; a half-written "
+                         "checkpoint is never read. Free space, then resume (--resume)")
 
 
 def _host() -> str:
@@ -370,8 +392,8 @@ def save_bundle(
 
     Refuses to overwrite a complete, intact bundle of the same step; an incomplete or corrupt
     one is moved aside to `root/.broken-step-...`. On a full disk the temp folder is removed
-    and `BundleError("disk full while writing checkpoint ...")` is raised; earlier bundles
-    are never touched.
+    and `DiskFullError` ("no space left on ROOT ..., the last complete checkpoint is step N")
+    is raised; earlier bundles are never touched.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -472,11 +494,8 @@ def save_bundle(
     except BaseException as exc:
         if not committed:
             _discard(final if renamed else tmp)
-        if isinstance(exc, Exception) and _is_disk_full(exc):
-            raise BundleError(
-                f"disk full while writing checkpoint {final}: {exc}; the partial "
-                "bundle was removed, earlier bundles are untouched"
-            ) from exc
+        if isinstance(exc, Exception) and is_disk_full(exc):
+            raise no_space(final, root, exc) from exc
         raise
     return final
 

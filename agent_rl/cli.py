@@ -15,14 +15,16 @@ escape sequence, C1 control or bidi override reaches the terminal and no such te
 
 Exit codes: 0 success; 1 a check failed (``inspect --verify`` found bad records, ``envs check``
 failed, ``canary`` rolled back or stopped); 2 a usage error, a broken contract (the message names
-the key), a missing file, model or bundle, or an unreadable record; 3 ``train`` stopped by a
-guard; 130 ``train`` interrupted (Ctrl-C or SIGTERM; ``--resume`` continues from the last
-complete checkpoint).
+the key), a missing file, model or bundle, an unreadable record, a run directory that another
+process holds or that cannot be written, or a full disk (the message names the last complete
+checkpoint); 3 ``train`` stopped by a guard; 130 ``train`` or ``sft`` interrupted (Ctrl-C or
+SIGTERM; ``--resume`` continues from the last complete checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -316,6 +318,38 @@ def train(args: argparse.Namespace) -> int:
         run_dir = contract.check_run_dir()
     except ContractError as exc:
         raise CLIError(str(exc)) from exc
+    with holding(run_dir, args.resume):  # before the model loads: a busy or unwritable run_dir fails at once
+        return train_held(args, contract, run_dir)
+
+
+def holding(run_dir: Path, resume: bool) -> contextlib.AbstractContextManager:
+    """``runlock.hold_if_main(run_dir, resume)``, entered: the run directory is this process's until
+    the returned context exits; one held by another process or that cannot be written is a
+    ``CLIError`` naming it (exit 2)."""
+    from agent_rl.runlock import hold_if_main
+    from agent_rl.runlog import RunDirError
+
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(hold_if_main(run_dir, resume))
+    except RunDirError as exc:
+        raise CLIError(str(exc)) from None
+    return stack
+
+
+def no_space(exc: OSError, run_dir: Path, checkpoints: Path) -> CLIError | None:
+    """A full disk while writing a file of the run (a log line; a checkpoint's is a
+    ``checkpoint.DiskFullError`` already) as a ``CLIError`` naming the file and the newest
+    complete bundle in ``checkpoints``; None for any other error."""
+    from agent_rl import checkpoint
+
+    if not checkpoint.is_disk_full(exc):
+        return None
+    return CLIError(str(checkpoint.no_space(exc.filename or run_dir, checkpoints, exc)))
+
+
+def train_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
+    """``agent-rl train`` once its run directory is held."""
     import gymnasium
 
     from agent_rl import checkpoint
@@ -338,9 +372,13 @@ def train(args: argparse.Namespace) -> int:
         where = f"from {latest}" if latest else "from the start (no complete checkpoint yet)"
         echo(f"agent-rl train: interrupted; `agent-rl train {args.config} --resume` (same "
              f"--set options) continues {where}", file=sys.stderr)
-        if run_dir.is_dir():
+        if (run_dir / "contract.sha256").is_file():  # the run got as far as pinning its folder
             write_run_report(run_dir)
         return 130
+    except OSError as exc:  # a full disk while writing a log line
+        if (error := no_space(exc, run_dir, run_dir / "checkpoints")) is None:
+            raise
+        raise error from exc
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
         raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
     if not main_rank:
@@ -365,6 +403,8 @@ def _sft_arguments(parser: argparse.ArgumentParser) -> None:
                         "data, optim, limits, run_dir)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a contract key by its dotted path, e.g. optim.epochs=1")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in run_dir from its newest resume bundle")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -375,9 +415,15 @@ def sft(args: argparse.Namespace) -> int:
 
     try:  # a broken contract fails before torch is imported
         contract = SFTContract.from_yaml(args.config, args.overrides)
-        contract.check_run_dir()
+        run_dir = contract.check_run_dir()
     except ContractError as exc:
         raise CLIError(str(exc)) from exc
+    with holding(run_dir, args.resume):  # before the model loads: a busy or unwritable run_dir fails at once
+        return sft_held(args, contract, run_dir)
+
+
+def sft_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
+    """``agent-rl sft`` once its run directory is held."""
     import gymnasium
 
     from agent_rl import checkpoint
@@ -388,11 +434,17 @@ def sft(args: argparse.Namespace) -> int:
     load_model_or_fail(contract.model.id, contract.model.dtype)
     try:
         with _StopSignal():
-            result = warm_start.run(contract, progress=not args.no_progress)
+            result = warm_start.run(contract, resume=args.resume, progress=not args.no_progress)
     except KeyboardInterrupt:
-        print("agent-rl sft: interrupted; no bundle was written (rerun it with a new run_dir)",
-              file=sys.stderr)
+        latest = checkpoint.latest_complete(run_dir / warm_start.RESUME_DIR)
+        where = f"from {latest}" if latest else "from the start (no resume bundle yet)"
+        print(f"agent-rl sft: interrupted; `agent-rl sft {args.config} --resume` (same --set "
+              f"options) continues {where}", file=sys.stderr)
         return 130
+    except OSError as exc:  # a full disk while writing a log line
+        if (error := no_space(exc, run_dir, run_dir / warm_start.RESUME_DIR)) is None:
+            raise
+        raise error from exc
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
         raise CLIError(str(exc)) from exc
     data = result.data

@@ -673,6 +673,7 @@ class SFTContract(_Contract):
     data: SFTDataSection = Field(default_factory=SFTDataSection)
     optim: SFTOptimSection = Field(default_factory=SFTOptimSection)
     limits: SFTLimits = Field(default_factory=SFTLimits)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="resume points every N optimizer steps (run_dir/resume/step-N: `agent-rl sft --resume` continues from the newest); the final bundle is checkpoints/step-N")
     run_dir: str = "runs/${name}"
 
     @model_validator(mode="after")

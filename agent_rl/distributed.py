@@ -54,7 +54,8 @@ backend's own optimizer state (`optimizer.pt` for torch; for DeepSpeed its modul
 every rank's optimizer partition, as `engine.save_checkpoint` names them) and `backend.json`
 (backend, ZeRO stage, world size: a DeepSpeed state resumes only on the same stage and world
 size). `write_bundle` puts them into a checkpoint bundle through `save_bundle`'s
-`extra_writer`, next to model.safetensors written from the full parameters (`gathered`). To
+`extra_writer`, next to model.safetensors written from the full parameters (`gathered`); a
+full disk there is `checkpoint.DiskFullError`, naming the last complete bundle. To
 resume: on every rank, `checkpoint.load_bundle(path, model, scheduler=...)` into the plain
 model BEFORE `make_backend` (ZeRO-3 partitions what it wraps), then `backend.load_state(path)`.
 """
@@ -198,7 +199,7 @@ class TorchBackend:
     def save_state(self, folder: str | os.PathLike) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), folder / checkpoint.OPTIMIZER_FILE)
+        checkpoint.save_torch(self.optimizer.state_dict(), folder / checkpoint.OPTIMIZER_FILE)
         _write_json(folder / BACKEND_FILE, self._identity())
 
     def load_state(self, folder: str | os.PathLike) -> None:
@@ -518,7 +519,12 @@ def write_bundle(backend: Backend, root: str | os.PathLike, step: int, *,
     backend.barrier()
     path = None
     try:  # the staging folder goes whatever happens (an interrupt mid-write included)
-        backend.save_state(stage)
+        try:
+            backend.save_state(stage)
+        except Exception as exc:  # a full disk says so, and names the last complete bundle
+            if checkpoint.is_disk_full(exc):
+                raise checkpoint.no_space(root / f"step-{step:06d}", root, exc) from exc
+            raise
         with backend.gathered():
             if backend.is_main:
                 path = checkpoint.save_bundle(

@@ -6,7 +6,9 @@ base model's files: pinned before the first rollout), ``metrics.jsonl`` (one nam
 record per step, mirrored to TensorBoard when it is installed), ``eval.jsonl`` (held-out
 summaries) and ``evals/<tag>.jsonl`` (one record per held-out episode), ``rollouts.jsonl``
 (every episode), ``curriculum.jsonl`` (one record per difficulty-filter round, keyed by the
-first step it trains), ``checkpoints/``, ``guard.json``, ``result.json``.
+first step it trains), ``checkpoints/``, ``guard.json``, ``result.json``; ``run.lock`` while a
+process runs there (``runlock``: one process per run directory). ``agent-rl sft`` writes its
+resume bundles to ``resume/`` and its final bundle to ``checkpoints/``.
 
 What a user owns is never overwritten or dropped: ``check_run_dir`` refuses, writing
 nothing, a folder that is no run of this contract and base model, or whose logs lost what
@@ -29,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from agent_rl import checkpoint
-from agent_rl.config import ExperimentContract
+from agent_rl.config import ExperimentContract, SFTContract, read_contract
 from agent_rl.models import fingerprint_changes
 from agent_rl.rollout import RolloutBatch
+from envs.core import TaskSpec
 from evals.run import EvalRecord, slice_summary
 from evals.stats import paired_bootstrap
 from trajectories.display import escape_terminal
@@ -40,6 +43,8 @@ LOG_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval.jsonl", "curriculum.jsonl"
 RUN_FILES = (*LOG_FILES, "checkpoints")
 BASE_MODEL_FILE = "base_model.json"
 PINS_FILE = "contract.pins.json"  # the content hashes of the files the contract reads
+PIN_FILES = ("contract.yaml", "contract.sha256", PINS_FILE, BASE_MODEL_FILE)
+LOCK_FILE = "run.lock"  # runlock.py: held while a process runs in the folder
 
 
 def peak_rss_mb() -> float:
@@ -134,10 +139,24 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
     }
 
 
-def summarize_eval(records: list[EvalRecord]) -> dict[str, Any]:
+def held_out_tasks(splits: dict[str, Any], names: list[str], n: int) -> dict[str, list[TaskSpec]]:
+    """The first ``n`` tasks (``eval.n``) of each held-out split in ``names``. A split holding
+    fewer is evaluated whole, and a warning says so (as does every evaluation's summary:
+    ``summarize_eval``'s ``n_requested`` and ``n_evaluated``)."""
+    out = {name: list(splits[name])[:n] for name in names}
+    short = [f"{name!r} holds {len(tasks)}" for name, tasks in out.items() if 0 < len(tasks) < n]
+    if short:
+        warnings.warn(f"eval.n is {n}, but held-out split {', '.join(short)} tasks: those are "
+                      "evaluated (n_requested and n_evaluated in eval.jsonl)", stacklevel=2)
+    return out
+
+
+def summarize_eval(records: list[EvalRecord], requested: int | None = None) -> dict[str, Any]:
     """Held-out summary from ``evals.run.slice_summary`` (overall and, with several splits,
     per split), with what crossed compression boundaries and the per-task rewards a paired
-    comparison needs (infrastructure faults are counted, never scored)."""
+    comparison needs (infrastructure faults are counted, never scored). ``requested``: the
+    tasks asked for per split (``eval.n``), recorded as ``n_requested`` beside
+    ``n_evaluated`` (``{split: tasks evaluated}``), which may be fewer."""
 
     def summary(group: list[EvalRecord]) -> dict[str, Any]:
         (row,) = slice_summary(group, by=(), n_boot=2000)
@@ -155,6 +174,9 @@ def summarize_eval(records: list[EvalRecord]) -> dict[str, Any]:
 
     out = summary(records)
     names = list(dict.fromkeys(r.split for r in records))
+    if requested is not None:
+        out |= {"n_requested": requested,
+                "n_evaluated": {name: sum(r.split == name for r in records) for name in names}}
     if len(names) > 1:
         out["splits"] = {name: summary([r for r in records if r.split == name]) for name in names}
     return out
@@ -182,23 +204,25 @@ class RunDirError(ValueError):
     """The run directory cannot take the run asked for; nothing in it was changed."""
 
 
-def check_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,
-                  base_model: dict[str, Any], resume: bool) -> Path | None:
+def check_run_dir(run_dir: Path, contract: ExperimentContract | SFTContract, contract_hash: str,
+                  base_model: dict[str, Any], resume: bool,
+                  checkpoints: Path | None = None) -> Path | None:
     """Check, writing nothing, that ``run_dir`` can take this run; return the checkpoint to
-    resume from (None: start at step 0). Refused: a non-empty folder that is no agent-rl run
+    resume from (None: start at step 0), the newest complete bundle of ``checkpoints``
+    (``run_dir/checkpoints`` by default). Refused: a non-empty folder that is no agent-rl run
     (no ``contract.sha256``, readable ``contract.yaml`` or checkpoint), a run of another
     contract, a run without ``resume``; with ``resume``: a folder with nothing to resume, a
     changed base model (``base_model``: ``{role: models.model_fingerprint}``, pinned in
-    ``base_model.json``) and logs that lost records the checkpoint committed (``split_log``)."""
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    ``base_model.json``) and logs that lost records the checkpoint committed (``split_log``).
+    The lock file (``runlock``) is no content."""
+    checkpoints = run_dir / "checkpoints" if checkpoints is None else checkpoints
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
     if not entries:
         if resume:
-            raise RunDirError(f"--resume: {run_dir} {'is empty' if run_dir.is_dir() else 'does not exist'}"
-                              ", so there is no run to resume; start it without --resume")
+            raise nothing_to_resume(run_dir)
         return None
     pinned = pinned_contract_hash(run_dir)
-    latest = (checkpoint.latest_complete(run_dir / "checkpoints")
-              if resume or pinned is None else None)
+    latest = checkpoint.latest_complete(checkpoints) if resume or pinned is None else None
     meta = json.loads((latest / checkpoint.META_FILE).read_text()) if latest else {}
     pinned = pinned or meta.get("contract_hash")
     if pinned is None:
@@ -207,9 +231,11 @@ def check_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: st
                           "choose a new or an empty run_dir")
     if pinned != contract_hash:
         try:
-            changed = contract.changes_from(ExperimentContract.from_yaml(run_dir / "contract.yaml"))
+            old = read_contract(run_dir / "contract.yaml")
         except ValueError:  # the old contract.yaml is missing or no longer validates
-            changed = []
+            old = None
+        changed = ([] if old is None else contract.changes_from(old)
+                   if type(old) is type(contract) else [f"a run of another kind ({type(old).__name__})"])
         if (run_dir / PINS_FILE).is_file():  # files whose content changed under the same name
             changed += contract.pin_changes(json.loads((run_dir / PINS_FILE).read_text()))
         raise RunDirError(f"{run_dir} belongs to another contract ({pinned[:12]} != "
@@ -233,27 +259,42 @@ def check_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: st
     return latest
 
 
+def nothing_to_resume(run_dir: Path) -> RunDirError:
+    """--resume of a folder that is empty or does not exist."""
+    return RunDirError(f"--resume: {run_dir} {'is empty' if run_dir.is_dir() else 'does not exist'}"
+                       ", so there is no run to resume; start it without --resume")
+
+
 def pinned_contract_hash(run_dir: Path) -> str | None:
     """The contract hash a run directory was pinned to: ``contract.sha256``, else the hash of
     a ``contract.yaml`` that still validates, else None."""
     if (run_dir / "contract.sha256").is_file():
         return (run_dir / "contract.sha256").read_text().strip()
     try:
-        return ExperimentContract.from_yaml(run_dir / "contract.yaml").contract_hash()
+        return read_contract(run_dir / "contract.yaml").contract_hash()
     except ValueError:
         return None
 
 
-def pin_run_dir(run_dir: Path, contract: ExperimentContract, contract_hash: str,
+def pin_run_dir(run_dir: Path, contract: ExperimentContract | SFTContract, contract_hash: str,
                 base_model: dict[str, Any]) -> None:
     """Write what the run is pinned to, once ``check_run_dir`` and the checkpoint accepted it:
-    ``contract.yaml``, ``contract.sha256`` and ``base_model.json``."""
+    ``contract.yaml``, ``contract.sha256``, ``contract.pins.json`` and ``base_model.json``
+    (``PIN_FILES``). From here
+    on the folder is this run's: a run killed before its first checkpoint resumes from step 0."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_file(run_dir / "contract.yaml", contract.to_yaml())
     write_file(run_dir / "contract.sha256", contract_hash + "\n")
     write_file(run_dir / PINS_FILE, json.dumps(contract.input_pins(), indent=2, sort_keys=True)
                + "\n")
     write_file(run_dir / BASE_MODEL_FILE, json.dumps(base_model, indent=2, sort_keys=True) + "\n")
+
+
+def unpin_run_dir(run_dir: Path) -> None:
+    """Take back ``pin_run_dir``'s files: a run that failed before writing anything else
+    (an empty curriculum band) leaves the folder as it found it."""
+    for name in PIN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def split_log(path: Path, step: int, store_cursor: int) -> tuple[list[bytes], list[bytes], bytes]:

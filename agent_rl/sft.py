@@ -1,9 +1,9 @@
 """Supervised warm starts (``agent-rl sft``): train on episodes, write a bundle RL starts from.
 
     contract -> run dir -> data (the same splits as ``train``) -> model -> episodes (the env's
-    scripted solver, or a RolloutStore filtered by reward) -> rendered sessions
+    scripted solver, or a RolloutStore filtered by reward) -> rendered sessions -> [resume]
     -> evaluate before -> loop: epochs x batches of sessions -> NLL -> optimizer step -> log
-    -> bundle (full weights) -> evaluate after
+    -> maybe a resume bundle -> evaluate after -> bundle (full weights)
 
 Sessions are rendered exactly as the trainer renders them (``render.render_session``): the
 loss covers the tokens the policy generates, in every session of the episode (compression
@@ -18,6 +18,15 @@ The bundle holds full weights (a LoRA adapter is merged first), so ``model.init:
 experiment contract loads it onto ``model.id`` before that run's own adapter. Its meta names
 the base model's files (refused by ``load_init`` under another base), the contract hash, the
 episodes trained on and the held-out result. One process, CPU or one GPU.
+
+Resuming holds the trainer's guarantees, through the trainer's functions: the run directory is
+held by one process (``runlock``) and checked as ``train`` checks its own (``check_run_dir``: a
+changed contract or base model is refused, writing nothing); every ``checkpoint.every`` steps
+and after the last one a resume bundle (``run_dir/resume/step-N``: the trained weights, the
+optimizer and RNG states; ``write_bundle``) is written, and ``resume`` continues from the newest
+complete one: step s trains the batch ``batch_of_step(s)`` (a pure function of s), so the
+resumed run ends on the weights the uninterrupted one does. Logs a killed run wrote after that
+bundle are set aside (``rewind_logs``); a finished run resumed again writes nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import torch
 import envs
 from agent_rl import checkpoint
 from agent_rl.config import SFTContract
-from agent_rl.distributed import TorchBackend, adamw, launched_world_size
+from agent_rl.distributed import TorchBackend, adamw, launched_world_size, write_bundle
 from agent_rl.grpo import picked_logprobs_and_entropy
 from agent_rl.models import model_fingerprint, resolve_device, rollout_copy
 from agent_rl.policy import HFPolicy
@@ -50,18 +59,24 @@ from agent_rl.render import (
     share_prefixes,
 )
 from agent_rl.rollout import task_total
+from agent_rl.runlock import hold_if_main
 from agent_rl.runlog import (
+    check_run_dir,
     compare,
+    held_out_tasks,
     log_json,
+    logged_eval,
     peak_rss_mb,
     pin_run_dir,
     progress_bar,
+    rewind_logs,
     summarize_eval,
     write_file,
 )
 from agent_rl.train import (
     add_lora,
     check_data,
+    check_resumable,
     device_batch,
     initial_model,
     seed_everything,
@@ -73,6 +88,8 @@ from envs.runner import Completion, Sampling, run_episodes
 from evals.run import run_eval, write_episodes, write_records
 from evals.splits import SPLIT_NAMES
 from trajectories import Episode, RolloutStore
+
+RESUME_DIR = "resume"  # run_dir/resume/step-N: the bundles `agent-rl sft --resume` continues from
 
 
 @dataclass
@@ -88,12 +105,19 @@ class SFTResult:
     losses: list[float] = field(default_factory=list)
 
 
-def run(contract: SFTContract, progress: bool = True) -> SFTResult:
+def run(contract: SFTContract, resume: bool = False, progress: bool = True) -> SFTResult:
+    """Train under ``contract`` (the module docstring), holding its run directory for the whole
+    run (``runlock``); ``resume``: continue the run there from its newest resume bundle."""
+    with hold_if_main(contract.check_run_dir(), resume):
+        return _run(contract, resume, progress)
+
+
+def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     # --- 0. data: the splits `train` would use, checked (empty splits, leakage, prompt limit)
     env = envs.make(contract.env.id, **contract.env.kwargs)
     splits = contract.env.splits(env, require=[contract.env.split, *contract.eval.splits])
     train_tasks = list(splits[contract.env.split])
-    eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
+    eval_sets = held_out_tasks(splits, contract.eval.splits, contract.eval.n)
     check_data(contract.env, env, train_tasks, eval_sets, contract.limits.max_prompt_tokens,
                limit_key="limits.max_prompt_tokens")
     if launched_world_size() > 1:
@@ -101,13 +125,13 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
                          "torchrun / deepspeed")
     device = resolve_device(contract.model.device)
 
-    # --- 1. run directory: new or empty (a warm start is short; it is rerun, not resumed)
+    # --- 1. run directory: new, or (resume) a run of this contract and base model, continued
+    # from its newest resume bundle; checked as the trainer checks its own, writing nothing
     run_dir = contract.check_run_dir()
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        raise ValueError(f"run_dir {run_dir} is not empty: agent-rl sft writes a new run "
-                         "directory (choose another run_dir, or remove that one)")
     contract_hash = contract.contract_hash()
     base_model = {"model": model_fingerprint(contract.model.id)}
+    latest = check_run_dir(run_dir, contract, contract_hash, base_model, resume,
+                           checkpoints=run_dir / RESUME_DIR)
     seed_everything(contract.optim.seed)
 
     # --- 2. model (fp32 on the device, from model.init when set), optional LoRA, optimizer
@@ -137,7 +161,20 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
              sum(r.num_trained for r in rendered), "tokens_per_epoch": sum(map(len, rendered))}
     if not rendered:
         raise ValueError(f"no session to train on: {json.dumps(data)}")
+
+    # --- 4. resume: weights, optimizer and RNG states of the newest resume bundle, the step
+    # (the data cursor: ``batch_of_step``) and the held-out result before training; then the
+    # run directory is pinned and its logs cut back to that bundle -------------------------
+    template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
+    step, before = 0, None
+    if latest is not None:
+        meta = checkpoint.load_bundle(latest, model)
+        check_resumable(meta, contract_hash, template_hash, latest)
+        backend.load_state(latest)
+        step, before = meta["step"], meta["before"]
     pin_run_dir(run_dir, contract, contract_hash, base_model)
+    if resume:  # steps a killed run logged after its last resume bundle are redone
+        rewind_logs(run_dir, step if latest else -1, 0)
     write_file(run_dir / "data.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
     write_episodes(kept, run_dir / "episodes.jsonl")  # what was trained on, for inspect
 
@@ -156,46 +193,58 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
             episodes += part.episodes
         write_records(records, run_dir / "evals" / f"{tag}.jsonl")
         write_episodes(episodes, run_dir / "evals" / "episodes" / f"{tag}.jsonl")
-        summary = summarize_eval(records)
+        summary = summarize_eval(records, contract.eval.n)
         log_json(run_dir / "eval.jsonl", {"step": step, "tag": tag, **summary})
         return summary
 
-    # --- 4. evaluate the starting policy ----------------------------------------------------
-    step = 0
-    before = evaluate("before")
+    def save(step: int) -> None:  # a resume bundle: trained weights, optimizer, RNG, cursor
+        write_bundle(backend, run_dir / RESUME_DIR, step, meta={
+            "kind": "sft-resume", "step": step, "contract_hash": contract_hash,
+            "template_hash": template_hash, "base_model": base_model, "before": before,
+            "store_cursor": 0})
+        checkpoint.apply_retention(run_dir / RESUME_DIR, contract.checkpoint.keep)
 
-    # --- 5. the loop: epochs over the sessions, each in a seeded order ----------------------
-    result = SFTResult(run_dir, None, None, 0, data, before, None)
+    # --- 5. evaluate the starting policy (once: a resumed run has it from its bundle) -------
+    if before is None:
+        before = evaluate("before")
+
+    # --- 6. the loop: epochs over the sessions, each in a seeded order (``batch_of_step``) --
+    result = SFTResult(run_dir, None, None, step, data, before, None)
     per_epoch = -(-len(rendered) // contract.optim.batch_sessions)
     total_steps = contract.optim.epochs * per_epoch
     pad_id = tokenizer.pad_token_id or 0
-    with progress_bar(progress, total_steps, 0, label="sft", status=lambda m: (
+    every, done = contract.checkpoint.every, step
+    with progress_bar(progress, total_steps, done, label="sft", status=lambda m: (
             f"loss {m['loss/sft']:.4f}  token accuracy {m['token_accuracy']:.2f}")) as advance:
-        for epoch in range(contract.optim.epochs):
-            order = np.random.default_rng([contract.optim.seed, epoch]).permutation(len(rendered))
-            for start in range(0, len(order), contract.optim.batch_sessions):
-                t0 = time.perf_counter()
-                batch = [rendered[int(k)] for k in order[start:start + contract.optim.batch_sessions]]
-                metrics = sft_update(backend, batch, pad_id, contract.optim.micro_batch_tokens,
-                                     device, contract.model.dtype)
-                step += 1
-                metrics |= {"step": step, "epoch": epoch + 1, "step/seconds":
-                            time.perf_counter() - t0, "memory/peak_rss_mb": peak_rss_mb()}
-                log_json(run_dir / "metrics.jsonl", metrics)
-                result.losses.append(metrics["loss/sft"])
-                advance(metrics)
-    result.steps = step
+        for step in range(done + 1, total_steps + 1):
+            t0 = time.perf_counter()
+            epoch, picked = batch_of_step(step, len(rendered), contract.optim.batch_sessions,
+                                          contract.optim.seed)
+            metrics = sft_update(backend, [rendered[k] for k in picked], pad_id,
+                                 contract.optim.micro_batch_tokens, device, contract.model.dtype)
+            metrics |= {"step": step, "epoch": epoch, "step/seconds":
+                        time.perf_counter() - t0, "memory/peak_rss_mb": peak_rss_mb()}
+            log_json(run_dir / "metrics.jsonl", metrics)
+            result.losses.append(metrics["loss/sft"])
+            advance(metrics)
+            if every and step % every == 0:
+                save(step)
+    result.steps = step = total_steps
+    if not (run_dir / RESUME_DIR / f"step-{step:06d}" / checkpoint.COMPLETE_FILE).exists():
+        save(step)  # a kill from here on resumes after the last step
 
-    # --- 6. the bundle: full weights (a LoRA adapter merged), then evaluate the result ------
-    plain = rollout_copy(model, "float32") if contract.model.adapter == "lora" else model
-    after = evaluate("after")
+    # --- 7. evaluate the result (once: a finished run resumed re-reports what it logged),
+    # then the bundle: full weights (a LoRA adapter merged) ---------------------------------
+    after = logged_eval(run_dir, "after", step) or evaluate("after")
     result.after, result.comparison = after, compare(before, after)
-    result.bundle = checkpoint.save_bundle(
-        run_dir / "checkpoints", step, model=plain, trainable_only=False,
-        meta={"kind": "sft", "contract_hash": contract_hash, "base_model": base_model,
-              "template_hash": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
-              "init": contract.model.init, "data": data, "before": strip(before),
-              "after": strip(after)})
+    result.bundle = run_dir / "checkpoints" / f"step-{step:06d}"
+    if not (result.bundle / checkpoint.COMPLETE_FILE).exists():
+        plain = rollout_copy(model, "float32") if contract.model.adapter == "lora" else model
+        checkpoint.save_bundle(
+            run_dir / "checkpoints", step, model=plain, trainable_only=False,
+            meta={"kind": "sft", "contract_hash": contract_hash, "base_model": base_model,
+                  "template_hash": template_hash, "init": contract.model.init, "data": data,
+                  "before": strip(before), "after": strip(after)})
     result.bundle_hash = checkpoint.bundle_hash(result.bundle)
     write_file(run_dir / "result.json", json.dumps(
         {"before": before, "after": after, "comparison": result.comparison, "data": data,
@@ -205,6 +254,17 @@ def run(contract: SFTContract, progress: bool = True) -> SFTResult:
 
 
 # --- the pieces the loop calls ----------------------------------------------------------------
+
+
+def batch_of_step(step: int, n: int, batch_sessions: int, seed: int) -> tuple[int, list[int]]:
+    """The epoch (from 1) and the sessions (indices of the n rendered) that optimizer step
+    ``step`` (from 1) trains: each epoch a seeded order of the n, cut into batches of
+    ``batch_sessions`` (the last one of an epoch may be short). A pure function of the step,
+    so a resumed run trains what the killed one would have."""
+    per_epoch = -(-n // batch_sessions)
+    epoch, k = divmod(step - 1, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return epoch + 1, [int(i) for i in order[k * batch_sessions:(k + 1) * batch_sessions]]
 
 
 class SolverPolicy:

@@ -107,10 +107,12 @@ from agent_rl.rollout import (
     merge_batches,
     rollout_batch,
 )
+from agent_rl.runlock import hold_if_main
 from agent_rl.runlog import (
     TensorBoardLog,
     check_run_dir,
     compare,
+    held_out_tasks,
     json_safe,
     log_json,
     logged_eval,
@@ -119,6 +121,7 @@ from agent_rl.runlog import (
     rewind_logs,
     step_metrics,
     summarize_eval,
+    unpin_run_dir,
     write_file,
 )
 from envs.core import TaskSpec
@@ -162,13 +165,21 @@ class RunResult:
 
 
 def run(contract: ExperimentContract, resume: bool = False, progress: bool = True) -> RunResult:
+    """Train under ``contract`` (the module docstring), holding its run directory for the whole
+    run (``runlock``): a second process there is refused at once naming this one, a folder
+    that cannot be written before anything else is done."""
+    with hold_if_main(contract.check_run_dir(), resume):
+        return _run(contract, resume, progress)
+
+
+def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResult:
     # --- 0. data: the train split and the held-out splits come from evals; checked (empty
     # splits, leakage between train and evaluation, context budget vs. prompt limit) before
     # anything is written ----------------------------------------------------------------------
     env = envs.make(contract.env.id, **contract.env.kwargs)
     splits = contract.env.splits(env, require=[contract.env.split, *contract.eval.splits])
     train_tasks = list(splits[contract.env.split])
-    eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
+    eval_sets = held_out_tasks(splits, contract.eval.splits, contract.eval.n)
     check_data(contract.env, env, train_tasks, eval_sets, contract.rollout.max_prompt_tokens)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
@@ -227,20 +238,26 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
     if latest is not None:
         backend.load_state(latest)
     rollout_policy = make_rollout_policy(contract, full, tokenizer, policy, run_dir)
-    # the difficulty band (curriculum.py) in force: the checkpoint's round, else estimated now,
-    # so that a band keeping no task fails before anything is written
+    backend.barrier()  # every rank has read the run directory before rank 0 writes it
+    fresh = main and not (run_dir / "contract.sha256").exists()
+    if main:  # pinned before the band's estimate: a run killed there resumes from step 0
+        pin_run_dir(run_dir, contract, contract_hash, base_model)
+    # the difficulty band (curriculum.py) in force: the checkpoint's round, else estimated now;
+    # a band keeping no task fails with the pins taken back, nothing else written
     selection, estimated = None, False
     if contract.curriculum is not None:
         held = meta.get("curriculum") if latest is not None else None
         selection = curriculum.Selection.from_state(held) if held else None
         if start_step < contract.optim.max_steps and curriculum.due(
                 selection, start_step + 1, contract.curriculum.every):
-            selection = estimate_band(contract, rollout_policy, backend, train_tasks,
-                                      start_step + 1, selection)
+            try:
+                selection = estimate_band(contract, rollout_policy, backend, train_tasks,
+                                          start_step + 1, selection)
+            except curriculum.CurriculumError:
+                if fresh:
+                    unpin_run_dir(run_dir)
+                raise
             estimated = True
-    backend.barrier()  # every rank has read the run directory before rank 0 writes it
-    if main:
-        pin_run_dir(run_dir, contract, contract_hash, base_model)
     if resume and main:  # steps a killed run logged after its last checkpoint are redone
         rewind_logs(run_dir, start_step if latest else -1, meta["store_cursor"] if latest else 0)
 
@@ -271,7 +288,7 @@ def run(contract: ExperimentContract, resume: bool = False, progress: bool = Tru
         if main:  # one record per episode, and the episodes (`agent-rl inspect` shows them)
             write_records(records, run_dir / "evals" / f"{tag}.jsonl")
             write_episodes(episodes, run_dir / "evals" / "episodes" / f"{tag}.jsonl")
-        return summarize_eval(records)
+        return summarize_eval(records, contract.eval.n)
 
     def save(step: int, extra: dict[str, Any] | None = None) -> None:  # every rank
         write_bundle(backend, run_dir / "checkpoints", step, scheduler=scheduler, meta={

@@ -1,6 +1,7 @@
 """Checkpoint bundles: round trip, verification, retention, disk full, and SIGKILL mid-save."""
 
 import errno
+import io
 import json
 import multiprocessing
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -398,7 +400,8 @@ def test_disk_full_removes_the_temp_folder_and_leaves_earlier_bundles(
     else:
         monkeypatch.setattr(checkpoint.safetensors.torch, "save_file", _rust_writer_disk_full)
 
-    with pytest.raises(BundleError, match="disk full while writing checkpoint .*step-000001"):
+    with pytest.raises(BundleError, match=r"no space left on .*step-000001 .*, the last complete "
+                                          r"checkpoint is step 0"):
         _save(tmp_path, 1, model, optimizer, scheduler)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000"]
     verify_bundle(first)
@@ -517,3 +520,39 @@ def test_sigkill_mid_save_never_leaves_a_bad_bundle(tmp_path):
         f"crash test: {CRASH_ITERATIONS} kills, {interrupted} mid-save, reached step "
         f"{newest_saved}, {time.monotonic() - started:.1f} s"
     )
+
+
+class _FullDisk(io.BytesIO):
+    """A file on a full disk: every write fails with ENOSPC."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_inside_a_backends_torch_save_names_the_last_complete_bundle(
+        tmp_path, monkeypatch):
+    """The torch backend's optimizer state goes through a Python file object
+    (``checkpoint.save_torch``), so a full disk inside torch.save is the OSError ENOSPC it is
+    (given a path, torch said "unexpected pos"): `write_bundle` raises `DiskFullError`
+    naming the bundle and the last complete one, which stays intact; no partial folder."""
+    from agent_rl.distributed import TorchBackend, write_bundle
+
+    model, optimizer, _ = _setup()
+    backend = TorchBackend(model, optimizer)
+    first = write_bundle(backend, tmp_path, 1, meta={})
+    opened = []
+
+    def full_disk(path, mode="r", *args, **kwargs):  # files are read as they are
+        if "w" not in mode:
+            return open(path, mode, *args, **kwargs)
+        opened.append(Path(path).name)
+        return _FullDisk()
+
+    monkeypatch.setattr(checkpoint, "open", full_disk, raising=False)
+    with pytest.raises(checkpoint.DiskFullError, match=(
+            rf"no space left on {tmp_path / 'step-000002'} \(No space left on device\), the last "
+            rf"complete checkpoint is step 1 \({first}\)")):
+        write_bundle(backend, tmp_path, 2, meta={})
+    assert opened == [checkpoint.OPTIMIZER_FILE]  # the backend's state, first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
+    assert verify_bundle(first) and latest_complete(tmp_path) == first

@@ -12,18 +12,25 @@ the same contract) is copied and damaged per test.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from agent_rl import models, runlog, train
+from agent_rl import checkpoint, cli, models, runlog, train
 from agent_rl.models import tiny_model
 from agent_rl.runlog import RunDirError
 from tests.agent_rl import toy_env
-from tests.agent_rl.test_train import BASE, make_contract, read_jsonl
+from tests.agent_rl.test_train import BASE, REPO, make_contract, read_jsonl
 
 SHORT = ("optim.max_steps=2", "checkpoint.every=1", "eval.every=0")
 RECORDS = 2 * 2 * 4  # steps x tasks_per_step x group_size
@@ -200,3 +207,298 @@ def test_resume_refuses_a_reward_function_whose_source_changed(tmp_path, monkeyp
                                           r"rewards.py:score sha256 \w{12}\)"):
         train.run(contract, resume=True, progress=False)
     assert snapshot(Path("run")) == before
+
+
+# --- one process per run directory (runlock) -----------------------------------------------
+
+CLI = """
+import sys, time
+from agent_rl import checkpoint
+from agent_rl.cli import main
+from tests.agent_rl import toy_env
+
+if sys.argv[1] == "hang":  # hangs before writing checkpoint 2 (after logging step 2)
+    save_bundle = checkpoint.save_bundle
+    def save_slowly(root, step, **kwargs):
+        if step == 2:
+            open(sys.argv[2], "w").close()
+            time.sleep(600)
+        return save_bundle(root, step, **kwargs)
+    checkpoint.save_bundle = save_slowly
+toy_env.register()
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def cli_process(tmp_path: Path, *args: str, hang: bool = False) -> subprocess.Popen:
+    """`agent-rl ARGS` in a new process with tests/Digits-v0 registered; ``hang``: it stops
+    for good before writing checkpoint 2, once ``tmp_path/hanging`` exists."""
+    script = tmp_path / "cli.py"
+    script.write_text(CLI)
+    return subprocess.Popen([sys.executable, str(script), "hang" if hang else "run",
+                             str(tmp_path / "hanging"), *args], cwd=REPO, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_second_process_is_refused_at_once_and_a_killed_holders_lock_is_taken_over(tmp_path):
+    """Two real processes on one run directory: while `agent-rl train` runs (held at its
+    second checkpoint), `agent-rl train --resume` exits 2 at once, naming the folder and the
+    holder's pid, before loading a model, writing nothing. kill -9 of the holder releases the
+    lock (the kernel drops a flock with its process): `--resume` then takes the lock file it
+    left over, naming that pid, and finishes every step once."""
+    contract = make_contract(tmp_path / "run", "optim.max_steps=3", "checkpoint.every=1",
+                             "eval.every=0")
+    config = tmp_path / "contract.yaml"
+    config.write_text(contract.to_yaml())
+    run_dir = contract.resolved_run_dir
+    holder = cli_process(tmp_path, "train", str(config), "--no-progress", hang=True)
+    try:
+        wait_for(tmp_path / "hanging", holder)
+        before = snapshot(run_dir)
+        second = cli_process(tmp_path, "train", str(config), "--resume", "--no-progress")
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err[-3000:]
+        assert f"run_dir {run_dir} is in use by another agent-rl process (pid {holder.pid} " in err
+        assert snapshot(run_dir) == before  # the loser wrote nothing
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert holder.returncode == -signal.SIGKILL
+    assert (run_dir / runlog.LOCK_FILE).exists()  # left by the killed process, no lock held
+    with pytest.warns(UserWarning, match=rf"taking over the lock of pid {holder.pid} on host"):
+        result = train.run(contract, resume=True, progress=False)
+    assert result.steps == 3
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert not (run_dir / runlog.LOCK_FILE).exists()  # released at the end
+
+
+def test_the_lock_is_released_on_any_exit_and_held_by_rank_0_only(tmp_path, monkeypatch):
+    """A refused run leaves the folder as it found it (lock file and created folders gone);
+    the lock nests within a process; a second holder in another process is refused; a rank
+    other than 0 takes no lock (rank 0 of its launch holds it for the job)."""
+    from agent_rl import runlock
+
+    run_dir = tmp_path / "new" / "run"
+    with runlock.hold_run_dir(run_dir) as lock:
+        assert lock == run_dir / runlog.LOCK_FILE
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        with runlock.hold_run_dir(run_dir):  # nested: the CLI's hold, then train.run's
+            pass
+        assert lock.exists()
+        other = subprocess.run([sys.executable, "-c", "import sys; from agent_rl import runlock\n"
+                                f"with runlock.hold_run_dir({str(run_dir)!r}): pass"],
+                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                               capture_output=True, text=True, timeout=120)
+        assert "RunDirBusy" in other.stderr and f"(pid {os.getpid()} on host" in other.stderr
+    assert not (tmp_path / "new").exists()  # it created both folders, and removed them
+
+    with pytest.raises(RunDirError, match="already holds a run"):
+        with runlock.hold_run_dir(run_dir):
+            (run_dir / "metrics.jsonl").write_text("")
+            raise RunDirError("already holds a run")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+    # a holder killed while a process it forked lives on: the lock is still held, and the
+    # message says by whom
+    forked = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+                               "from agent_rl import runlock\n"
+                               f"with runlock.hold_run_dir({str(run_dir)!r}):\n"
+                               "    if os.fork() == 0:\n"
+                               "        print(os.getpid(), flush=True); time.sleep(120)\n"
+                               "    os._exit(0)"],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(forked.stdout.readline())
+        forked.wait(timeout=60)
+        with pytest.raises(runlock.RunDirBusy, match=rf"pid {forked.pid} on host .*; that "
+                                                     "process is gone, but one it forked still "
+                                                     "holds the lock: `fuser -v"):
+            runlock.hold_run_dir(run_dir).__enter__()
+    finally:
+        os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    with open(run_dir / runlog.LOCK_FILE) as fh:  # the kernel drops the lock as the child ends
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the killed child still holds the lock"
+                time.sleep(0.05)
+    with pytest.warns(UserWarning, match=f"taking over the lock of pid {forked.pid}"):
+        with runlock.hold_run_dir(run_dir):
+            pass
+
+    monkeypatch.setenv("RANK", "1")
+    with runlock.hold_if_main(run_dir) as lock:
+        assert not lock.exists()
+
+
+# --- a full disk, a read-only folder ---------------------------------------------------------
+
+
+def mount_tmpfs(folder: Path, size: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (test_checkpoint.py's disk-full test "
+                    "injects the error instead)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs (as root): what a full disk does, for real."""
+    mount_tmpfs(tmp_path / "disk", "16m")
+    yield tmp_path / "disk"
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=True)
+
+
+def fill(folder: Path) -> None:
+    """Write zeros into ``folder/filler`` until the disk is full."""
+    with open(folder / "filler", "wb", buffering=0) as fh:
+        with contextlib.suppress(OSError):
+            while True:
+                fh.write(bytes(1 << 16))
+
+
+def test_a_full_disk_names_the_last_complete_checkpoint_and_keeps_it(small_disk, tmp_path,
+                                                                     monkeypatch, capsys):
+    """The disk fills up before checkpoint 2: `agent-rl train` exits 2 saying "no space left
+    on <the bundle>, the last complete checkpoint is step 1", no traceback (torch.save given a
+    path said "unexpected pos" and lost the errno); checkpoint 1 loads; with space freed,
+    --resume finishes every step once."""
+    contract = make_contract(small_disk / "run", "optim.max_steps=3", "checkpoint.every=1",
+                             "eval.every=0")
+    config = tmp_path / "contract.yaml"
+    config.write_text(contract.to_yaml())
+    write_bundle = train.write_bundle
+
+    def fill_before_checkpoint_2(backend, root, step, **kwargs):
+        if step == 2:
+            fill(small_disk)
+        return write_bundle(backend, root, step, **kwargs)
+
+    monkeypatch.setattr(train, "write_bundle", fill_before_checkpoint_2)
+    assert cli.main(["train", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    checkpoints = small_disk / "run" / "checkpoints"
+    assert (f"no space left on {checkpoints / 'step-000002'} (No space left on device), the last "
+            f"complete checkpoint is step 1 ({checkpoints / 'step-000001'})") in err
+    assert "Traceback" not in err and "unexpected pos" not in err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001"]  # no partial folder
+    model, _ = tiny_model(0)
+    assert checkpoint.load_bundle(checkpoints / "step-000001", model)["step"] == 1
+
+    (small_disk / "filler").unlink()
+    monkeypatch.setattr(train, "write_bundle", write_bundle)
+    assert cli.main(["train", str(config), "--resume", "--no-progress"]) == 0
+    assert [m["step"] for m in read_jsonl(small_disk / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder holding a finished run (./run, the `finished` fixture's contract) that nothing
+    can write: a tmpfs remounted read-only (as root, whom chmod does not stop)."""
+    folder = tmp_path / "ro"
+    mount_tmpfs(folder, "16m")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_read_only_run_dir_exits_2_naming_it_before_loading_a_model(finished, read_only,
+                                                                       tmp_path, monkeypatch,
+                                                                       capsys):
+    shutil.copytree(finished[0], read_only / "run")
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only)], check=True)
+    monkeypatch.chdir(read_only)
+    config = tmp_path / "contract.yaml"
+    config.write_text(make_contract(Path("run"), *SHORT).to_yaml())
+    loaded = []
+    monkeypatch.setattr(cli, "load_model_or_fail", lambda *a: loaded.append(a))
+    before = snapshot(read_only / "run")
+    for extra, folder in (("--resume", "run"), ("--set=run_dir=run/new", "run/new")):
+        assert cli.main(["train", str(config), extra, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"run_dir {folder} cannot be written (Read-only file system)" in err, err[-2000:]
+    assert loaded == []  # refused before any model was loaded
+    assert snapshot(read_only / "run") == before
+
+
+# --- a kill during the first curriculum estimate, eval.n larger than a split -------------
+
+KILLED_IN_ESTIMATE = """
+import sys, time
+from agent_rl import train
+from agent_rl.config import ExperimentContract
+from tests.agent_rl import toy_env
+
+def hang(*args, **kwargs):
+    open(sys.argv[2], "w").close()
+    time.sleep(600)
+train.estimate_band = hang
+toy_env.register()
+train.run(ExperimentContract.from_yaml(sys.argv[1]), progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_during_the_first_curriculum_estimate_resumes(tmp_path):
+    """kill -9 while the first difficulty band is estimated: the run directory already holds
+    its contract, so `--resume` (what a job script relaunches with) starts the run and
+    finishes it, instead of exiting 2 on "no run to resume" forever."""
+    contract = make_contract(tmp_path / "run", "optim.max_steps=2", "eval.every=0",
+                             "curriculum.filter=pass_rate", "curriculum.k=2", "curriculum.min=0.0",
+                             "curriculum.pool=3")
+    config = tmp_path / "contract.yaml"
+    config.write_text(contract.to_yaml())
+    (tmp_path / "killed.py").write_text(KILLED_IN_ESTIMATE)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "killed.py"), str(config),
+                             str(tmp_path / "estimating")], cwd=REPO, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(tmp_path / "estimating", proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    run_dir = contract.resolved_run_dir
+    assert (run_dir / "contract.sha256").read_text().strip() == contract.contract_hash()
+    with pytest.warns(UserWarning, match=f"taking over the lock of pid {proc.pid}"):
+        result = train.run(contract, resume=True, progress=False)
+    assert result.steps == 2
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    assert [r["round"] for r in read_jsonl(run_dir / "curriculum.jsonl")] == [0]
+
+
+def test_eval_n_beyond_a_split_says_how_many_were_evaluated(tmp_path):
+    contract = make_contract(tmp_path / "run", "optim.max_steps=1", "eval.every=0", "eval.n=1000")
+    import envs
+
+    held = len(contract.env.splits(envs.make(toy_env.ENV_ID))["holdout"])
+    assert held < 1000
+    with pytest.warns(UserWarning, match=rf"eval.n is 1000, but held-out split 'holdout' holds "
+                                         rf"{held} tasks: those are evaluated"):
+        train.run(contract, progress=False)
+    records = read_jsonl(tmp_path / "run" / "eval.jsonl")
+    assert [(r["tag"], r["n_requested"], r["n_evaluated"]) for r in records] == [
+        ("before", 1000, {"holdout": held}), ("after", 1000, {"holdout": held})]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,7 +139,7 @@ def test_sft_run_writes_a_full_weight_bundle_that_train_starts_from(tmp_path):
     assert pinned == {"path": str(result.run_dir), "bundle": result.bundle_hash}
 
     # a second sft run into the same folder is refused, the first one left whole
-    with pytest.raises(ValueError, match="is not empty"):
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
         sft.run(c, progress=False)
     assert checkpoint.verify_bundle(result.bundle) == result.bundle_hash
 
@@ -276,3 +277,105 @@ def test_cli_sft_prints_the_bundle_and_the_train_command(tmp_path, capsys):
     assert "trained on 4 sessions of 4 episodes" in out
     assert f"agent-rl train CONFIG --set model.init={bundle}\n" in out  # whole, to be copied
     assert main(["sft", "examples/tiny_sft.yaml", "--set", f"run_dir={run_dir}"]) == 2  # not empty
+    capsys.readouterr()
+    assert main(["sft", "examples/tiny_sft.yaml", "--no-progress", "--resume", "--set",
+                 f"run_dir={run_dir}", "--set", "data.max_episodes=4", "--set", "eval.n=2"]) == 0
+    assert f"bundle: {bundle} " in capsys.readouterr().out  # finished: re-reported
+
+
+# --- resume --------------------------------------------------------------------------------
+
+KILLED_SFT = """
+import sys, time
+from agent_rl import sft
+from agent_rl.config import SFTContract
+
+update, calls = sft.sft_update, []
+def hang_in_step_4(*args, **kwargs):  # step 3 logged, resume bundle 2 written: killed here
+    calls.append(1)
+    if len(calls) == 4:
+        open(sys.argv[2], "w").close()
+        time.sleep(600)
+    return update(*args, **kwargs)
+sft.sft_update = hang_in_step_4
+sft.run(SFTContract.from_yaml(sys.argv[1]), progress=False)
+"""
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.slow
+def test_sft_resumes_after_sigkill_to_the_uninterrupted_weights(tmp_path):
+    """4 steps (6 sessions in batches of 3, two epochs), a resume bundle every 2. kill -9
+    during step 4, with step 3 logged: --resume continues from bundle 2 (weights, optimizer,
+    RNG; step 3's batch is ``batch_of_step(3)``) and ends on the uninterrupted run's weights
+    and losses exactly (torch.equal, ==: the same operations in the same order), every step
+    logged once, step 3's first try set aside. Resumed again, the finished run re-reports
+    and writes nothing; a changed contract is refused, writing nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    straight = sft.run(contract(tmp_path, run_dir=str(tmp_path / "straight"),
+                                checkpoint={"every": 2, "keep": 2}), progress=False)
+    c = contract(tmp_path, checkpoint={"every": 2, "keep": 2})
+    (tmp_path / "sft.yaml").write_text(c.to_yaml())
+    (tmp_path / "killed.py").write_text(KILLED_SFT)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "killed.py"), str(tmp_path / "sft.yaml"),
+                             str(tmp_path / "step4")], cwd=repo, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "step4").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    run_dir = c.resolved_run_dir
+    assert checkpoint.latest_complete(run_dir / sft.RESUME_DIR).name == "step-000002"
+    assert not (run_dir / "checkpoints").exists()  # no final bundle from a killed run
+
+    with pytest.warns(UserWarning, match=f"taking over the lock of pid {proc.pid}"):
+        resumed = sft.run(c, resume=True, progress=False)
+    assert resumed.steps == 4 and resumed.before == straight.before
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["loss/sft"] for m in metrics] == straight.losses
+    assert [json.loads(line)["step"] for line in
+            (run_dir / "metrics.jsonl.rewound").read_text().splitlines()] == [3]
+    ours = checkpoint.safetensors.torch.load_file(resumed.bundle / checkpoint.MODEL_FILE)
+    theirs = checkpoint.safetensors.torch.load_file(straight.bundle / checkpoint.MODEL_FILE)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert [json.loads(line)["tag"] for line in
+            (run_dir / "eval.jsonl").read_text().splitlines()] == ["before", "after"]
+
+    before = snapshot(run_dir)
+    again = sft.run(c, resume=True, progress=False)
+    assert snapshot(run_dir) == before
+    assert (again.after, again.bundle, again.bundle_hash) == (
+        resumed.after, resumed.bundle, resumed.bundle_hash)
+    changed = contract(tmp_path, checkpoint={"every": 2, "keep": 2}, optim={
+        "lr": 2e-3, "epochs": 2, "batch_sessions": 3, "micro_batch_tokens": 2048})
+    with pytest.raises(ValueError, match=r"another contract.*optim\.lr: 0\.001 -> 0\.002"):
+        sft.run(changed, resume=True, progress=False)
+    assert snapshot(run_dir) == before
+
+
+def test_batch_of_step_is_the_epochs_seeded_order_in_batches():
+    orders = [np.random.default_rng([7, epoch]).permutation(5) for epoch in range(2)]
+    expected = [(1, orders[0][:2]), (1, orders[0][2:4]), (1, orders[0][4:]),
+                (2, orders[1][:2]), (2, orders[1][2:4]), (2, orders[1][4:])]
+    for step, (epoch, sessions) in enumerate(expected, start=1):
+        assert sft.batch_of_step(step, 5, 2, seed=7) == (epoch, [int(i) for i in sessions])
