@@ -395,7 +395,7 @@ def test_sandboxes_started_at_reset_score_the_same(backend, monkeypatch):
         assert os.path.exists(f"/proc/{pids[-1]}")
     assert not os.path.exists(f"/proc/{pids[0]}")  # the first episode's, never used
     env.close()
-    assert not os.path.exists(f"/proc/{pids[1]}") and sandbox._WAITING == 0
+    assert not os.path.exists(f"/proc/{pids[1]}") and sandbox.front._WAITING == 0
 
 
 @pytest.mark.parametrize("value", ["false", 1, None])
