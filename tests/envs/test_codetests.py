@@ -17,7 +17,17 @@ import pytest
 
 import envs
 from envs import codetests, sandbox
-from envs.codetests import HARNESS, N_TESTS, TESTS_FILE, defines, extract_code, harness, judge, same
+from envs.codetests import (
+    HARNESS,
+    N_TESTS,
+    TESTS_FILE,
+    defines,
+    extract_code,
+    harness,
+    judge,
+    same,
+    verifier,
+)
 from envs.core import TaskMeta, TaskSpec
 from evals.splits import default_splits
 from trajectories import Outcome
@@ -188,6 +198,16 @@ def test_expected_values_never_enter_the_sandbox():
         assert len(task.data["inputs"]) == len(task.target) == N_TESTS
 
 
+def test_the_harness_is_the_program_file_beside_the_verifier():
+    """``HARNESS`` is ``envs/codetests/harness.py`` as text (a real file: linted, read), a whole
+    program that reads ``TESTS_FILE`` and imports ``SOLUTION_FILE``."""
+    path = os.path.join(os.path.dirname(verifier.__file__), "harness.py")
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == HARNESS
+    assert f"_slurp({TESTS_FILE!r})" in HARNESS and f'_slurp("{codetests.SOLUTION_FILE}")' in HARNESS
+    compile(HARNESS, "/sandbox/main.py", "exec")
+
+
 def test_judge_reads_only_a_record_with_the_nonce():
     record = json.dumps({"import_error": None, "results": [["value", ["int", str(v)]]
                                                             for v in SQUARE.target]})
@@ -216,7 +236,7 @@ def test_a_sandbox_error_is_an_infrastructure_fault(monkeypatch):
                                      wall_s=0.0, backend=guest.backend, files_written=(),
                                      detail="could not start the sandbox")
 
-    monkeypatch.setattr(codetests.sandbox.Guest, "run", broken)
+    monkeypatch.setattr(sandbox.Guest, "run", broken)
     breakdown = play(CORRECT)
     assert breakdown.outcome == Outcome.sandbox_error and breakdown.is_infrastructure_fault
     assert breakdown.total == 0.0 and breakdown.audit["detail"] == "could not start the sandbox"
@@ -224,7 +244,7 @@ def test_a_sandbox_error_is_an_infrastructure_fault(monkeypatch):
     def raising(*args, **kwargs):
         raise OSError("no such backend binary")
 
-    monkeypatch.setattr(codetests.sandbox.Guest, "run", raising)
+    monkeypatch.setattr(sandbox.Guest, "run", raising)
     breakdown = play(CORRECT)
     assert breakdown.outcome == Outcome.sandbox_error and "OSError" in breakdown.audit["detail"]
 
@@ -250,7 +270,8 @@ def test_no_function_is_a_format_error_without_a_sandbox_run(monkeypatch, reply)
     def never(*args, **kwargs):
         raise AssertionError("the sandbox ran")
 
-    monkeypatch.setattr(codetests.sandbox, "run", never)
+    monkeypatch.setattr(sandbox, "run", never)
+    monkeypatch.setattr(sandbox.Guest, "run", never)
     breakdown = play(reply, fenced=False)
     assert breakdown.outcome == Outcome.format_error and breakdown.total == 0.0
 
@@ -395,7 +416,7 @@ def test_sandboxes_started_at_reset_score_the_same(backend, monkeypatch):
         assert os.path.exists(f"/proc/{pids[-1]}")
     assert not os.path.exists(f"/proc/{pids[0]}")  # the first episode's, never used
     env.close()
-    assert not os.path.exists(f"/proc/{pids[1]}") and sandbox._WAITING == 0
+    assert not os.path.exists(f"/proc/{pids[1]}") and sandbox.front._WAITING == 0
 
 
 @pytest.mark.parametrize("value", ["false", 1, None])
@@ -417,7 +438,7 @@ def _counting_runs(monkeypatch, delay_s: float = 0.0) -> list[str]:
         time.sleep(delay_s)
         return real(guest, code, files)
 
-    monkeypatch.setattr(codetests.sandbox.Guest, "run", counted)
+    monkeypatch.setattr(sandbox.Guest, "run", counted)
     return calls
 
 
@@ -534,7 +555,7 @@ def test_parsing_in_many_threads_at_once_never_fails():
         try:
             for _ in range(20):
                 _Yields(), _Yields()
-                assert defines(code, "f") and codetests._check_plain([[{"a": (1, [2.5])}]]) is None
+                assert defines(code, "f") and verifier._check_plain([[{"a": (1, [2.5])}]]) is None
         except Exception as exc:
             errors.append(repr(exc))
 

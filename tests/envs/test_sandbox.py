@@ -26,6 +26,12 @@ import pytest
 
 import envs.sandbox as sandbox
 from envs.sandbox import Limits, SandboxResult, available, run
+from envs.sandbox import cgroups as sb_cgroups
+from envs.sandbox import docker as sb_docker
+from envs.sandbox import front as sb_front
+from envs.sandbox import process as sb_process
+from envs.sandbox import workdir as sb_workdir
+from envs.sandbox.forkserver import client as sb_forks
 
 REPO = Path(__file__).resolve().parents[2]
 ISOLATING = ("bwrap", "docker")
@@ -43,7 +49,7 @@ def _need(backend: str) -> str:
 
 def _fork_server_possible() -> bool:
     """Root with a v1 pids cgroup: where the fork server must come up."""
-    return os.geteuid() == 0 and "pids" in sandbox._cgroup_parents()
+    return os.geteuid() == 0 and "pids" in sb_cgroups.cgroup_parents()
 
 
 def _mode(mode: str, monkeypatch) -> str:
@@ -53,7 +59,7 @@ def _mode(mode: str, monkeypatch) -> str:
     _need(name)
     monkeypatch.setattr(sandbox, "FORK_SERVER", forks)
     if name == "bwrap" and forks and _fork_server_possible():
-        assert sandbox._FORKS.get() is not None, sandbox._FORKS.off
+        assert sb_forks._FORKS.get() is not None, sb_forks._FORKS.off
     return name
 
 
@@ -71,7 +77,7 @@ def isolating(request, monkeypatch) -> str:
 def _fork_server_back_on():
     """A test that breaks the host on purpose may turn the fork server off; not for the next."""
     yield
-    sandbox._FORKS.off = ""
+    sb_forks._FORKS.off = ""
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +129,7 @@ def go(code: str, backend: str, ahead: bool, files=None, limits: Limits | None =
 
 
 def _cgroups_here() -> set[str]:
-    cgroup = sandbox._Cgroup(1, 1 << 30)
+    cgroup = sb_cgroups.Cgroup(1, 1 << 30)
     cgroup.close()
     return set(cgroup.dirs)
 
@@ -240,7 +246,7 @@ def test_a_guest_never_run_leaves_nothing(mode, how, monkeypatch):
     process = guest._process
     root, cgroups = process.workdir.root, list(process.cgroup.dirs.values())
     time.sleep(0.2)
-    if isinstance(process, sandbox._ForkedRun):
+    if isinstance(process, sb_forks.ForkedRun):
         pids = [int(p) for p in (cgroups[0] / "cgroup.procs").read_text().split()]
         assert mode == "bwrap" and len(pids) == 2  # its init and the program's process, waiting
     else:
@@ -258,7 +264,7 @@ def test_a_guest_never_run_leaves_nothing(mode, how, monkeypatch):
         time.sleep(0.01)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # killed and reaped
     assert not root.exists() and not any(d.exists() for d in cgroups)
-    assert sandbox._WAITING == 0
+    assert sb_front._WAITING == 0
 
 
 def test_guests_waiting_are_capped(monkeypatch):
@@ -269,9 +275,9 @@ def test_guests_waiting_are_capped(monkeypatch):
     first, second = sandbox.prepare(Limits(), "subprocess"), sandbox.prepare(Limits(), "subprocess")
     first._join_starter()
     assert first._process is not None and second._process is None and second._starter is None
-    assert sandbox._WAITING == 1
+    assert sb_front._WAITING == 1
     assert second.run("print(2)").stdout == "2\n" and first.run("print(1)").stdout == "1\n"
-    assert sandbox._WAITING == 0
+    assert sb_front._WAITING == 0
 
 
 # --- bwrap's fork server ---------------------------------------------------------------------
@@ -360,7 +366,7 @@ def test_fork_server_runs_end_as_a_fresh_interpreter(code, preloaded, monkeypatc
     server compiled the program beforehand (``preload``)."""
     _need_fork_server(monkeypatch)
     if preloaded:
-        monkeypatch.setattr(sandbox, "_PRELOADED", [])
+        monkeypatch.setattr(sb_forks, "_PRELOADED", [])
         sandbox.preload(code)
     forked = run(code, backend="bwrap")
     monkeypatch.setattr(sandbox, "FORK_SERVER", False)
@@ -375,8 +381,9 @@ def test_fork_server_runs_end_as_a_fresh_interpreter(code, preloaded, monkeypatc
 
 
 def _fork_server_module():
-    """``envs/_fork_server.py`` imported here (the guest program's functions, nothing run)."""
-    spec = importlib.util.spec_from_file_location("fork_server_under_test", sandbox._FORK_SOURCE)
+    """``envs/sandbox/forkserver/server.py`` imported here (the guest program's functions,
+    nothing run)."""
+    spec = importlib.util.spec_from_file_location("fork_server_under_test", sb_forks._FORK_SOURCE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -399,20 +406,20 @@ def test_a_preloaded_program_is_compiled_once_and_used_only_for_its_exact_text(t
 
 def test_preload_keeps_what_runs_would_print_and_reaches_a_new_server(monkeypatch):
     _need_fork_server(monkeypatch)
-    monkeypatch.setattr(sandbox, "_PRELOADED", [])
+    monkeypatch.setattr(sb_forks, "_PRELOADED", [])
     sandbox.preload("print(1 is 1)\n")
     result = run("print(1 is 1)\n", backend="bwrap")
     assert result.stdout == "True\n" and "SyntaxWarning" in result.stderr
     sent = []
-    original = sandbox._ForkServer.preload
-    monkeypatch.setattr(sandbox._ForkServer, "preload",
+    original = sb_forks.ForkServer.preload
+    monkeypatch.setattr(sb_forks.ForkServer, "preload",
                         lambda self, code: (sent.append(code), original(self, code)))
-    sandbox._FORKS.server.close()  # gone: the next run starts a server, given every preload
+    sb_forks._FORKS.server.close()  # gone: the next run starts a server, given every preload
     assert run("print(2)", backend="bwrap").stdout == "2\n" and sent == ["print(1 is 1)\n"]
 
 
 def test_preload_refuses_bad_arguments_and_holds_at_most_its_cap(monkeypatch):
-    monkeypatch.setattr(sandbox, "_PRELOADED", [])
+    monkeypatch.setattr(sb_forks, "_PRELOADED", [])
     with pytest.raises(TypeError, match="source as a str"):
         sandbox.preload(b"print(1)")
     with pytest.raises(ValueError, match="at most 65536 bytes"):
@@ -420,15 +427,15 @@ def test_preload_refuses_bad_arguments_and_holds_at_most_its_cap(monkeypatch):
     for i in range(sandbox.MAX_PRELOADED + 3):
         sandbox.preload(f"print({i})")
     sandbox.preload("print(0)")  # again: once
-    assert sandbox._PRELOADED == [f"print({i})" for i in range(sandbox.MAX_PRELOADED)]
+    assert sb_forks._PRELOADED == [f"print({i})" for i in range(sandbox.MAX_PRELOADED)]
 
 
 def test_fork_server_that_cannot_start_is_said_once_and_runs_go_on(monkeypatch, tmp_path):
     _need_fork_server(monkeypatch)
     broken = tmp_path / "server.py"
     broken.write_text("import sys\nsys.stderr.write('no server today')\nraise SystemExit(5)\n")
-    monkeypatch.setattr(sandbox, "_FORK_SOURCE", broken)
-    monkeypatch.setattr(sandbox, "_FORKS", sandbox._Forks())
+    monkeypatch.setattr(sb_forks, "_FORK_SOURCE", broken)
+    monkeypatch.setattr(sb_forks, "_FORKS", sb_forks._Forks())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert run("print(1)", backend="bwrap").stdout == "1\n"  # in its own bwrap
@@ -441,13 +448,13 @@ def test_fork_server_that_cannot_start_is_said_once_and_runs_go_on(monkeypatch, 
 
 def test_fork_server_run_that_cannot_be_set_up_is_a_sandbox_error(monkeypatch):
     _need_fork_server(monkeypatch)
-    made = sandbox._Cgroup.__init__
+    made = sb_cgroups.Cgroup.__init__
 
     def broken(self, *args, **kwargs):
         made(self, *args, **kwargs)
         self.dirs["pids"] = Path("/nonexistent/agent-rl-test-cgroup")
 
-    monkeypatch.setattr(sandbox._Cgroup, "__init__", broken)
+    monkeypatch.setattr(sb_cgroups.Cgroup, "__init__", broken)
     r = run("print(1)", backend="bwrap")
     assert r.status == "sandbox_error" and r.stdout == "" and r.exit_code is None
     assert r.detail.startswith("bwrap could not start the program: namespaces: [Errno 2]"), r.detail
@@ -492,13 +499,13 @@ def test_a_forked_process_runs_through_its_own_fork_server(monkeypatch):
     """``os.fork`` after the server started: the child starts its own (the parent's socket
     closed in the child), the parent's goes on."""
     _need_fork_server(monkeypatch)
-    parent_server = sandbox._FORKS.get()
+    parent_server = sb_forks._FORKS.get()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without pytest's teardown
         try:
             r = run("print(2)", backend="bwrap")
-            mine = sandbox._FORKS.server
+            mine = sb_forks._FORKS.server
             os.write(write_end, f"{r.stdout.strip()} {mine is not None and mine.proc.pid}".encode())
         finally:
             os._exit(0)
@@ -507,10 +514,10 @@ def test_a_forked_process_runs_through_its_own_fork_server(monkeypatch):
         stdout, server_pid = f.read().split()
     os.waitpid(pid, 0)
     assert stdout == "2" and int(server_pid) != parent_server.proc.pid
-    assert sandbox._FORKS.get() is parent_server and run("print(1)", backend="bwrap").stdout == "1\n"
+    assert sb_forks._FORKS.get() is parent_server and run("print(1)", backend="bwrap").stdout == "1\n"
     left = list(Path(sandbox.runs_root()).glob(f"agent-rl-forks-{pid}-*"))
     assert len(left) == 1  # the child left by os._exit: no atexit, its runs folder stayed
-    sandbox._sweep_runs_dirs()  # as every server start does
+    sb_forks._sweep_runs_dirs()  # as every server start does
     assert not any(p.exists() for p in left) and parent_server.runs_dir.exists()
 
 
@@ -535,7 +542,7 @@ def test_a_fork_server_stopped_mid_run_fails_the_run_not_the_program(monkeypatch
     the run's processes have ended by the wall-clock stop, so it is a ``sandbox_error``, not
     the program's timeout."""
     _need_fork_server(monkeypatch)
-    monkeypatch.setattr(sandbox, "_DRAIN_AFTER_STOP_S", 0.5)
+    monkeypatch.setattr(sb_forks, "_DRAIN_AFTER_STOP_S", 0.5)
     guest = sandbox.prepare(Limits(wall_s=1.5), "bwrap")  # its processes made, waiting
     time.sleep(0.2)
     serving = _serving_interpreter()
@@ -558,7 +565,7 @@ def _serving_interpreter() -> int:
     def named(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
 
-    live = _live_children_of(sandbox._FORKS.get().proc.pid)
+    live = _live_children_of(sb_forks._FORKS.get().proc.pid)
     started = [p for p in live if named(p) == "python3" and named(parent(p)) == "bwrap"]
     assert len(started) == 1, live
     serving = [p for p in live if parent(p) == started[0]]
@@ -587,19 +594,19 @@ def test_runs_go_under_the_runs_root(monkeypatch, tmp_path):
     """RUNS_ROOT when set; else $TMPDIR when set; else /dev/shm when it is a tmpfs with room;
     else the system's temp dir. A run's work dir is made there."""
     monkeypatch.delenv("TMPDIR", raising=False)
-    sandbox._ram_root.cache_clear()
+    sb_workdir._ram_root.cache_clear()
     shm_ok = any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in open("/proc/self/mounts"))
     default = "/dev/shm" if shm_ok else tempfile.gettempdir()
     assert sandbox.runs_root() == default
-    if _fork_server_possible() and sandbox._FORKS.get() is not None:
-        assert sandbox._FORKS.get().runs_dir.parent == Path(default)
+    if _fork_server_possible() and sb_forks._FORKS.get() is not None:
+        assert sb_forks._FORKS.get().runs_dir.parent == Path(default)
     monkeypatch.setattr(sandbox, "RAM_ROOT_MIN_FREE_MB", 1 << 40)  # no tmpfs has that room
-    sandbox._ram_root.cache_clear()
+    sb_workdir._ram_root.cache_clear()
     try:
         assert sandbox.runs_root() == tempfile.gettempdir()
     finally:
         monkeypatch.undo()
-        sandbox._ram_root.cache_clear()
+        sb_workdir._ram_root.cache_clear()
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read $TMPDIR again
     assert sandbox.runs_root() == str(tmp_path)
@@ -618,7 +625,7 @@ def test_a_work_dir_cleaned_twice_leaves_its_parent_alone(tmp_path):
     """A second cleanup finds the dir gone and changes nothing around it (it once chmod'ed the
     parent, the fork server's runs folder, to 0700: every later run failed to mount)."""
     tmp_path.chmod(0o755)
-    workdir = sandbox._WorkDir(None, parent=tmp_path)
+    workdir = sb_workdir.WorkDir(None, parent=tmp_path)
     locked = workdir.work / "locked" / "deeper"
     locked.mkdir(parents=True)
     locked.parent.chmod(0o000)  # a guest may leave a dir like this
@@ -629,7 +636,7 @@ def test_a_work_dir_cleaned_twice_leaves_its_parent_alone(tmp_path):
 
 def test_fork_server_closed_leaves_nothing(monkeypatch):
     _need_fork_server(monkeypatch)
-    server = sandbox._ForkServer()
+    server = sb_forks.ForkServer()
     assert server.run("print(1)", {}, Limits()).stdout == "1\n"
     cgroups = list(server.cgroup.dirs.values())
     assert server.runs_dir.exists() and all(d.exists() for d in cgroups) and server.proc.poll() is None
@@ -668,7 +675,7 @@ def test_no_guest_reads_the_trainers_environment(backend, monkeypatch):
         pytest.skip("as non-root a subprocess guest is this user and reads its processes "
                     "(the subprocess backend is no isolation, and says so)")
     secret = _secret(monkeypatch)
-    server = sandbox._ForkServer() if _fork_server_possible() and available("bwrap") else None
+    server = sb_forks.ForkServer() if _fork_server_possible() and available("bwrap") else None
     try:
         if server is not None:
             assert server.run("print(1)", {}, Limits()).stdout == "1\n" and server.alive()
@@ -687,10 +694,10 @@ def test_the_fork_server_holds_no_secret_and_no_process_of_its_uid_reads_it(monk
     the host, outside any sandbox, cannot open the interpreters' ``/proc`` files (undumpable)."""
     _need_fork_server(monkeypatch)
     secret = _secret(monkeypatch)
-    server = sandbox._ForkServer()
+    server = sb_forks.ForkServer()
     try:
         assert server.run("print(1)", {}, Limits()).stdout == "1\n"
-        pids = [int(pid) for pid in sandbox._read(server.cgroup.dirs["pids"] / "cgroup.procs")]
+        pids = [int(pid) for pid in sb_cgroups.read_lines(server.cgroup.dirs["pids"] / "cgroup.procs")]
         interpreters = {pid for pid in pids if "python" in os.readlink(f"/proc/{pid}/exe")}
         assert len(pids) == 4 and len(interpreters) == 2, pids  # bwrap twice, pid 1, the server
         assert not [pid for pid in pids if secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()]
@@ -892,14 +899,14 @@ def test_subprocess_runs_without_a_pid_namespace_where_none_can_be_made(monkeypa
         pytest.skip("only root gives subprocess runs a pid namespace")
     code = "import os\nprint(os.getpid(), os.getppid())"
     assert run(code, backend="subprocess").stdout == "2 1\n"
-    tool = sandbox._system_tool
-    monkeypatch.setattr(sandbox, "_system_tool", lambda name: "/bin/false" if name == "unshare" else tool(name))
-    sandbox._pid_namespaces.cache_clear()
+    tool = sb_process.system_tool
+    monkeypatch.setattr(sb_process, "system_tool", lambda name: "/bin/false" if name == "unshare" else tool(name))
+    sb_process._pid_namespaces.cache_clear()
     try:
         r = run(code, backend="subprocess")
-        assert not sandbox._pid_namespaces()
+        assert not sb_process._pid_namespaces()
     finally:
-        sandbox._pid_namespaces.cache_clear()
+        sb_process._pid_namespaces.cache_clear()
     assert r.status == "ok" and int(r.stdout.split()[0]) > 2, r
 
 
@@ -1028,10 +1035,10 @@ def test_engine_killed_mid_run_is_a_sandbox_error(isolating):
 def test_docker_engine_unreachable_or_image_missing(monkeypatch):
     _need("docker")
     import docker
-    monkeypatch.setattr(sandbox, "image_tag", lambda: "agent-rl-sandbox:no-such-tag")
+    monkeypatch.setattr(sb_docker, "image_tag", lambda: "agent-rl-sandbox:no-such-tag")
     r = run("print(1)", backend="docker")
     assert r.status == "sandbox_error" and "agent-rl-sandbox:no-such-tag missing" in r.detail
-    monkeypatch.setattr(sandbox, "_DOCKER_CLIENT", docker.DockerClient(
+    monkeypatch.setattr(sb_docker, "_DOCKER_CLIENT", docker.DockerClient(
         base_url="unix:///nonexistent/docker.sock", version="1.41"))
     r = run("print(1)", backend="docker")
     assert r.status == "sandbox_error" and r.detail.startswith("could not create the container")
@@ -1039,7 +1046,7 @@ def test_docker_engine_unreachable_or_image_missing(monkeypatch):
 
 def test_bwrap_that_cannot_start_is_a_sandbox_error(monkeypatch):
     _mode("bwrap-fresh", monkeypatch)
-    monkeypatch.setattr(sandbox, "PYTHON", "/usr/bin/no-such-python")
+    monkeypatch.setattr(sb_process, "PYTHON", "/usr/bin/no-such-python")
     r = run("print(1)", backend="bwrap")
     assert r.status == "sandbox_error" and r.detail.startswith("bwrap failed to start the program")
     assert "no-such-python" in r.detail
@@ -1072,13 +1079,13 @@ def test_the_guest_starts_under_its_rlimits_uid_and_cgroups(mode, monkeypatch):
 @pytest.mark.parametrize("name", ["subprocess", "bwrap"])
 def test_a_launch_that_cannot_join_its_cgroup_is_a_sandbox_error(name, monkeypatch):
     _mode(name + "-fresh" if name == "bwrap" else name, monkeypatch)
-    made = sandbox._Cgroup.__init__
+    made = sb_cgroups.Cgroup.__init__
 
     def broken(self, *args):
         made(self, *args)
         self.dirs["pids"] = Path("/nonexistent/agent-rl-test-cgroup")
 
-    monkeypatch.setattr(sandbox._Cgroup, "__init__", broken)
+    monkeypatch.setattr(sb_cgroups.Cgroup, "__init__", broken)
     r = run("print(1)", backend=name)
     assert r.status == "sandbox_error" and r.stdout == "" and r.exit_code is None
     assert "agent-rl-sandbox: cannot join the cgroup /nonexistent/agent-rl-test-cgroup" in r.detail
@@ -1086,8 +1093,8 @@ def test_a_launch_that_cannot_join_its_cgroup_is_a_sandbox_error(name, monkeypat
 
 def test_missing_util_linux_tools_are_named(monkeypatch):
     _need("subprocess")
-    as_root = "prlimit, unshare and setpriv" if sandbox._pid_namespaces() else "prlimit and setpriv"
-    monkeypatch.setattr(sandbox, "_system_tool", lambda name: None)
+    as_root = "prlimit, unshare and setpriv" if sb_process._pid_namespaces() else "prlimit and setpriv"
+    monkeypatch.setattr(sb_process, "system_tool", lambda name: None)
     r = run("print(1)", backend="subprocess")
     assert r.status == "sandbox_error"
     assert r.detail == f"subprocess could not start: {as_root if os.geteuid() == 0 else 'prlimit'}" \
@@ -1099,13 +1106,13 @@ def test_missing_util_linux_tools_are_named(monkeypatch):
 @pytest.mark.parametrize("name", ["/etc/passwd", "../up.txt", "a/../../b", "a/../b/../../c", "",
                                   ".", "./", "x\x00y"])
 def test_bad_file_names_raise_before_running(name, monkeypatch):
-    monkeypatch.setattr(sandbox, "_WorkDir", None)  # anything that ran would fail on this
+    monkeypatch.setattr(sb_workdir.WorkDir, "__init__", None)  # anything that ran would fail on this
     with pytest.raises(ValueError, match="file name"):
         run("print(1)", files={"ok.txt": "", name: "x"}, backend="subprocess")
 
 
 def test_conflicting_file_names_raise(monkeypatch):
-    monkeypatch.setattr(sandbox, "_WorkDir", None)
+    monkeypatch.setattr(sb_workdir.WorkDir, "__init__", None)
     with pytest.raises(ValueError, match="also given as a file"):
         run("", files={"a": "", "a/b": ""}, backend="subprocess")
     with pytest.raises(ValueError, match="given twice"):
@@ -1126,6 +1133,26 @@ def test_bad_limits_raise_naming_the_field(field, value):
         Limits(**{field: value})
 
 
+def test_settings_set_on_the_package_reach_the_modules_that_read_them(monkeypatch):
+    """``envs.sandbox.FORK_SERVER = False`` and the other settings, set on the package (as the
+    docs say), are what the package's modules read (``envs.sandbox.settings``)."""
+    from envs.sandbox import settings
+    assert set(settings.NAMES) <= set(dir(sandbox)) & set(sandbox.__all__)
+    sandbox.RUNS_ROOT = "/nonexistent/runs-root"
+    try:
+        assert settings.RUNS_ROOT == "/nonexistent/runs-root" == sandbox.runs_root()
+    finally:
+        sandbox.RUNS_ROOT = None
+    assert settings.RUNS_ROOT is None
+    monkeypatch.setattr(sandbox, "FORK_SERVER", False)
+    assert settings.FORK_SERVER is False and sb_forks.fork_server() is None
+    monkeypatch.setattr(sandbox, "MAX_WAITING", 0)
+    with sandbox.prepare(Limits(), "subprocess") as guest:
+        assert guest._slot is None and guest._starter is None  # none may wait: starts in run
+    monkeypatch.undo()
+    assert (settings.FORK_SERVER, settings.MAX_WAITING) == (True, 32)
+
+
 def test_limits_are_frozen_keywords():
     assert Limits(wall_s=2).wall_s == 2 and Limits().memory_mb == 512
     with pytest.raises(TypeError):
@@ -1137,7 +1164,7 @@ def test_limits_are_frozen_keywords():
 
 
 def test_subprocess_backend_warns_once(monkeypatch):
-    monkeypatch.setattr(sandbox, "_WARNED_SUBPROCESS", False)
+    monkeypatch.setattr(sb_process, "_WARNED_SUBPROCESS", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert run("pass", backend="subprocess").status == "ok"
@@ -1148,11 +1175,11 @@ def test_subprocess_backend_warns_once(monkeypatch):
 
 def test_auto_prefers_docker_then_bwrap(monkeypatch):
     really = {b: available(b) for b in ISOLATING}
-    monkeypatch.setattr(sandbox, "_AVAILABLE", {"docker": False, "bwrap": False, "subprocess": True})
+    monkeypatch.setattr(sb_front, "_AVAILABLE", {"docker": False, "bwrap": False, "subprocess": True})
     assert run("pass").backend == "subprocess"
     for b in ("bwrap", "docker"):
         if really[b]:
-            monkeypatch.setitem(sandbox._AVAILABLE, b, True)
+            monkeypatch.setitem(sb_front._AVAILABLE, b, True)
             assert run("pass").backend == b
 
 

@@ -1,11 +1,11 @@
-"""The bwrap backend's fork server (``envs.sandbox``): a guest program, never imported.
+"""The bwrap backend's fork server: a guest program, never imported by the host.
 
-The host starts it as the guest (uid 65534) inside one bubblewrap sandbox, under the Debian
-interpreter (``python3 -I -S -c SOURCE``, stdlib only), with capabilities in that sandbox's
-user namespace (``--cap-add ALL``; no further user namespaces), its control socket's fd as
-its one argument,
-the host's runs folder at ``/runs`` and the run cgroups' parent folders at ``/cg/CONTROLLER``,
-and an empty environment (bwrap's ``--setenv``s only). It makes itself undumpable first
+The host (``client.py``) reads this file and starts it as the guest (uid 65534) inside one
+bubblewrap sandbox, under the Debian interpreter (``python3 -I -S -c SOURCE``, stdlib only: the
+sandbox's read-only root holds no file of this package), with capabilities in that sandbox's
+user namespace (``--cap-add ALL``; no further user namespaces), its control socket's fd as its
+one argument, the host's runs folder at ``/runs`` and the run cgroups' parent folders at
+``/cg/CONTROLLER``, and an empty environment (bwrap's ``--setenv``s only). It makes itself undumpable first
 (``PR_SET_DUMPABLE`` 0: its ``/proc`` files belong to root, so other processes of its uid on the
 host cannot open them); C, which runs a program, is dumpable again.
 
@@ -347,7 +347,7 @@ def _report_end(pid, status, net):
 
 
 def _program(job):
-    """Run ``/sandbox/main.py`` as ``python3 -I -S /sandbox/main.py`` would (``envs.sandbox``'s
+    """Run ``/sandbox/main.py`` as ``python3 -I -S /sandbox/main.py`` would (``envs.sandbox.process``'s
     ``_BOOT`` does the same for a fresh interpreter): ``sys.argv`` [path], a fresh ``__main__``
     module;
     then exit as the interpreter does (``SystemExit``'s code, an uncaught exception's traceback
