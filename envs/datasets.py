@@ -108,7 +108,6 @@ import os
 import re
 import sys
 import unicodedata
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
@@ -121,6 +120,13 @@ import numpy as np
 from envs import deadline
 from envs.arithmetic import numbers
 from envs.core import TaskMeta, TaskSpec, ToolEnv
+from envs.scoring import (
+    REWARD_TIMEOUT_S,
+    RewardFaultWarning,
+    check_reward_timeout,
+    fault_reason,
+    reward_fault,
+)
 from trajectories import Outcome, RewardBreakdown
 
 __all__ = ["DEFAULT_PATH", "REWARDS", "DatasetEnv", "DatasetError", "RewardFaultWarning",
@@ -131,7 +137,6 @@ __all__ = ["DEFAULT_PATH", "REWARDS", "DatasetEnv", "DatasetError", "RewardFault
 DEFAULT_PATH = Path(__file__).with_name("data") / "qa_sample.jsonl"
 META_FIELDS = ("skills", "structure", "entity_group", "length", "difficulty")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
-REWARD_TIMEOUT_S = 10.0
 MAX_DEPTH = 100  # JSON nesting levels a row may have
 
 
@@ -147,11 +152,6 @@ class DatasetError(ValueError):
 class RewardReturnError(TypeError):
     """A user reward function returned something that is not a score: a bug in the function,
     raised (never scored), the message naming the function and the value."""
-
-
-class RewardFaultWarning(RuntimeWarning):
-    """A reply could not be scored (the reward raised, or ran past ``reward_timeout_s``): the
-    episode is a ``sandbox_error``, masked out of the loss and counted."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -789,11 +789,10 @@ class DatasetEnv(ToolEnv):
                                        timeout_s=self.reward_timeout_s)
         except RewardReturnError:
             raise
-        except deadline.DeadlineExceeded:
-            return self._fault(task, verifier_id, f"DeadlineExceeded: no reward within "
-                               f"reward_timeout_s={self.reward_timeout_s:g} s (stopped)")
         except Exception as exc:  # the verifier's fault, not the agent's: masked, counted
-            return self._fault(task, verifier_id, f"{type(exc).__name__}: {exc}")
+            return reward_fault(self.env_id, task.task_id, self.verifier.name,
+                                fault_reason(exc, self.reward_timeout_s), self.reward_weights,
+                                verifier_id)
         total = sum(self.reward_weights.get(k, 0.0) * v for k, v in components.items())
         best = sum(w for w in self.reward_weights.values() if w > 0)
         if total >= best - 1e-9:
@@ -804,15 +803,6 @@ class DatasetEnv(ToolEnv):
             outcome = Outcome.wrong
         return RewardBreakdown.from_components(components, self.reward_weights, outcome,
                                                verifier_id)
-
-    def _fault(self, task: TaskSpec, verifier_id: str, reason: str) -> RewardBreakdown:
-        """A reply the reward could not score: ``sandbox_error``, warned naming the task."""
-        warnings.warn(f"{self.env_id} task {task.task_id}: reward {self.verifier.name} failed "
-                      f"({reason:.300}); the episode is a sandbox_error (masked out of the loss, "
-                      "counted in reward/infra_error_rate)", RewardFaultWarning, stacklevel=3)
-        return RewardBreakdown.from_components(
-            dict.fromkeys(self.reward_weights, 0.0), self.reward_weights, Outcome.sandbox_error,
-            verifier_id, audit={"reward_error": reason[:2000], "task_id": task.task_id})
 
     def reference_action(self) -> str | None:
         return None if self.task is None else self.task.data["reference"]
@@ -837,9 +827,10 @@ def check_arguments(prompt: Any = "prompt", answer: Any = "answer", reward: Any 
     if not _finite(tolerance) or tolerance < 0:
         raise DatasetError(f"tolerance must be a finite number >= 0, got {tolerance!r}",
                            key="tolerance")
-    if not _finite(reward_timeout_s) or reward_timeout_s <= 0:
-        raise DatasetError(f"reward_timeout_s must be a finite number of seconds > 0, got "
-                           f"{reward_timeout_s!r}", key="reward_timeout_s")
+    try:
+        check_reward_timeout(reward_timeout_s)
+    except ValueError as exc:
+        raise DatasetError(str(exc), key="reward_timeout_s") from None
     if not isinstance(reward, str):
         raise DatasetError(f"reward must be a string, got {reward!r}", key="reward")
     if ":" in reward:
