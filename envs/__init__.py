@@ -3,24 +3,26 @@
 Imports only `trajectories`. Built-in environments register on import.
 """
 
-from envs.core import (
-    ChatSpace,
+from envs.core import TaskMeta, TaskSpec, ToolEnv, tool
+from envs.datasets import from_dataset
+from envs.registry import accepted_kwargs, list_envs, make, register
+from envs.sessions import (
+    Return,
+    SessionRecorder,
+    Spawn,
+    Summary,
+    approx_token_count,
+    used_by_data_flow,
+)
+from envs.spaces import ChatSpace, TextSpace
+from envs.tools import (
     HermesParser,
     ParseError,
     PermissionDenied,
-    TaskMeta,
-    TaskSpec,
-    TextSpace,
     ToolCall,
     ToolCallParser,
-    ToolEnv,
     ToolError,
-    approx_token_count,
-    tool,
 )
-from envs.datasets import from_dataset
-from envs.registry import accepted_kwargs, list_envs, make, register
-from envs.sessions import Return, SessionRecorder, Spawn, Summary, used_by_data_flow
 
 register("agent_rl/Arithmetic-v0", "envs.arithmetic:ArithmeticEnv")
 register("agent_rl/Records-v0", "envs.records.env:RecordsEnv")

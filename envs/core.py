@@ -23,8 +23,9 @@ What a subclass sets (class attributes) and implements (one-method hooks)::
 
 Tools are methods decorated with ``@tool``; their typed arguments become a JSON schema
 (``envs.tools``: parsing, schemas, permissions, dispatch). The session tree is recorded by
-``envs.sessions.SessionRecorder``; control actions (``Summary``, ``Spawn``, ``Return``) are
-types of their own there.
+``envs.sessions.SessionRecorder`` (compress, branch, return, the calls of one turn, episode
+assembly); control actions (``Summary``, ``Spawn``, ``Return``) are types of their own there.
+Observations and actions live in ``ChatSpace`` and ``TextSpace`` (``envs.spaces``).
 
 The loop. ``reset`` opens the root session: system message, worked examples (if any), task
 prompt (and asks for a summary at once when ``compression_due``: a request joins the user's
@@ -51,44 +52,20 @@ unknown tools and bad arguments come back as tool errors, counted, and the episo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import gymnasium
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.sessions import (
-    RETURN_SCHEMA,
-    SPAWN_SCHEMA,
-    SUMMARY_HEADER,
-    SUMMARY_REQUEST,
-    Return,
-    SessionRecorder,
-    Spawn,
-    Summary,
-    approx_token_count,
-    control_action,
-    used_by_data_flow,
-)
-from envs.tools import (
-    HermesParser,
-    ParseError,
-    PermissionDenied,
-    ToolCall,
-    ToolCallParser,
-    ToolError,
-    ToolResult,
-    ToolSpec,
-    allowed_specs,
-    clean_text,
-    collect_tools,
-    dispatch,
-)
-from trajectories import Episode, Outcome, RewardBreakdown, Session, Turn
+from envs import sessions, tools
+from envs.sessions import SUMMARY_HEADER, SessionRecorder, approx_token_count
+from envs.spaces import ChatSpace, TextSpace
+from envs.tools import PermissionDenied, ToolCallParser, ToolError, ToolSpec
+from trajectories import Episode, RewardBreakdown, Session, Turn
 
-__all__ = ["ChatSpace", "HermesParser", "ParseError", "PermissionDenied", "TaskMeta", "TaskSpec",
-           "TextSpace", "ToolCall", "ToolCallParser", "ToolEnv", "ToolError", "ToolSpec",
-           "approx_token_count", "tool"]
+__all__ = ["PROMPT_TOO_LONG", "PermissionDenied", "TaskMeta", "TaskSpec", "ToolEnv", "ToolError",
+           "tool"]
 
 PROMPT_TOO_LONG = "prompt_too_long"  # a Completion's finish_reason: the policy did not generate
 
@@ -122,83 +99,6 @@ class TaskSpec(BaseModel):
     allowed_tools: list[str] | None = Field(None, description="None: every tool of the env")
     write_scopes: list[str] | None = Field(None, description="ids a write tool may touch; None: any")
     hint: dict[str, Any] | None = Field(None, description="{'text': ..., 'provenance': ...}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Spaces
-# ---------------------------------------------------------------------------------------------
-
-_ROLES = ("system", "user", "assistant", "tool")
-_WORDS = ("search", "record", "answer", "summary", "tool", "value", "the", "of", "42", "{", "}")
-
-
-class ChatSpace(gymnasium.Space):
-    """Observations: a list of chat messages ``{"role": ..., "content": str, ...}``; an
-    assistant message the policy sampled also carries its ``"token_ids"``."""
-
-    def __init__(self, max_messages: int = 10_000, seed: int | None = None):
-        super().__init__(shape=None, dtype=None, seed=seed)
-        self.max_messages = max_messages
-
-    def contains(self, x: Any) -> bool:
-        return (
-            isinstance(x, list)
-            and 0 < len(x) <= self.max_messages
-            and all(
-                isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)
-                for m in x
-            )
-        )
-
-    def sample(self, mask: Any = None, probability: Any = None) -> list[dict[str, str]]:
-        n = int(self.np_random.integers(1, 6))
-        return [
-            {"role": str(self.np_random.choice(_ROLES)), "content": _random_text(self.np_random)}
-            for _ in range(n)
-        ]
-
-    @property
-    def is_np_flattenable(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return "ChatSpace()"
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, ChatSpace) and other.max_messages == self.max_messages
-
-
-class TextSpace(gymnasium.Space):
-    """Actions: any string (the policy's raw text)."""
-
-    def __init__(self, max_length: int = 1 << 20, seed: int | None = None):
-        super().__init__(shape=None, dtype=None, seed=seed)
-        self.max_length = max_length
-
-    def contains(self, x: Any) -> bool:
-        return isinstance(x, str) and len(x) <= self.max_length
-
-    def sample(self, mask: Any = None, probability: Any = None) -> str:
-        return _random_text(self.np_random)
-
-    @property
-    def is_np_flattenable(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return f"TextSpace(max_length={self.max_length})"
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, TextSpace) and other.max_length == self.max_length
-
-
-def _random_text(rng: np.random.Generator) -> str:
-    return " ".join(str(rng.choice(_WORDS)) for _ in range(int(rng.integers(1, 12))))
-
-
-# ---------------------------------------------------------------------------------------------
-# Tools
-# ---------------------------------------------------------------------------------------------
 
 
 def tool(fn: Callable | None = None, *, name: str | None = None, writes: bool = False):
@@ -257,13 +157,13 @@ class ToolEnv(gymnasium.Env):
         self.max_turns = max_turns
         self.max_sessions = max_sessions
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
-        self.parser = parser or HermesParser()
+        self.parser = parser or tools.HermesParser()
         self.hints = hints
         self.branching = branching
         self.render_mode = render_mode
         self.observation_space = ChatSpace()
         self.action_space = TextSpace()
-        self._tools = collect_tools(type(self))
+        self._tools = tools.collect_tools(type(self))
         self.task: TaskSpec | None = None
         self.state: Any = None
         self._running = False  # between reset() and the episode's end
@@ -287,7 +187,7 @@ class ToolEnv(gymnasium.Env):
     def session_used(self, session: Session, episode: Episode) -> bool | None:
         """Did ``session``'s output reach the final answer (None: unknown, treated as used)?
         Default: data flow (``envs.sessions.used_by_data_flow``)."""
-        return used_by_data_flow(episode, self.parser.parse)[session.session_id]
+        return sessions.used_by_data_flow(episode, self.parser.parse)[session.session_id]
 
     def compression_due(self) -> bool:
         """Must the active session be compressed now? Default: its messages exceed
@@ -297,7 +197,7 @@ class ToolEnv(gymnasium.Env):
 
     def summary_request(self, compressions: int) -> str:
         """The user turn asking for a summary (``compressions``: done so far in the thread)."""
-        return SUMMARY_REQUEST
+        return sessions.SUMMARY_REQUEST
 
     def continuation_prompt(self, summary: str, compressions: int) -> str:
         """The user prompt of the root thread's session after compression number
@@ -319,82 +219,82 @@ class ToolEnv(gymnasium.Env):
         super().reset(seed=seed)
         options = dict(options or {})
         task = options.get("task")
-        if task is None:
-            task = self.task_pool(1, seed=self._draw_seed())[0]
+        if task is None:  # drawn from the split's own range of task seeds
+            offset = {"train": 0, "test": 1 << 20, "holdout": 2 << 20}.get(self.split, 3 << 20)
+            task = self.task_pool(1, seed=offset + int(self.np_random.integers(1 << 20)))[0]
         self.task = task if isinstance(task, TaskSpec) else TaskSpec.model_validate(task)
         self.state = self.new_state(self.task)
         episode_id = options.get("episode_id") or f"ep-{int(self.np_random.integers(2**62)):016x}"
-        self._group_id = options.get("group_id", self.task.task_id)
-        self._sample_id = int(options.get("sample_id", 0))
-        self._episode_split = str(options.get("split") or self.split)
-        self._seed = seed
-        self._generation = dict(options.get("generation", {}))
-        self._turns_used = 0
-        self._tool_errors = 0
-        self._violations: list[dict[str, Any]] = []
-        self._last_error: str | None = None  # "format" | "tool" | None, for the last turn
         show_hint = options.get("hints", self.hints)
         self._hint = self.task.hint if (show_hint and self.task.hint) else None
+        self._header = dict(  # the Episode's fields known at reset
+            env_id=self.env_id, env_version=self.version, task_id=self.task.task_id,
+            group_id=str(options.get("group_id", self.task.task_id)),
+            sample_id=int(options.get("sample_id", 0)), seed=seed,
+            split=str(options.get("split") or self.split), task_meta=self.task.meta.model_dump(),
+            hint={**self._hint, "shown": True} if self._hint else None,
+            generation=dict(options.get("generation", {})))
         self._running = True
-        self._awaiting_summary = False
-        self._recorder = SessionRecorder(episode_id, self._opening(self._task_prompt(), compressions=0))
+        self._recorder = SessionRecorder(episode_id, self._opening(self._task_prompt()))
         if self.compression_due():
-            self._request_summary()
-        return self._observation(), self._info()
+            self._recorder.ask_summary(self.summary_request(self._recorder.compressions))
+        return self.active_messages, self._info()
 
     def step(self, action: str | dict[str, Any]):
         if not self._running:
             raise RuntimeError("step() called before reset()" if self.task is None else
                                "step() called after the episode ended; call reset()")
-        turn, revision = self._assistant_turn(action)
+        rec = self._recorder
+        turn, revision = tools.assistant_turn(action)
         if turn.finish_reason == PROMPT_TOO_LONG:  # nothing was generated for this prompt
-            return self._finish(answer=None, truncated=True, why="max_prompt_tokens")
-        self._recorder.add(turn, revision)
-        self._turns_used += 1
-        text = turn.content
-
-        if self._awaiting_summary:
-            self._last_error = None
-            self._compress(Summary(text))
+            return self._finish(None, truncated_by="max_prompt_tokens")
+        rec.add(turn, revision)
+        if rec.awaiting_summary:
+            rec.compress(sessions.Summary(turn.content), self._continuation(turn.content))
+        elif calls := self.parser.parse(turn.content):
+            run_tool = partial(tools.dispatch, self, self._tools, self.task.allowed_tools)
+            open_branch = partial(self._opening, in_branch=True) if self.branching else None
+            rec.run_calls(calls, run_tool, open_branch, self.max_sessions,
+                          self.max_tool_calls_per_turn)
+        elif rec.in_branch:
+            rec.return_(sessions.Return(turn.content))
         else:
-            calls = self.parser.parse(text)
-            if calls:
-                self._run_calls(calls[: self.max_tool_calls_per_turn], len(calls))
-            elif self._recorder.in_branch:
-                self._recorder.return_(Return(text))
-            else:
-                return self._finish(answer=text)
+            return self._finish(turn.content)
 
-        if not self._awaiting_summary and self.compression_due():
-            if self._recorder.n_sessions >= self.max_sessions:
-                return self._finish(answer=None, truncated=True, why="max_sessions")
-            self._request_summary()
-        if self._turns_used >= self.max_turns:
-            return self._finish(answer=None, truncated=True, why="max_turns")
-        return self._observation(), 0.0, False, False, self._info()
+        if not rec.awaiting_summary and self.compression_due():
+            if rec.n_sessions >= self.max_sessions:
+                return self._finish(None, truncated_by="max_sessions")
+            rec.ask_summary(self.summary_request(rec.compressions))
+        if rec.assistant_turns >= self.max_turns:
+            return self._finish(None, truncated_by="max_turns")
+        return self.active_messages, 0.0, False, False, self._info()
 
     def render(self) -> str | None:
         if self.render_mode != "ansi" or self.task is None:
             return None
-        return "\n".join(f"[{m['role']}] {m['content']}" for m in self._observation())
+        return "\n".join(f"[{m['role']}] {m['content']}" for m in self.active_messages)
 
     # --- what the policy and drivers see ---------------------------------------------------
     @property
     def active_messages(self) -> list[dict[str, Any]]:
-        return self._observation()
+        return self._recorder.messages()
 
     @property
     def awaiting_summary(self) -> bool:
-        return self._awaiting_summary
+        return self._recorder.awaiting_summary
 
     @property
     def in_branch(self) -> bool:
         return self._recorder.in_branch
 
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        """The schemas the active session shows: the task's tools, then ``return`` in a
-        sub-agent or ``spawn`` at the top level when branching."""
-        return self._schemas(in_branch=self.task is not None and self._recorder.in_branch)
+    def tool_schemas(self, in_branch: bool | None = None) -> list[dict[str, Any]]:
+        """The schemas a session shows (default: the active one): the task's tools, then
+        ``return`` in a sub-agent or ``spawn`` at the top level when branching."""
+        if in_branch is None:
+            in_branch = self.task is not None and self._recorder.in_branch
+        allowed = self.task.allowed_tools if self.task else None
+        return sessions.session_schemas(tools.schemas(self._tools, allowed), in_branch,
+                                        self.branching)
 
     def use_token_counter(self, counter: Callable[[Sequence[dict[str, Any]]], int]) -> None:
         """Count ``context_budget`` with ``counter`` (the driving policy's tokenizer), unless
@@ -402,148 +302,41 @@ class ToolEnv(gymnasium.Env):
         if not self._counter_given:
             self.token_counter = counter
 
-    # --- the loop's pieces ---------------------------------------------------------------
-    def _observation(self) -> list[dict[str, Any]]:
-        return self._recorder.messages()
-
+    # --- delegation ------------------------------------------------------------------------
     def _info(self) -> dict[str, Any]:
         return {"session_id": self._recorder.active, "tools": self.tool_schemas(),
-                "awaiting_summary": self._awaiting_summary}
-
-    def _schemas(self, in_branch: bool) -> list[dict[str, Any]]:
-        allowed = self.task.allowed_tools if self.task else None
-        schemas = [spec.schema() for spec in allowed_specs(self._tools, allowed)]
-        if in_branch:
-            schemas.append(RETURN_SCHEMA)
-        elif self.branching:
-            schemas.append(SPAWN_SCHEMA)
-        return schemas
+                "awaiting_summary": self._recorder.awaiting_summary}
 
     def _task_prompt(self) -> str:
-        assert self.task is not None
         hint = f"\n\nHint: {self._hint['text']}" if self._hint else ""
         return self.task.prompt + hint
 
     def _opening(self, prompt: str, in_branch: bool = False, compressions: int = 0) -> list[Turn]:
+        """A session's opening turns: instructions with the tool list, examples, ``prompt``."""
+        listed = self.parser.format_instructions(self.tool_schemas(in_branch))
         intro = self.branch_instructions if in_branch else self.instructions
-        tools_text = self.parser.format_instructions(self._schemas(in_branch))
-        system = intro + ("\n\n" + tools_text if tools_text else "")
-        shown = [] if in_branch else self.examples(compressions)
-        worked = [Turn(role=role, content=text) for pair in shown
-                  for role, text in zip(("user", "assistant"), pair, strict=True)]
-        return [Turn(role="system", content=system), *worked, Turn(role="user", content=prompt)]
+        return sessions.opening_turns(intro + ("\n\n" + listed if listed else ""), prompt,
+                                      [] if in_branch else self.examples(compressions))
 
-    def _assistant_turn(self, action: str | dict[str, Any]) -> tuple[Turn, int | None]:
-        """The action as an assistant turn; lone surrogates become U+FFFD (``clean_text``) so
-        the episode stays valid UTF-8 JSON."""
-        if isinstance(action, str):
-            return Turn(role="assistant", content=clean_text(action)), None
-        if not isinstance(action, dict) or not isinstance(action.get("text"), str):
-            raise TypeError("action must be a str or a dict with 'text' (and optionally "
-                            "'token_ids', 'logprobs', 'finish_reason', 'policy_revision')")
-        turn = Turn(role="assistant", content=clean_text(action["text"]),
-                    token_ids=action.get("token_ids"),
-                    logprobs=action.get("logprobs"), finish_reason=action.get("finish_reason"))
-        return turn, action.get("policy_revision")
-
-    def _run_calls(self, calls: list[ToolCall | ParseError], n_found: int) -> None:
-        self._last_error = None
-        rec = self._recorder
-        can_spawn = self.branching and not rec.in_branch
-        known = ["return"] if rec.in_branch else (["spawn"] if can_spawn else [])
-        for call in calls:
-            control = control_action(call, can_spawn, rec.in_branch)
-            if isinstance(control, Spawn):
-                if rec.n_sessions >= self.max_sessions:
-                    control = ToolResult("spawn", "error: session limit reached; do it yourself",
-                                         "tool")
-                else:
-                    rec.branch(control, self._opening(control.task, in_branch=True))
-                    return  # the branch is active now; later calls in this turn are dropped
-            if isinstance(control, Return):
-                rec.return_(control)
-                return
-            allowed = self.task.allowed_tools
-            self._add_result(control if isinstance(control, ToolResult)
-                         else dispatch(self, self._tools, allowed, call, known))
-        if n_found > len(calls):
-            self._add_result(ToolResult("error", f"error: only {self.max_tool_calls_per_turn} tool "
-                                    f"calls per turn; {n_found - len(calls)} ignored", "format"))
-
-    def _add_result(self, result: ToolResult) -> None:
-        self._recorder.add(Turn(role="tool", name=result.name, content=result.content))
-        if result.violation:
-            self._violations.append(result.violation)
-        if result.error:
-            self._tool_errors += 1
-            self._last_error = result.error
-
-    def _request_summary(self) -> None:
-        self._awaiting_summary = True
-        self._recorder.ask(self.summary_request(self._recorder.compressions))
-
-    def _compress(self, summary: Summary) -> None:
-        rec = self._recorder
-        task = rec.branch_task()
+    def _continuation(self, summary: str) -> list[Turn]:
+        """The opening of the session that continues the active thread from ``summary``."""
+        task = self._recorder.branch_task()
         if task is not None:
-            opening = self._opening(task + SUMMARY_HEADER + summary.text, in_branch=True)
-        else:
-            k = rec.compressions + 1
-            opening = self._opening(self.continuation_prompt(summary.text, k), compressions=k)
-        rec.compress(summary, opening)
-        self._awaiting_summary = False
+            return self._opening(task + SUMMARY_HEADER + summary, in_branch=True)
+        k = self._recorder.compressions + 1
+        return self._opening(self.continuation_prompt(summary, k), compressions=k)
 
-    def _draw_seed(self) -> int:
-        offset = {"train": 0, "test": 1 << 20, "holdout": 2 << 20}.get(self.split, 3 << 20)
-        return offset + int(self.np_random.integers(1 << 20))
-
-    # --- ending ----------------------------------------------------------------------------
-    def _finish(self, answer: str | None, truncated: bool = False, why: str | None = None):
-        assert self.task is not None
+    def _finish(self, answer: str | None, truncated_by: str | None = None):
+        """End the episode: score ``answer`` (none when out of budget, ``truncated_by``)."""
         self._running = False
-        if truncated:
-            # Out of budget: no answer to score. Ending right after a malformed call or a
-            # failing tool says more than "truncated" about what went wrong.
-            outcome = {"format": Outcome.format_error, "tool": Outcome.tool_error}.get(
-                self._last_error, Outcome.truncated)
-            reward = RewardBreakdown.from_components(
-                dict.fromkeys(self.reward_weights, 0.0), dict(self.reward_weights), outcome,
-                f"{self.env_id}@{self.version}", audit={"truncated_by": why})
-        else:
-            reward = self.score(self.task, answer, self.state)
-            if self._violations:
-                reward = RewardBreakdown.from_components(
-                    dict.fromkeys(reward.components, 0.0), reward.weights, Outcome.policy_violation,
-                    reward.verifier, audit={**reward.audit, "violations": self._violations,
-                                            "scored_components": reward.components})
-        reward = reward.model_copy(update={"audit": {
-            **reward.audit, "tool_errors": self._tool_errors, "assistant_turns": self._turns_used}})
-        episode = self._episode(reward, answered=not truncated)
+        rec = self._recorder
+        scored = None if truncated_by else self.score(self.task, answer, self.state)
+        reward = rec.reward(scored, self.reward_weights, f"{self.env_id}@{self.version}",
+                            truncated_by)
+        episode = rec.episode(reward, truncated_by is None, self.session_used,
+                              tool_effects=self.tool_effects(self.task, self.state),
+                              **self._header)
         info = self._info()
         info["episode"] = episode
-        return self._observation(), float(reward.total), not truncated, truncated, info
-
-    def _episode(self, reward: RewardBreakdown, answered: bool) -> Episode:
-        assert self.task is not None
-        rec = self._recorder
-        fields = dict(
-            episode_id=rec.episode_id, env_id=self.env_id, env_version=self.version,
-            task_id=self.task.task_id, group_id=str(self._group_id), sample_id=self._sample_id,
-            seed=self._seed, split=self._episode_split, task_meta=self.task.meta.model_dump(),
-            sessions=rec.sessions(), final_session_id=rec.final_session_id if answered else None,
-            reward=reward, tool_effects=self.tool_effects(self.task, self.state),
-            hint=({**self._hint, "shown": True} if self._hint else None),
-            generation=self._generation,
-        )
-        # which sessions the answer used, asked of an unvalidated draft: the episode is
-        # validated (and hashed) once, with the answer's use recorded on its sessions
-        draft = Episode.model_construct(**fields)
-        try:
-            used = {s.session_id: self.session_used(s, draft) for s in draft.sessions}
-        except Exception:
-            Episode(**fields)  # a malformed episode: its validation error names the problem
-            raise
-        data = draft.model_dump()  # a deep copy: nothing in the record is shared with the env
-        for session in data["sessions"]:
-            session["used_by_final"] = used[session["session_id"]]
-        return Episode.model_validate(data)
+        truncated = truncated_by is not None
+        return self.active_messages, float(reward.total), not truncated, truncated, info

@@ -222,7 +222,7 @@ class RelayEnv(ToolEnv):
                 self._recorder.ask("\n".join(later), separator="\n")
             self._recorder.ask(delegate_request([data["facts"][j] for j in data["needed"]],
                                                 data["question"]))
-            obs, info = self._observation(), self._info()
+            obs, info = self.active_messages, self._info()
         return obs, info
 
     def compression_due(self) -> bool:

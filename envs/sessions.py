@@ -30,6 +30,20 @@ So a sub-agent that returned "the answer is unknown" is not used, whatever the p
 next; one that returned "PRD-0042" is used when the parent passes PRD-0042 to a tool or
 answers with it. Environments refine what counts as content with ``value_tokens`` (Records:
 only record ids and values of the task's store).
+
+**One turn** (``SessionRecorder.run_calls``): the calls of an assistant turn, at most
+``max_calls`` of them, run in order: ``spawn`` opens a sub-agent and ends the turn, ``return``
+ends the active sub-agent, every other call runs through the env's dispatch (``envs.tools``)
+and comes back as a ``tool`` turn; further calls are ignored with one format error. The
+recorder tallies assistant turns, tool errors, permission violations and the error kind of the
+last turn.
+
+**Episode assembly** (``SessionRecorder.reward`` and ``.episode``): an answered episode keeps
+its verifier's breakdown, every component zeroed as ``policy_violation`` when a call broke the
+task's permissions; one that ran out of budget scores 0 as ``truncated`` (``format_error`` or
+``tool_error`` when its last turn ended on a malformed call or a failing tool). The episode
+record is validated and hashed once, with each session's ``used_by_final`` asked of the env's
+``session_used`` hook on an unvalidated draft.
 """
 
 from __future__ import annotations
@@ -37,14 +51,14 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import create_model
 
 from envs.tools import ParseError, ToolCall, ToolResult, function_schema
-from trajectories import Boundary, Episode, Session, Turn
+from trajectories import Boundary, Episode, Outcome, RewardBreakdown, Session, Turn
 
 # ---------------------------------------------------------------------------------------------
 # Control actions
@@ -114,6 +128,23 @@ SUMMARY_REQUEST = (
 SUMMARY_HEADER = "\n\nSummary of your progress so far:\n"
 
 
+def session_schemas(tool_schemas: list[dict[str, Any]], in_branch: bool,
+                    branching: bool) -> list[dict[str, Any]]:
+    """The schemas a session shows: the task's tools, then ``return`` in a sub-agent or
+    ``spawn`` at the top level when the env branches."""
+    if in_branch:
+        return [*tool_schemas, RETURN_SCHEMA]
+    return [*tool_schemas, SPAWN_SCHEMA] if branching else list(tool_schemas)
+
+
+def opening_turns(system: str, prompt: str, examples: Sequence[tuple[str, str]] = ()) -> list[Turn]:
+    """The turns a session opens with: the system message, worked examples as (user,
+    assistant) pairs (part of the prompt, never trained on), the prompt."""
+    worked = [Turn(role=role, content=text) for pair in examples
+              for role, text in zip(("user", "assistant"), pair, strict=True)]
+    return [Turn(role="system", content=system), *worked, Turn(role="user", content=prompt)]
+
+
 def approx_token_count(messages: Sequence[dict[str, Any]]) -> int:
     """Fallback context counter: ~4 characters a token, plus 4 per message. Drivers that know
     the policy's tokenizer replace it (``ToolEnv.use_token_counter``)."""
@@ -147,13 +178,18 @@ class _Draft:
 
 
 class SessionRecorder:
-    """The session tree of one episode while it is being played."""
+    """The session tree of one episode while it is being played, and its tallies."""
 
     def __init__(self, episode_id: str, opening: list[Turn]):
         self.episode_id = episode_id
         self._drafts: dict[str, _Draft] = {}
         self._thread = _Thread([self._open(None, "root", None, opening)])
         self._root = self._thread
+        self.awaiting_summary = False  # the next assistant turn is a Summary
+        self.assistant_turns = 0
+        self.tool_errors = 0
+        self.violations: list[dict[str, Any]] = []
+        self.last_error: str | None = None  # "format" | "tool" | None, for the last turn
 
     # --- where the episode is ------------------------------------------------------------
     @property
@@ -206,6 +242,8 @@ class SessionRecorder:
     def add(self, turn: Turn, policy_revision: int | None = None) -> None:
         draft = self._drafts[self.active]
         draft.turns.append(turn)
+        if turn.role == "assistant":
+            self.assistant_turns += 1
         if policy_revision is not None:  # a session is as old as its oldest sampled turn
             draft.policy_revision = (policy_revision if draft.policy_revision is None
                                      else min(draft.policy_revision, policy_revision))
@@ -220,6 +258,11 @@ class SessionRecorder:
         else:
             turns.append(Turn(role="user", content=text))
 
+    def ask_summary(self, text: str) -> None:
+        """Ask for a summary (``ask``): the next assistant turn is the ``Summary``."""
+        self.awaiting_summary = True
+        self.ask(text)
+
     def compress(self, summary: Summary, opening: list[Turn]) -> str:
         """Continue the active thread in a child session opened with ``opening``."""
         old = self._drafts[self.active]
@@ -228,6 +271,8 @@ class SessionRecorder:
                                         summary=summary.text, parent_turn=len(old.turns) - 1)
         child = self._open(old.session_id, "compression", boundary, opening)
         self._thread.session_ids.append(child)
+        self.awaiting_summary = False
+        self.last_error = None
         return child
 
     def branch(self, spawn: Spawn, opening: list[Turn]) -> str:
@@ -246,6 +291,43 @@ class SessionRecorder:
         first.boundary = first.boundary.model_copy(update={"returned": ret.value})
         self._thread = thread.parent
         self.add(Turn(role="tool", name="spawn", content=ret.value))
+
+    def add_result(self, result: ToolResult) -> None:
+        """A tool call's result as a ``tool`` turn; its error and violation are tallied."""
+        self.add(Turn(role="tool", name=result.name, content=result.content))
+        if result.violation:
+            self.violations.append(result.violation)
+        if result.error:
+            self.tool_errors += 1
+            self.last_error = result.error
+
+    def run_calls(self, calls: list[ToolCall | ParseError],
+                  run_tool: Callable[[ToolCall | ParseError, list[str]], ToolResult],
+                  open_branch: Callable[[str], list[Turn]] | None,
+                  max_sessions: int, max_calls: int) -> None:
+        """Carry out the calls of one assistant turn (module docstring). ``run_tool(call,
+        known)`` dispatches an ordinary call (``known``: the control actions the agent can see
+        here); ``open_branch(task)`` is a sub-agent's opening, None when the env does not
+        branch."""
+        self.last_error = None
+        can_spawn = open_branch is not None and not self.in_branch
+        known = ["return"] if self.in_branch else (["spawn"] if can_spawn else [])
+        for call in calls[:max_calls]:
+            control = control_action(call, can_spawn, self.in_branch)
+            if isinstance(control, Spawn):
+                if self.n_sessions >= max_sessions:
+                    control = ToolResult("spawn", "error: session limit reached; do it yourself",
+                                         "tool")
+                else:
+                    self.branch(control, open_branch(control.task))
+                    return  # the branch is active now; later calls in this turn are dropped
+            if isinstance(control, Return):
+                self.return_(control)
+                return
+            self.add_result(control if isinstance(control, ToolResult) else run_tool(call, known))
+        if len(calls) > max_calls:
+            self.add_result(ToolResult("error", f"error: only {max_calls} tool calls per turn; "
+                                       f"{len(calls) - max_calls} ignored", "format"))
 
     def _open(self, parent_id: str | None, origin: str, boundary: Boundary | None,
               turns: list[Turn]) -> str:
@@ -267,6 +349,51 @@ class SessionRecorder:
                              "opening_turns": d.opening})
             for d in self._drafts.values()
         ]
+
+    def reward(self, scored: RewardBreakdown | None, weights: Mapping[str, float], verifier: str,
+               truncated_by: str | None = None) -> RewardBreakdown:
+        """The episode's reward (module docstring): ``scored`` is the verifier's breakdown of
+        the answer, None when the episode ran out of budget (``truncated_by`` says which);
+        the audit adds ``tool_errors`` and ``assistant_turns``."""
+        if scored is None:
+            # Out of budget: no answer to score. Ending right after a malformed call or a
+            # failing tool says more than "truncated" about what went wrong.
+            outcome = {"format": Outcome.format_error, "tool": Outcome.tool_error}.get(
+                self.last_error, Outcome.truncated)
+            reward = RewardBreakdown.from_components(
+                dict.fromkeys(weights, 0.0), dict(weights), outcome, verifier,
+                audit={"truncated_by": truncated_by})
+        elif self.violations:
+            reward = RewardBreakdown.from_components(
+                dict.fromkeys(scored.components, 0.0), scored.weights, Outcome.policy_violation,
+                scored.verifier, audit={**scored.audit, "violations": self.violations,
+                                        "scored_components": scored.components})
+        else:
+            reward = scored
+        return reward.model_copy(update={"audit": {
+            **reward.audit, "tool_errors": self.tool_errors,
+            "assistant_turns": self.assistant_turns}})
+
+    def episode(self, reward: RewardBreakdown, answered: bool,
+                session_used: Callable[[Session, Episode], bool | None],
+                **fields: Any) -> Episode:
+        """The validated, hashed episode: the recorded sessions, ``reward``, the final session
+        when ``answered``, each session's ``used_by_final`` from ``session_used`` and the
+        other ``Episode`` fields (``env_id``, ``task_id``, ...)."""
+        fields.update(episode_id=self.episode_id, sessions=self.sessions(), reward=reward,
+                      final_session_id=self.final_session_id if answered else None)
+        # which sessions the answer used, asked of an unvalidated draft: the episode is
+        # validated (and hashed) once, with the answer's use recorded on its sessions
+        draft = Episode.model_construct(**fields)
+        try:
+            used = {s.session_id: session_used(s, draft) for s in draft.sessions}
+        except Exception:
+            Episode(**fields)  # a malformed episode: its validation error names the problem
+            raise
+        data = draft.model_dump()  # a deep copy: nothing in the record is shared with the env
+        for session in data["sessions"]:
+            session["used_by_final"] = used[session["session_id"]]
+        return Episode.model_validate(data)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,9 @@ success                                the result (JSON unless it is a string)  
 
 Write scopes are the tool's business (it knows which argument names the record) and are
 refused by raising ``PermissionDenied``; every violation is recorded for the verifier.
+
+An action reaches the env as text or as a dict with the sampled tokens (``assistant_turn``);
+lone surrogates in it become U+FFFD (``clean_text``) so every episode is valid UTF-8 JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from trajectories import Turn
 
 
 class ToolError(Exception):
@@ -178,6 +183,21 @@ def strict_json(text: str) -> Any:
     return _clean(value)
 
 
+def assistant_turn(action: str | dict[str, Any]) -> tuple[Turn, int | None]:
+    """An action as an assistant turn, and the policy revision that sampled it (None: not
+    given). ``action``: the text, or a dict with ``text`` and optionally ``token_ids``,
+    ``logprobs``, ``finish_reason``, ``policy_revision``."""
+    if isinstance(action, str):
+        return Turn(role="assistant", content=clean_text(action)), None
+    if not isinstance(action, dict) or not isinstance(action.get("text"), str):
+        raise TypeError("action must be a str or a dict with 'text' (and optionally "
+                        "'token_ids', 'logprobs', 'finish_reason', 'policy_revision')")
+    turn = Turn(role="assistant", content=clean_text(action["text"]),
+                token_ids=action.get("token_ids"),
+                logprobs=action.get("logprobs"), finish_reason=action.get("finish_reason"))
+    return turn, action.get("policy_revision")
+
+
 class HermesParser:
     """Hermes/Qwen style: ``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``."""
 
@@ -242,6 +262,11 @@ def allowed_specs(tools: dict[str, ToolSpec], allowed: Iterable[str] | None) -> 
         return list(tools.values())
     allowed = set(allowed)
     return [spec for spec in tools.values() if spec.name in allowed]
+
+
+def schemas(tools: dict[str, ToolSpec], allowed: Iterable[str] | None) -> list[dict[str, Any]]:
+    """The JSON schemas of the tools a task may use (``allowed_specs``)."""
+    return [spec.schema() for spec in allowed_specs(tools, allowed)]
 
 
 def dispatch(owner: Any, tools: dict[str, ToolSpec], allowed: Iterable[str] | None,

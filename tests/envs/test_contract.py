@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 import envs
 from envs.checks import hostile_actions
-from envs.core import ChatSpace, TaskSpec, ToolCall
+from envs.core import ChatSpace, TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
+from envs.tools import ToolCall
 from trajectories import Episode, Outcome
 
 ENV_IDS = envs.list_envs()
