@@ -12,13 +12,14 @@ Observation
     ``[system, user]``: instructions and the expression.
 
 Reward
-    Components (each 0 or 1) and weights, so a small model can earn partial credit:
-    ``accuracy`` (the last number in the reply equals the value; weight 0.5), ``format`` (the
-    reply is a bare number, a final full stop allowed; weight 0.2), ``exact`` (both; weight
-    0.3). Exact answer: 1.0; right number with extra text: 0.5; a bare wrong number: 0.2;
-    anything else: 0. Numbers are read as numbers (``numbers``): an optional minus, digits,
-    commas only between groups of three digits (``1,000`` is 1000; ``1,5`` is 1 and 5), an
-    optional decimal part (``12.0`` is 12; ``12.`` is 12 before a full stop). No exponents.
+    ``envs.scoring.numeric_answer``: components (each 0 or 1) and weights, so a small model can
+    earn partial credit: ``accuracy`` (the last number in the reply equals the value; weight
+    0.5), ``format`` (the reply is a bare number, a final full stop allowed; weight 0.2),
+    ``exact`` (both; weight 0.3). Exact answer: 1.0; right number with extra text: 0.5; a bare
+    wrong number: 0.2; anything else: 0. Numbers are read as numbers (``numbers``): an optional
+    minus, digits, commas only between groups of three digits (``1,000`` is 1000; ``1,5`` is 1
+    and 5), an optional decimal part (``12.0`` is 12; ``12.`` is 12 before a full stop). No
+    exponents.
 
 Episode end
     The first reply ends the episode (outcome ``correct`` when accuracy is 1, ``format_error``
@@ -37,32 +38,22 @@ Version history
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal
-
 import numpy as np
 
 from envs.core import TaskMeta, TaskSpec, ToolEnv
-from trajectories import Outcome, RewardBreakdown
+from envs.scoring import numbers, numeric_answer, numeric_components
+from trajectories import RewardBreakdown
+
+__all__ = ["WEIGHTS", "ArithmeticEnv", "arithmetic_reward", "numbers"]
 
 _OPS = {"+": ("add", lambda a, b: a + b), "-": ("sub", lambda a, b: a - b),
         "*": ("mul", lambda a, b: a * b)}
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
-_BARE = re.compile(rf"\s*{_NUMBER.pattern}\s*\.?\s*")
 WEIGHTS = {"accuracy": 0.5, "format": 0.2, "exact": 0.3}
-
-
-def numbers(text: str) -> list[Decimal]:
-    """The numbers written in ``text``, in order, exactly (Decimal: no digit limit)."""
-    return [Decimal(n.replace(",", "")) for n in _NUMBER.findall(text)]
 
 
 def arithmetic_reward(reply: str, value: int) -> dict[str, float]:
     """The three reward components of a reply (also used by evaluation)."""
-    said = numbers(reply)
-    accuracy = float(bool(said) and said[-1] == value)
-    bare = float(_BARE.fullmatch(reply) is not None)
-    return {"accuracy": accuracy, "format": bare, "exact": accuracy * bare}
+    return numeric_components(reply, value, list(WEIGHTS))
 
 
 class ArithmeticEnv(ToolEnv):
@@ -108,15 +99,7 @@ class ArithmeticEnv(ToolEnv):
         )
 
     def score(self, task: TaskSpec, answer: str, state: None) -> RewardBreakdown:
-        components = arithmetic_reward(answer, task.target)
-        if components["accuracy"]:
-            outcome = Outcome.correct
-        elif not _NUMBER.search(answer):
-            outcome = Outcome.format_error
-        else:
-            outcome = Outcome.wrong
-        return RewardBreakdown.from_components(components, WEIGHTS, outcome,
-                                               f"{self.env_id}@{self.version}")
+        return numeric_answer(answer, task.target, WEIGHTS, f"{self.env_id}@{self.version}")
 
     def reference_action(self) -> str | None:
         return None if self.task is None else str(self.task.target)

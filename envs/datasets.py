@@ -46,8 +46,8 @@ Reward
     one space.
 
     * ``exact``: the normalised reply equals the normalised answer.
-    * ``numeric``: the *last* number in the reply (read as ``envs.arithmetic.numbers`` reads
-      them: an optional minus, digits, commas only between groups of three, an optional decimal
+    * ``numeric``: the *last* number in the reply (``envs.scoring.numeric_reward``; read as
+      ``envs.scoring.numbers`` reads them: an optional minus, digits, commas only between groups of three, an optional decimal
       part; ``12.0`` is 12, ``1,000`` is 1000) is within ``tolerance`` of the answer:
       ``|said - answer| <= tolerance * max(1, |answer|)``, i.e. absolute below 1 and relative
       above (default ``tolerance=0``: equal as numbers). The answer cell is a JSON number or a
@@ -110,7 +110,7 @@ import sys
 import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
+from decimal import Decimal
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -118,16 +118,19 @@ from typing import Any
 import numpy as np
 
 from envs import deadline
-from envs.arithmetic import numbers
 from envs.core import TaskMeta, TaskSpec, ToolEnv
 from envs.scoring import (
+    NUMBER,
     REWARD_TIMEOUT_S,
     RewardFaultWarning,
+    answer_breakdown,
     check_reward_timeout,
     fault_reason,
+    numbers,
+    numeric_reward,
     reward_fault,
 )
-from trajectories import Outcome, RewardBreakdown
+from trajectories import RewardBreakdown
 
 __all__ = ["DEFAULT_PATH", "REWARDS", "DatasetEnv", "DatasetError", "RewardFaultWarning",
            "RewardReturnError", "check_arguments", "choice_reward", "contains_reward",
@@ -163,8 +166,7 @@ _SAID = re.compile(  # one \s* per whitespace run, none adjacent: linear on any 
     r"(?i:\b(?:answer|option|choice))\s*(?:(?i:is)\b\s*)?(?::\s*)?[(\[]?([A-Z])(?![A-Za-z0-9])")
 _LEADING = re.compile(r"\s*([A-Z])[.):](?:\s|$)")
 _BRACKETED = re.compile(r"[(\[]([A-Za-z])[)\]]")
-_NUMBER_CELL = re.compile(r"\s*-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?\s*")
-_WIDE = Context(prec=60, Emax=MAX_EMAX, Emin=MIN_EMIN, traps=[])  # replies may hold 1e6 digits
+_NUMBER_CELL = re.compile(rf"\s*{NUMBER.pattern}\s*")
 
 
 def normalize(text: str) -> str:
@@ -178,18 +180,6 @@ def exact_reward(reply: str, answer: str) -> float:
 
 def contains_reward(reply: str, answer: str) -> float:
     return float(normalize(answer) in normalize(reply))
-
-
-def numeric_reward(reply: str, answer: str | Decimal, tolerance: float = 0.0) -> float:
-    """1.0 when the last number in ``reply`` is within ``tolerance * max(1, |answer|)``."""
-    said = numbers(reply)
-    if not said:
-        return 0.0
-    target = Decimal(answer)
-    if not tolerance:
-        return float(said[-1] == target)
-    bound = _WIDE.multiply(Decimal(repr(float(tolerance))), max(Decimal(1), abs(target)))
-    return float(_WIDE.abs(_WIDE.subtract(said[-1], target)) <= bound)
 
 
 def regex_reward(reply: str, pattern: str) -> float:
@@ -795,14 +785,9 @@ class DatasetEnv(ToolEnv):
                                 verifier_id)
         total = sum(self.reward_weights.get(k, 0.0) * v for k, v in components.items())
         best = sum(w for w in self.reward_weights.values() if w > 0)
-        if total >= best - 1e-9:
-            outcome = Outcome.correct
-        elif not self.verifier.answered(answer):
-            outcome = Outcome.format_error
-        else:
-            outcome = Outcome.wrong
-        return RewardBreakdown.from_components(components, self.reward_weights, outcome,
-                                               verifier_id)
+        return answer_breakdown(components, self.reward_weights, verifier_id,
+                                correct=total >= best - 1e-9,
+                                answered=self.verifier.answered(answer))
 
     def reference_action(self) -> str | None:
         return None if self.task is None else self.task.data["reference"]

@@ -66,7 +66,8 @@ from typing import Any
 import numpy as np
 
 from envs.core import TaskMeta, TaskSpec, ToolEnv
-from trajectories import Episode, Outcome, RewardBreakdown, Session
+from envs.scoring import answer_breakdown
+from trajectories import Episode, RewardBreakdown, Session
 
 WEIGHTS = {"answer": 0.6, "format": 0.1, "relayed": 0.3}
 _NUMBER = re.compile(r"(?<!\d)-?\d{1,18}(?!\d)")  # longer digit runs are not numbers here
@@ -284,10 +285,9 @@ class RelayEnv(ToolEnv):
             prompt = [t.content for t in self._recorder.turns() if t.role == "user"][-1]
             note = prompt.split("Your note: ", 1)[-1].split("\n\nQuestion: ", 1)[0]
         components = relay_reward(answer, task.target["answer"], task.target["needed"], note)
-        outcome = (Outcome.correct if components["answer"] else
-                   Outcome.wrong if numbers(answer) else Outcome.format_error)
-        return RewardBreakdown.from_components(components, dict(WEIGHTS), outcome,
-                                               f"{self.env_id}@{self.version}")
+        return answer_breakdown(components, WEIGHTS, f"{self.env_id}@{self.version}",
+                                correct=components["answer"] == 1.0,
+                                answered=bool(numbers(answer)))
 
     def session_used(self, session: Session, episode: Episode) -> bool | None:
         if self.branching:  # a sub-agent is used when the answer consumes what it returned

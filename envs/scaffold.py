@@ -128,7 +128,8 @@ Observation
     agent's turns and the ``tool`` results.
 
 Reward
-    ``accuracy`` (weight 1.0): 1 when the last integer in the final reply equals the count.
+    ``accuracy`` (weight 1.0): 1 when the last number in the final reply equals the count
+    (``envs.scoring.numeric_answer``: ``3.0`` is 3, ``1,000`` is 1000, no exponents).
 
 Episode end
     The first reply without a tool call is the answer and ends the episode (outcome
@@ -142,21 +143,19 @@ Version history
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 from envs import TaskMeta, TaskSpec, ToolEnv, ToolError, tool
-from trajectories import Outcome, RewardBreakdown
+from envs.scoring import numeric_answer, numeric_components
+from trajectories import RewardBreakdown
 
 WORDS = ("banana", "mississippi", "session", "reward", "rollout", "summary", "agent", "letter")
 WEIGHTS = {"accuracy": 1.0}
-_NUMBER = re.compile(r"(?<!\\d)-?\\d{1,18}(?!\\d)")  # longer digit runs are no answer
 
 
 def count_reward(reply: str, count: int) -> dict[str, float]:
     """The reward components of a final reply (a pure function: evaluation reuses it)."""
-    numbers = _NUMBER.findall(reply)
-    return {"accuracy": float(bool(numbers) and int(numbers[-1]) == count)}
+    return numeric_components(reply, count, list(WEIGHTS))
 
 
 class ${Name}Env(ToolEnv):
@@ -188,15 +187,7 @@ class ${Name}Env(ToolEnv):
         return tasks
 
     def score(self, task: TaskSpec, answer: str, state: None) -> RewardBreakdown:
-        components = count_reward(answer, task.target)
-        if components["accuracy"]:
-            outcome = Outcome.correct
-        elif not _NUMBER.search(answer):
-            outcome = Outcome.format_error
-        else:
-            outcome = Outcome.wrong
-        return RewardBreakdown.from_components(components, WEIGHTS, outcome,
-                                               f"{self.env_id}@{self.version}")
+        return numeric_answer(answer, task.target, WEIGHTS, f"{self.env_id}@{self.version}")
 
     def reference_action(self) -> str | None:
         """The scripted solver: call ``count`` once, then answer with its result."""

@@ -1,10 +1,11 @@
 """Register a custom environment and drive it with its scripted solver.
 
 ``CapitalsEnv`` below is a complete ToolEnv in a few dozen lines: one ``@tool``, a deterministic
-``task_pool``, a pure reward function and a scripted ``reference_action``. ``envs.register``
-puts it in the registry under a versioned id; ``envs.make`` builds it; ``envs.runner`` runs
-episodes with any object that has ``generate`` (here a policy that asks the env's own solver);
-``envs.checks`` runs the contract checks every built-in environment passes.
+``task_pool``, a pure reward function (its outcome by ``envs.scoring.answer_breakdown``) and a
+scripted ``reference_action``. ``envs.register`` puts it in the registry under a versioned id;
+``envs.make`` builds it; ``envs.runner`` runs episodes with any object that has ``generate``
+(here a policy that asks the env's own solver); ``envs.checks`` runs the contract checks every
+built-in environment passes.
 
     python examples/register_env.py
 """
@@ -17,7 +18,8 @@ import envs
 from envs import TaskMeta, TaskSpec, ToolEnv, ToolError, tool
 from envs.checks import check_env_id
 from envs.runner import Completion, run_episodes
-from trajectories import Outcome, RewardBreakdown
+from envs.scoring import answer_breakdown
+from trajectories import RewardBreakdown
 
 CAPITALS = {"France": "Paris", "Japan": "Tokyo", "Kenya": "Nairobi", "Peru": "Lima",
             "Canada": "Ottawa", "Egypt": "Cairo", "Norway": "Oslo", "Chile": "Santiago"}
@@ -74,9 +76,8 @@ class CapitalsEnv(ToolEnv):
 
     def score(self, task: TaskSpec, answer: str, state: None) -> RewardBreakdown:
         components = capital_reward(answer, task.target)
-        outcome = Outcome.correct if components["accuracy"] else Outcome.wrong
-        return RewardBreakdown.from_components(components, WEIGHTS, outcome,
-                                               f"{self.env_id}@{self.version}")
+        return answer_breakdown(components, WEIGHTS, f"{self.env_id}@{self.version}",
+                                correct=components["accuracy"] == 1.0)
 
     def reference_action(self) -> str | None:
         """Call ``lookup`` once, then answer with the capital."""

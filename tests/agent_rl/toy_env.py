@@ -38,7 +38,8 @@ import numpy as np
 import envs
 import envs.registry
 from envs.core import TaskMeta, TaskSpec, ToolEnv
-from trajectories import Outcome, RewardBreakdown
+from envs.scoring import answer_breakdown
+from trajectories import RewardBreakdown
 
 ENV_ID = "tests/Digits-v0"
 WEIGHTS = {"digits": 0.5, "exact": 0.5}
@@ -76,14 +77,9 @@ class DigitsEnv(ToolEnv):
 
     def score(self, task: TaskSpec, answer: str, state: None) -> RewardBreakdown:
         components = digits_reward(answer, task.target)
-        if components["exact"]:
-            outcome = Outcome.correct
-        elif components["digits"] == 0.0:
-            outcome = Outcome.format_error
-        else:
-            outcome = Outcome.wrong
-        return RewardBreakdown.from_components(components, WEIGHTS, outcome,
-                                               f"{self.env_id}@{self.version}")
+        return answer_breakdown(components, WEIGHTS, f"{self.env_id}@{self.version}",
+                                correct=components["exact"] == 1.0,
+                                answered=components["digits"] > 0.0)
 
     def reference_action(self) -> str | None:
         return None if self.task is None else self.task.target
