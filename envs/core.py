@@ -27,26 +27,23 @@ Tools are methods decorated with ``@tool``; their typed arguments become a JSON 
 assembly); control actions (``Summary``, ``Spawn``, ``Return``) are types of their own there.
 Observations and actions live in ``ChatSpace`` and ``TextSpace`` (``envs.spaces``).
 
-The loop. ``reset`` opens the root session: system message, worked examples (if any), task
-prompt (and asks for a summary at once when ``compression_due``: a request joins the user's
-message when the session has not replied yet). Each ``step(action)`` appends the action as an
-assistant turn of the *active* session, then:
+The loop. ``reset`` opens the root session: system message, worked examples, task prompt.
+Each ``step(action)`` appends the action as an assistant turn of the *active* session, then:
 
 * awaiting a summary: the action is the ``Summary``; a child session opens
   (``origin="compression"``) whose input is the task plus that summary.
-* tool calls in the text: ``spawn`` (top level, ``branching=True``) opens a sub-agent session
-  (``origin="branch"``) that becomes active; ``return`` (in a sub-agent) hands its value back;
-  every other call is dispatched and its result comes back as a ``tool`` turn.
-* no tool call: in a sub-agent, the text is its return value; at the top level it is the final
-  answer, scored by ``score``; the episode terminates.
+* tool calls: ``spawn`` (top level, ``branching=True``) opens a sub-agent session
+  (``origin="branch"``) that becomes active; ``return`` hands its value back; other calls are
+  dispatched and their results come back as ``tool`` turns.
+* no tool call: a sub-agent's returned value or, at the top level, the final answer, scored by
+  ``score``; the episode terminates.
 
-After every step, if ``compression_due()``, the env asks for a summary. Exceeding ``max_turns``
-assistant turns, ``max_sessions`` sessions, or a prompt the policy refused as longer than its
-prompt limit (``finish_reason == "prompt_too_long"``) ends the episode ``truncated``.
-Nothing the agent sends raises: malformed calls (deep nesting and huge numbers included),
-unknown tools and bad arguments come back as tool errors, counted, and the episode ends
-``format_error`` only when it ends on one; lone surrogates in the text become U+FFFD.
-``step()`` before ``reset()`` or after the end raises ``RuntimeError`` (a driver bug).
+After ``reset`` and every step the env asks for a summary when ``compression_due()``.
+``max_turns`` assistant turns, ``max_sessions`` sessions, or a prompt the policy refused as too
+long (``finish_reason == PROMPT_TOO_LONG``) end the episode ``truncated``. Agent text never
+raises: malformed calls (deep nesting, huge numbers), unknown tools and bad arguments are tool
+errors, counted (the episode ends ``format_error`` only when it ends on one); lone surrogates
+become U+FFFD. ``step()`` before ``reset()`` or after the end raises ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -202,7 +199,7 @@ class ToolEnv(gymnasium.Env):
     def continuation_prompt(self, summary: str, compressions: int) -> str:
         """The user prompt of the root thread's session after compression number
         ``compressions`` (1 for the first): the task (and hint) plus the summary."""
-        return self._task_prompt() + SUMMARY_HEADER + summary
+        return self._prompt + SUMMARY_HEADER + summary
 
     def examples(self, compressions: int) -> list[tuple[str, str]]:
         """Worked examples, (user message, assistant reply) pairs, shown after the system
@@ -225,17 +222,17 @@ class ToolEnv(gymnasium.Env):
         self.task = task if isinstance(task, TaskSpec) else TaskSpec.model_validate(task)
         self.state = self.new_state(self.task)
         episode_id = options.get("episode_id") or f"ep-{int(self.np_random.integers(2**62)):016x}"
-        show_hint = options.get("hints", self.hints)
-        self._hint = self.task.hint if (show_hint and self.task.hint) else None
+        hint = self.task.hint if options.get("hints", self.hints) and self.task.hint else None
+        self._prompt = self.task.prompt + (f"\n\nHint: {hint['text']}" if hint else "")
         self._header = dict(  # the Episode's fields known at reset
             env_id=self.env_id, env_version=self.version, task_id=self.task.task_id,
             group_id=str(options.get("group_id", self.task.task_id)),
             sample_id=int(options.get("sample_id", 0)), seed=seed,
             split=str(options.get("split") or self.split), task_meta=self.task.meta.model_dump(),
-            hint={**self._hint, "shown": True} if self._hint else None,
+            hint={**hint, "shown": True} if hint else None,
             generation=dict(options.get("generation", {})))
         self._running = True
-        self._recorder = SessionRecorder(episode_id, self._opening(self._task_prompt()))
+        self._recorder = SessionRecorder(episode_id, self._opening(self._prompt))
         if self.compression_due():
             self._recorder.ask_summary(self.summary_request(self._recorder.compressions))
         return self.active_messages, self._info()
@@ -306,10 +303,6 @@ class ToolEnv(gymnasium.Env):
     def _info(self) -> dict[str, Any]:
         return {"session_id": self._recorder.active, "tools": self.tool_schemas(),
                 "awaiting_summary": self._recorder.awaiting_summary}
-
-    def _task_prompt(self) -> str:
-        hint = f"\n\nHint: {self._hint['text']}" if self._hint else ""
-        return self.task.prompt + hint
 
     def _opening(self, prompt: str, in_branch: bool = False, compressions: int = 0) -> list[Turn]:
         """A session's opening turns: instructions with the tool list, examples, ``prompt``."""
