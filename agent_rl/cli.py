@@ -11,7 +11,9 @@ or a run directory) or ``openai:URL``; ``load_policy`` is the one place that tur
 Exit codes: 0 success; 1 a check failed (``inspect --verify`` found bad records, ``envs check``
 failed, ``canary`` rolled back or stopped); 2 a usage error, a broken contract (the message names
 the key), a missing file, model or bundle, or an unreadable record; 3 ``train`` stopped by a
-guard; 130 ``train`` interrupted (Ctrl-C or SIGTERM; ``--resume`` continues from the last
+guard; 4 ``train`` trained on no token because of a limit the contract sets (guard
+``nothing_trained``: every first prompt over ``rollout.max_prompt_tokens``, or every reply
+truncated under ``rollout.truncation: mask``; the message names the key); 130 ``train`` interrupted (Ctrl-C or SIGTERM; ``--resume`` continues from the last
 complete checkpoint).
 """
 
@@ -308,7 +310,7 @@ def train(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
         raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
     if not main_rank:
-        return 3 if result.stopped is not None else 0
+        return stopped_code(result.stopped)
     report = write_run_report(run_dir)
     if result.before or result.after:
         out.print(before_after_table(result))
@@ -318,8 +320,15 @@ def train(args: argparse.Namespace) -> int:
         trip = result.stopped
         print(f"agent-rl train: stopped by guard {trip.rule} ({trip.action}) at step "
               f"{result.steps}: {trip.message}", file=sys.stderr)
-        return 3
-    return 0
+    return stopped_code(result.stopped)
+
+
+def stopped_code(trip) -> int:
+    """``train``'s exit code for a run that ended (``RunResult.stopped``): 0 finished, 4 the
+    guard ``nothing_trained`` (nothing was trained), 3 any other guard."""
+    from agent_rl.guards import NothingTrained
+
+    return 0 if trip is None else 4 if isinstance(trip, NothingTrained) else 3
 
 
 # --- sft ----------------------------------------------------------------------------------
