@@ -372,7 +372,8 @@ def sft(args: argparse.Namespace) -> int:
     out = console()
     data = result.data
     out.print(f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
-              f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}), "
+              f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}, sessions "
+              f"skipped {data.get('skipped_sessions') or 'none'}), "
               f"{result.steps} steps, loss {result.losses[0] if result.losses else float('nan'):.4f}"
               f" -> {result.losses[-1] if result.losses else float('nan'):.4f}", highlight=False,
               soft_wrap=True)
