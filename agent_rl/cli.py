@@ -20,6 +20,7 @@ complete checkpoint).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -223,6 +224,18 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+@contextlib.contextmanager
+def plain_warnings(command: str):
+    """Warnings print as ``agent-rl COMMAND: warning: MESSAGE``, without the source line
+    Python adds (a run's warnings are for its user, not about this code)."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"agent-rl {command}: warning: {message}", file=file or sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 class _StopSignal:
     """While active, SIGTERM raises KeyboardInterrupt, so a run stops the way Ctrl-C stops it
     (a checkpoint being written is discarded whole; finished bundles stay)."""
@@ -295,7 +308,7 @@ def train(args: argparse.Namespace) -> int:
     out = console()
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun / deepspeed: rank 0 reports
     try:
-        with _StopSignal():
+        with _StopSignal(), plain_warnings("train"):
             result = trainer.run(contract, resume=args.resume, progress=not args.no_progress)
     except KeyboardInterrupt:
         if not main_rank:
@@ -361,7 +374,7 @@ def sft(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     load_model_or_fail(contract.model.id, contract.model.dtype)
     try:
-        with _StopSignal():
+        with _StopSignal(), plain_warnings("sft"):
             result = warm_start.run(contract, progress=not args.no_progress)
     except KeyboardInterrupt:
         print("agent-rl sft: interrupted; no bundle was written (rerun it with a new run_dir)",

@@ -598,6 +598,9 @@ def test_cli_exits_4_when_nothing_was_trained_and_2_on_hints_without_hints(tmp_p
     assert code == 4
     assert "stopped by guard nothing_trained (abort) at step 2: no token trained in steps 1-2" in err
     assert "raise rollout.max_prompt_tokens" in err
+    # the warnings read as the CLI's own lines, without Python's source line
+    assert "agent-rl train: warning: step 1: 4 of 4 episodes generated nothing" in err
+    assert "RuntimeWarning" not in err and "note_untrained(" not in err
     code = cli.main(["train", tiny, "--set", f"run_dir={tmp_path}/hints", "--set",
                      "env.id=agent_rl/Records-v0", "--set", "hints.schedule=constant"])
     assert code == 2 and "error: hints: agent_rl/Records-v0 gives no task hints" in capsys.readouterr().err
