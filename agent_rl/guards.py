@@ -81,23 +81,38 @@ class NothingTrained(GuardTrip):
 
 
 NOTHING_TRAINED_STEPS = 2  # the first steps the rule nothing_trained watches (module docstring)
-LIMIT_CAUSES = (  # what a limit blocked (a step's record) and what to change, for the message
-    ("rollout/prompt_too_long", "episodes ended before generating a token, their first prompt "
-     "longer than rollout.max_prompt_tokens{longest}: raise rollout.max_prompt_tokens"),
-    ("rollout/overlong_masked", "episodes hit rollout.max_response_tokens under "
-     "rollout.truncation: mask, which keeps them out of the loss: raise "
-     "rollout.max_response_tokens, or set rollout.truncation to keep or penalize"),
-)
+LIMIT_COUNTS = ("rollout/prompt_too_long", "rollout/overlong_masked")  # a step's record: episodes
+
+
+def limit_clauses(record: dict[str, Any], max_prompt_tokens: int | None = None,
+                  max_response_tokens: int | None = None) -> list[str]:
+    """What the limits kept out of the loss in ``record`` (a step's metrics, or the evidence of
+    ``nothing_trained``), one clause per limit that blocked an episode, each naming the key to
+    change (and its value, where given)."""
+    def value(n: int | None) -> str:
+        return "" if n is None else f" ({n})"
+
+    clauses = []
+    if record.get("rollout/prompt_too_long"):
+        longest = record.get("rollout/prompt_too_long_tokens")
+        clauses.append(
+            f"{record['rollout/prompt_too_long']} episodes ended before generating a token, their "
+            f"first prompt{f' (up to {longest} tokens)' if longest else ''} longer than "
+            f"rollout.max_prompt_tokens{value(max_prompt_tokens)}: raise rollout.max_prompt_tokens")
+    if record.get("rollout/overlong_masked"):
+        clauses.append(
+            f"{record['rollout/overlong_masked']} episodes hit rollout.max_response_tokens"
+            f"{value(max_response_tokens)} under rollout.truncation: mask, which keeps them out "
+            "of the loss: raise rollout.max_response_tokens, or set rollout.truncation to keep "
+            "or penalize")
+    return clauses
 
 
 def nothing_trained_message(evidence: dict[str, Any]) -> str:
     """Rule ``nothing_trained``'s message: the steps, what blocked how many episodes, the key."""
     first, last = evidence["first_step"], evidence["last_step"]
     steps = f"step {first}" if first == last else f"steps {first}-{last}"
-    longest = evidence.get("rollout/prompt_too_long_tokens")
-    causes = [f"{evidence[key]} {text.format(longest=f' (up to {longest} tokens)' if longest else '')}"
-              for key, text in LIMIT_CAUSES if evidence.get(key)]
-    return (f"no token trained in {steps}: " + "; ".join(causes)
+    return (f"no token trained in {steps}: " + "; ".join(limit_clauses(evidence))
             + " (the contract changes: start a new run_dir)")
 
 
@@ -173,7 +188,7 @@ class Guards:
         ev = self._starved
         ev.setdefault("first_step", m["step"])
         ev["last_step"], ev["steps"] = m["step"], ev.get("steps", 0) + 1
-        for key, _ in LIMIT_CAUSES:
+        for key in LIMIT_COUNTS:
             ev[key] = ev.get(key, 0) + m.get(key, 0)
         longest = [n for n in (ev.get("rollout/prompt_too_long_tokens"),
                                m.get("rollout/prompt_too_long_tokens")) if n is not None]

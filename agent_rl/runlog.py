@@ -29,6 +29,7 @@ import numpy as np
 
 from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract
+from agent_rl.guards import limit_clauses
 from agent_rl.models import fingerprint_changes
 from agent_rl.rollout import (
     LIMITS,
@@ -148,16 +149,11 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
     }
 
 
-# what a step that trained on no token says, by its cause (``rollout.EmptyStep``), and the key
-# that decides it
+# what a step that trained on no token says, by its cause (``rollout.EmptyStep``), where no limit
+# is the cause (those: ``guards.limit_clauses``); a zero-contrast step is warned once, apart
 EMPTY_STEP_CAUSES = {
-    EmptyStep.prompt_too_long: "every episode's first prompt is longer than "
-                               "rollout.max_prompt_tokens ({max_prompt_tokens}), so nothing was "
-                               "generated: raise rollout.max_prompt_tokens",
-    EmptyStep.overlong_masked: "every reply hit rollout.max_response_tokens ({max_response_tokens}) "
-                               "and rollout.truncation: mask keeps such episodes out of the loss "
-                               "(or their prompt was too long): raise rollout.max_response_tokens, "
-                               "or set rollout.truncation to keep or penalize",
+    EmptyStep.zero_contrast: "no group had both reward contrast and a token to train (dynamic "
+                             "sampling dropped those without contrast)",
     EmptyStep.stale: "every session was sampled more than rollout.max_policy_lag updates ago",
     EmptyStep.infrastructure_faults: "its episodes were infrastructure faults (masked, never "
                                      "trained: see reward/infra_error_rate)",
@@ -172,8 +168,8 @@ def note_untrained(metrics: dict[str, Any], batch: RolloutBatch, counters: Count
     """What a step trained less on than it seems to, counted in ``counters`` (kept in the
     checkpoint, so a resumed run counts on) and warned when ``warn``: the first prompts over
     ``rollout.max_prompt_tokens`` the run meets (their task ids, lengths and the limit: once);
-    a step that trained on no token (its cause and the key that decides it: every time), save
-    a zero-contrast one; a step whose groups all had zero reward contrast (no policy gradient:
+    a step that trained on no token (its cause and the key that decides it: every time), but
+    a zero-contrast one: a step whose groups all had zero reward contrast (no policy gradient;
     normal on hard tasks, so counted and warned once). Returns the totals for the record."""
     step, report = metrics["step"], batch.report
     empty = None if metrics["train/empty_reason"] is None else EmptyStep(metrics["train/empty_reason"])
@@ -191,9 +187,9 @@ def note_untrained(metrics: dict[str, Any], batch: RolloutBatch, counters: Count
     counters["empty_steps"] += metrics["train/empty_step"]
     zero = zero_contrast_step(batch.advantage_stats) and empty not in LIMITS
     counters["zero_contrast_steps"] += zero
-    if warn and empty is not None and empty != EmptyStep.zero_contrast:
-        cause = EMPTY_STEP_CAUSES[empty].format(
-            max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens)
+    if warn and empty is not None and not zero:
+        cause = ("; ".join(limit_clauses(metrics, max_prompt_tokens, max_response_tokens))
+                 if empty in LIMITS else EMPTY_STEP_CAUSES[empty])
         warnings.warn(f"step {step} trained on no token: {cause}", RuntimeWarning, stacklevel=2)
     if warn and zero and counters["zero_contrast_steps"] == 1:
         g = batch.advantage_stats

@@ -7,7 +7,13 @@ import math
 import pytest
 
 from agent_rl.config import GuardSection
-from agent_rl.guards import Guards, GuardTrip, NothingTrained, holdout_train_reward
+from agent_rl.guards import (
+    Guards,
+    GuardTrip,
+    NothingTrained,
+    holdout_train_reward,
+    limit_clauses,
+)
 
 NAN, INF = math.nan, math.inf
 
@@ -227,18 +233,33 @@ def test_nothing_trained_fires_on_the_second_starved_step_naming_the_key():
     assert trip.evidence["rollout/prompt_too_long"] == 8  # 4 + 4 episodes
     assert trip.evidence["rollout/prompt_too_long_tokens"] == 1092  # the longest of both steps
     assert trip.message == ("no token trained in steps 1-2: 8 episodes ended before generating a "
-                            "token, their first prompt longer than rollout.max_prompt_tokens (up "
-                            "to 1092 tokens): raise rollout.max_prompt_tokens (the contract "
-                            "changes: start a new run_dir)")
+                            "token, their first prompt (up to 1092 tokens) longer than "
+                            "rollout.max_prompt_tokens: raise rollout.max_prompt_tokens (the "
+                            "contract changes: start a new run_dir)")
 
 
 def test_nothing_trained_names_both_limits_when_both_blocked():
     guards = Guards()
     trips(guards, starved(1, masked=4))
     trip = guards.after_step(starved(2, too_long=1, masked=3))
-    assert "4 + 3" not in trip.message and "7 episodes hit rollout.max_response_tokens" in trip.message
-    assert "1 episodes ended before generating" in trip.message
-    assert "rollout.truncation to keep or penalize" in trip.message
+    assert trip.message == ("no token trained in steps 1-2: 1 episodes ended before generating a "
+                            "token, their first prompt longer than rollout.max_prompt_tokens: "
+                            "raise rollout.max_prompt_tokens; 7 episodes hit "
+                            "rollout.max_response_tokens under rollout.truncation: mask, which "
+                            "keeps them out of the loss: raise rollout.max_response_tokens, or set "
+                            "rollout.truncation to keep or penalize (the contract changes: start a "
+                            "new run_dir)")
+
+
+def test_limit_clauses_name_the_values_where_given():
+    record = {"rollout/prompt_too_long": 2, "rollout/prompt_too_long_tokens": 90,
+              "rollout/overlong_masked": 0}
+    assert limit_clauses(record, 64, 8) == [
+        "2 episodes ended before generating a token, their first prompt (up to 90 tokens) longer "
+        "than rollout.max_prompt_tokens (64): raise rollout.max_prompt_tokens"]
+    assert limit_clauses({"rollout/overlong_masked": 3}, 64, 8)[0].startswith(
+        "3 episodes hit rollout.max_response_tokens (8) under rollout.truncation: mask")
+    assert limit_clauses({"rollout/prompt_too_long": 0, "rollout/overlong_masked": 0}) == []
 
 
 def test_nothing_trained_decides_at_the_last_step_of_a_shorter_run():

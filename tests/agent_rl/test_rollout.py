@@ -990,3 +990,28 @@ def test_hint_share_is_what_the_episodes_showed_not_the_schedule(tok):
     shown = RolloutBatch([e.evolve(hint=hint) if k < 3 else e for k, e in enumerate(episodes)],
                          [], batch.report, {}, [])
     assert step_metrics(1, shown, {}, 1.0, 1.0, Counter(), lag, hint_share=1.0)["hint/share"] == 0.75
+
+
+def test_an_empty_step_that_is_not_zero_contrast_is_warned_every_time(tok, recwarn):
+    """Group a has contrast but both its replies are overlong under mask; group b has none and
+    is dropped: no token is trained, yet not every group lacked contrast, so the step is warned
+    (every such step), not counted as a zero-contrast step."""
+    from agent_rl.runlog import note_untrained
+
+    episodes = [make_episode(tok, "a#0", "a", 1.0, finish="length"),
+                make_episode(tok, "a#1", "a", 0.0, finish="length"),
+                make_episode(tok, "b#0", "b", 0.0), make_episode(tok, "b#1", "b", 0.0)]
+    decided, drops = filter_groups([apply_truncation(e, "mask", 0.0) for e in episodes], True)
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    batch = RolloutBatch(decided, sequences, budget_report(decided, drops, "mask"),
+                         contrast_stats(decided), drops)
+    assert sequences == [] and not zero_contrast_step(batch.advantage_stats)
+    counters = Counter()
+    for step in (1, 2):
+        m = step_metrics(step, batch, {"tokens": 0}, 1.0, 1.0, counters, {"max": 0.0, "mean": 0.0})
+        assert m["train/empty_reason"] == "zero_contrast"
+        totals = note_untrained(m, batch, counters, 64, 8)
+    assert totals == {"total/empty_steps": 2, "total/zero_contrast_steps": 0, "total/prompt_too_long": 0}
+    assert [str(w.message) for w in recwarn] == [
+        f"step {s} trained on no token: no group had both reward contrast and a token to train "
+        "(dynamic sampling dropped those without contrast)" for s in (1, 2)]

@@ -527,8 +527,8 @@ def test_a_run_whose_every_prompt_is_over_the_limit_stops_naming_the_key(tmp_pat
     episodes = list(RolloutStore(run_dir / "rollouts.jsonl").read())
     longest = max(e.reward.audit["prompt_tokens"] for e in episodes)
     assert trip.message == (f"no token trained in steps 1-2: {2 * TASKS * GROUP} episodes ended "
-                            "before generating a token, their first prompt longer than "
-                            f"rollout.max_prompt_tokens (up to {longest} tokens): raise "
+                            f"before generating a token, their first prompt (up to {longest} "
+                            "tokens) longer than rollout.max_prompt_tokens: raise "
                             "rollout.max_prompt_tokens (the contract changes: start a new run_dir)")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [(m["train/tokens"], m["train/empty_step"], m["train/empty_reason"]) for m in metrics] \
@@ -544,10 +544,12 @@ def test_a_run_whose_every_prompt_is_over_the_limit_stops_naming_the_key(tmp_pat
     assert first.startswith(f"step 1: {TASKS * GROUP} of {TASKS * GROUP} episodes generated "
                             "nothing, their first prompt longer than rollout.max_prompt_tokens (8): ")
     assert all(f"task {t} ({n} tokens)" in first for t, n in tasks.items())
+    per_step = [max(e.reward.audit["prompt_tokens"] for e in episodes[k:k + TASKS * GROUP])
+                for k in (0, TASKS * GROUP)]
     assert [w for w in said if "trained on no token" in w] == [
-        f"step {s} trained on no token: every episode's first prompt is longer than "
-        "rollout.max_prompt_tokens (8), so nothing was generated: raise "
-        "rollout.max_prompt_tokens" for s in (1, 2)]
+        f"step {s} trained on no token: {TASKS * GROUP} episodes ended before generating a token, "
+        f"their first prompt (up to {n} tokens) longer than rollout.max_prompt_tokens (8): raise "
+        "rollout.max_prompt_tokens" for s, n in zip((1, 2), per_step, strict=True)]
 
 
 def test_every_reply_masked_overlong_stops_naming_the_response_limit(tmp_path):
