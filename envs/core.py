@@ -41,7 +41,8 @@ assistant turn of the *active* session, then:
 
 After every step, if ``compression_due()``, the env asks for a summary. Exceeding ``max_turns``
 assistant turns, ``max_sessions`` sessions, or a prompt the policy refused as longer than its
-prompt limit (``finish_reason == "prompt_too_long"``) ends the episode ``truncated``.
+prompt limit (``finish_reason == "prompt_too_long"``) ends the episode ``truncated``; that one
+records the prompt's length (the action's ``prompt_tokens``) in ``reward.audit["prompt_tokens"]``.
 Nothing the agent sends raises: malformed calls (deep nesting and huge numbers included),
 unknown tools and bad arguments come back as tool errors, counted, and the episode ends
 ``format_error`` only when it ends on one; lone surrogates in the text become U+FFFD.
@@ -348,7 +349,8 @@ class ToolEnv(gymnasium.Env):
                                "step() called after the episode ended; call reset()")
         turn, revision = self._assistant_turn(action)
         if turn.finish_reason == PROMPT_TOO_LONG:  # nothing was generated for this prompt
-            return self._finish(answer=None, truncated=True, why="max_prompt_tokens")
+            return self._finish(answer=None, truncated=True, why="max_prompt_tokens",
+                                audit={"prompt_tokens": action.get("prompt_tokens")})
         self._recorder.add(turn, revision)
         self._turns_used += 1
         text = turn.content
@@ -498,7 +500,9 @@ class ToolEnv(gymnasium.Env):
         return offset + int(self.np_random.integers(1 << 20))
 
     # --- ending ----------------------------------------------------------------------------
-    def _finish(self, answer: str | None, truncated: bool = False, why: str | None = None):
+    def _finish(self, answer: str | None, truncated: bool = False, why: str | None = None,
+                audit: dict[str, Any] | None = None):
+        """End the episode: scored, or ``truncated`` (``why``, and ``audit``, recorded)."""
         assert self.task is not None
         self._running = False
         if truncated:
@@ -508,7 +512,7 @@ class ToolEnv(gymnasium.Env):
                 self._last_error, Outcome.truncated)
             reward = RewardBreakdown.from_components(
                 dict.fromkeys(self.reward_weights, 0.0), dict(self.reward_weights), outcome,
-                f"{self.env_id}@{self.version}", audit={"truncated_by": why})
+                f"{self.env_id}@{self.version}", audit={"truncated_by": why, **(audit or {})})
         else:
             reward = self.score(self.task, answer, self.state)
             if self._violations:
