@@ -17,8 +17,11 @@ Exit codes: 0 success; 1 a check failed (``inspect --verify`` found bad records,
 failed, ``canary`` rolled back or stopped); 2 a usage error, a broken contract (the message names
 the key), a missing file, model or bundle, an unreadable record, a run directory that another
 process holds or that cannot be written, or a full disk (the message names the last complete
-checkpoint); 3 ``train`` stopped by a guard; 130 ``train`` or ``sft`` interrupted (Ctrl-C or
-SIGTERM; ``--resume`` continues from the last complete checkpoint).
+checkpoint); 3 ``train`` stopped by a guard; 4 ``train`` trained on no token because of a limit
+the contract sets (guard ``nothing_trained``: every first prompt over
+``rollout.max_prompt_tokens``, or every reply truncated under ``rollout.truncation: mask``; the
+message names the key); 130 ``train`` or ``sft`` interrupted (Ctrl-C or SIGTERM; ``--resume``
+continues from the last complete checkpoint).
 """
 
 from __future__ import annotations
@@ -257,6 +260,19 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+@contextlib.contextmanager
+def plain_warnings(command: str):
+    """Warnings print as ``agent-rl COMMAND: warning: MESSAGE``, without the source line
+    Python adds (a run's warnings are for its user, not about this code), escaped as every
+    other line (they may quote agent or task text)."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        echo(f"agent-rl {command}: warning: {message}", file=file or sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 class _StopSignal:
     """While active, SIGTERM raises KeyboardInterrupt, so a run stops the way Ctrl-C stops it
     (a checkpoint being written is discarded whole; finished bundles stay)."""
@@ -363,7 +379,7 @@ def train_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
     out = console()
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun / deepspeed: rank 0 reports
     try:
-        with _StopSignal():
+        with _StopSignal(), plain_warnings("train"):
             result = trainer.run(contract, resume=args.resume, progress=not args.no_progress)
     except KeyboardInterrupt:
         if not main_rank:
@@ -382,7 +398,7 @@ def train_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
         raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
     if not main_rank:
-        return 3 if result.stopped is not None else 0
+        return stopped_code(result.stopped)
     report = write_run_report(run_dir)
     if result.before or result.after:
         out.print(before_after_table(result))
@@ -391,8 +407,15 @@ def train_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
         trip = result.stopped
         echo(f"agent-rl train: stopped by guard {trip.rule} ({trip.action}) at step "
              f"{result.steps}: {trip.message}", file=sys.stderr)
-        return 3
-    return 0
+    return stopped_code(result.stopped)
+
+
+def stopped_code(trip) -> int:
+    """``train``'s exit code for a run that ended (``RunResult.stopped``): 0 finished, 4 the
+    guard ``nothing_trained`` (nothing was trained), 3 any other guard."""
+    from agent_rl.guards import NothingTrained
+
+    return 0 if trip is None else 4 if isinstance(trip, NothingTrained) else 3
 
 
 # --- sft ----------------------------------------------------------------------------------
@@ -433,7 +456,7 @@ def sft_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     load_model_or_fail(contract.model.id, contract.model.dtype)
     try:
-        with _StopSignal():
+        with _StopSignal(), plain_warnings("sft"):
             result = warm_start.run(contract, resume=args.resume, progress=not args.no_progress)
     except KeyboardInterrupt:
         latest = checkpoint.latest_complete(run_dir / warm_start.RESUME_DIR)
@@ -449,7 +472,8 @@ def sft_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
         raise CLIError(str(exc)) from exc
     data = result.data
     echo(f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
-         f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}), "
+         f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}, sessions "
+         f"skipped {data.get('skipped_sessions') or 'none'}), "
          f"{result.steps} steps, loss {result.losses[0] if result.losses else float('nan'):.4f}"
          f" -> {result.losses[-1] if result.losses else float('nan'):.4f}")
     console().print(before_after_table(result))

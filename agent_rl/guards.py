@@ -17,7 +17,21 @@ policy_lag             rollout policy lags the trained one by > ``max_policy_lag
 verifier_errors        infrastructure-fault rate > ``max_verifier_error_rate``      pause
 reward_not_holdout     train reward rose over the last ``holdout_patience``         pause
                        evaluations while the hint-free holdout did not
+nothing_trained        the run's first ``nothing_trained_steps`` steps (or all of   abort
+                       them, in a shorter run) trained on no token, each because
+                       of a limit (``rollout.LIMITS``: every first prompt over
+                       ``rollout.max_prompt_tokens``, every reply overlong under
+                       ``rollout.truncation: mask``)
 =====================  ==========================================================  ======
+
+``nothing_trained`` watches a run's start only: one step that trains a token, or that trains
+none for another reason (no reward contrast is normal on hard tasks: counted and warned, never
+an error), turns it off for good. Two steps rather than one, because one step's few tasks may
+all be long where the pool is not; no more than two, because a limit that blocks every episode
+of two steps blocks the run (``mask`` pays for the longest replies there are, to train none of
+them), and ``length_explosion`` would pause that run at its second step with less to say.
+A run of zero steps (``optim.max_steps: 0``, a baseline) trains nothing by design and never
+trips it. Its trip is a ``NothingTrained``: the CLI exits 4 on it, not 3.
 
 The train reward of ``reward_not_holdout`` is ``reward/mean``, or ``reward/unhinted_mean``
 when the contract anneals hints (``holdout_train_reward``): a rise that only the hints bring
@@ -33,6 +47,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from agent_rl.rollout import LIMITS, EmptyStep
 
 
 def holdout_train_reward(metrics: dict[str, Any], annealed_hints: bool) -> float | None:
@@ -59,6 +75,47 @@ class GuardTrip:
     evidence: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class NothingTrained(GuardTrip):
+    """Rule ``nothing_trained``: the run trained nothing, because of a limit the contract sets."""
+
+
+NOTHING_TRAINED_STEPS = 2  # the first steps the rule nothing_trained watches (module docstring)
+LIMIT_COUNTS = ("rollout/prompt_too_long", "rollout/overlong_masked")  # a step's record: episodes
+
+
+def limit_clauses(record: dict[str, Any], max_prompt_tokens: int | None = None,
+                  max_response_tokens: int | None = None) -> list[str]:
+    """What the limits kept out of the loss in ``record`` (a step's metrics, or the evidence of
+    ``nothing_trained``), one clause per limit that blocked an episode, each naming the key to
+    change (and its value, where given)."""
+    def value(n: int | None) -> str:
+        return "" if n is None else f" ({n})"
+
+    clauses = []
+    if record.get("rollout/prompt_too_long"):
+        longest = record.get("rollout/prompt_too_long_tokens")
+        clauses.append(
+            f"{record['rollout/prompt_too_long']} episodes ended before generating a token, their "
+            f"first prompt{f' (up to {longest} tokens)' if longest else ''} longer than "
+            f"rollout.max_prompt_tokens{value(max_prompt_tokens)}: raise rollout.max_prompt_tokens")
+    if record.get("rollout/overlong_masked"):
+        clauses.append(
+            f"{record['rollout/overlong_masked']} episodes hit rollout.max_response_tokens"
+            f"{value(max_response_tokens)} under rollout.truncation: mask, which keeps them out "
+            "of the loss: raise rollout.max_response_tokens, or set rollout.truncation to keep "
+            "or penalize")
+    return clauses
+
+
+def nothing_trained_message(evidence: dict[str, Any]) -> str:
+    """Rule ``nothing_trained``'s message: the steps, what blocked how many episodes, the key."""
+    first, last = evidence["first_step"], evidence["last_step"]
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    return (f"no token trained in {steps}: " + "; ".join(limit_clauses(evidence))
+            + " (the contract changes: start a new run_dir)")
+
+
 @dataclass
 class Guards:
     max_nonfinite_steps: int = 2
@@ -68,12 +125,20 @@ class Guards:
     max_verifier_error_rate: float = 0.1
     holdout_patience: int = 5
     max_truncated_frac: float = 0.9
+    nothing_trained_steps: int = NOTHING_TRAINED_STEPS
     _nonfinite_streak: int = 0
+    # rule nothing_trained: what the limits blocked over the run's steps so far, while no step
+    # trained a token (or trained none for another reason); None once one did
+    _starved: dict[str, Any] | None = field(default_factory=dict)
     _long_streak: int = 0
     _evals: list[tuple[float, float]] = field(default_factory=list)  # (train reward, holdout)
 
-    def after_step(self, m: dict[str, float]) -> GuardTrip | None:
-        """Check one step's metrics (namespaced keys as the trainer logs them)."""
+    def after_step(self, m: dict[str, Any], last: bool = False) -> GuardTrip | None:
+        """Check one step's metrics (namespaced keys as the trainer logs them); ``last``: the
+        run's last step (``nothing_trained`` decides there in a run shorter than its watch)."""
+        starved = self._nothing_trained(m, last)
+        if starved is not None:
+            return starved
         loss, grad = m.get("loss/policy", 0.0), m.get("optim/grad_norm", 0.0)
         if not (math.isfinite(loss) and math.isfinite(grad)):
             self._nonfinite_streak += 1
@@ -112,16 +177,39 @@ class Guards:
                              f"{self.max_verifier_error_rate:.1%}", {"reward/infra_error_rate": errors})
         return None
 
+    def _nothing_trained(self, m: dict[str, Any], last: bool) -> NothingTrained | None:
+        """Rule ``nothing_trained`` (module docstring) on one step's record."""
+        if self._starved is None:
+            return None
+        reason = m.get("train/empty_reason")
+        if reason is None or EmptyStep(reason) not in LIMITS:
+            self._starved = None  # this step trained, or trained nothing for another reason
+            return None
+        ev = self._starved
+        ev.setdefault("first_step", m["step"])
+        ev["last_step"], ev["steps"] = m["step"], ev.get("steps", 0) + 1
+        for key in LIMIT_COUNTS:
+            ev[key] = ev.get(key, 0) + m.get(key, 0)
+        longest = [n for n in (ev.get("rollout/prompt_too_long_tokens"),
+                               m.get("rollout/prompt_too_long_tokens")) if n is not None]
+        ev["rollout/prompt_too_long_tokens"] = max(longest, default=None)
+        if ev["steps"] < self.nothing_trained_steps and not last:
+            return None
+        return NothingTrained("nothing_trained", "abort", nothing_trained_message(ev), dict(ev))
+
     def state(self) -> dict[str, Any]:
         """The streaks and evaluation history, for checkpoints: a resumed run then trips
         exactly where the uninterrupted one would."""
         return {"nonfinite_streak": self._nonfinite_streak, "long_streak": self._long_streak,
-                "evals": [list(e) for e in self._evals]}
+                "evals": [list(e) for e in self._evals],
+                "starved": None if self._starved is None else dict(self._starved)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._nonfinite_streak = int(state.get("nonfinite_streak", 0))
         self._long_streak = int(state.get("long_streak", 0))
         self._evals = [(float(t), float(h)) for t, h in state.get("evals", [])]
+        starved = state.get("starved", {})  # a checkpoint from before the rule: watching
+        self._starved = None if starved is None else dict(starved)
 
     def after_eval(self, train_reward: float | None, holdout_reward: float) -> GuardTrip | None:
         """Reward rising while the hint-free holdout does not is a warning sign (hacking, hints).

@@ -71,6 +71,13 @@
 The group statistics (``all_correct``, ``all_wrong``, ...) are counted over every valid
 episode's task reward before dynamic sampling drops anything, so they mean the same with it on
 or off, and with the length reward on or off.
+
+A step that trains on no token says why (``empty_reason``). Two causes are the contract's, not
+the data's: every episode's first prompt over the prompt limit (nothing generated; the episode
+records the prompt's length in ``reward.audit["prompt_tokens"]``: ``prompt_too_long``), or
+every episode overlong under ``mask`` (``masked_overlong``); the budget report counts both, and
+``guards`` stops a run whose first steps they all block. Groups dropped for having no reward
+contrast are the data's (normal on hard tasks).
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -155,12 +163,36 @@ def note_hints(episodes: Sequence[Episode], note: dict[str, Any] | None) -> list
     return [e.evolve(hint={**e.hint, "schedule": note}) if e.hint else e for e in episodes]
 
 
+def shown_hint(episode: Episode) -> bool:
+    """Did the episode show its task's hint? (What its ``hint`` provenance records.)"""
+    return bool(episode.hint and episode.hint.get("shown"))
+
+
 def is_overlong(episode: Episode) -> bool:
     return any(t.finish_reason == "length" for s in episode.sessions for t in s.turns)
 
 
 def generated_tokens(episode: Episode) -> int:
     return sum(s.generated_tokens for s in episode.sessions)
+
+
+def prompt_too_long(episode: Episode) -> bool:
+    """Did the episode end before its policy generated a token, its first prompt longer than
+    the prompt limit (``Sampling.max_prompt_tokens``)? Nothing of it can be trained."""
+    return (generated_tokens(episode) == 0
+            and episode.reward.audit.get("truncated_by") == "max_prompt_tokens")
+
+
+def too_long_prompts(episodes: Sequence[Episode]) -> list[tuple[str, int | None]]:
+    """``(task_id, prompt tokens)`` of every episode ``prompt_too_long`` (None where the
+    episode did not record its prompt's length)."""
+    return [(e.task_id, e.reward.audit.get("prompt_tokens")) for e in episodes if prompt_too_long(e)]
+
+
+def masked_overlong(episode: Episode) -> bool:
+    """Step 2's ``mask``: an overlong episode, in its group's baseline but out of the loss."""
+    decided = episode.filter or {}
+    return bool(decided.get("overlong")) and decided.get("truncation") == "mask"
 
 
 TRUNCATIONS = ("mask", "penalize", "keep")
@@ -355,7 +387,7 @@ def build_sequences(
     sequences = []
     memo: dict = {}  # template renderings shared by the sessions (render._template_ids)
     for e in kept:  # masked overlong episodes served the baseline; they are not rendered
-        if e.filter.get("truncation") == "mask" and e.filter.get("overlong"):
+        if masked_overlong(e):
             continue
         weights = session_weights(e, session_weighting)
         for s in e.sessions:
@@ -386,6 +418,7 @@ def budget_report(episodes: list[Episode], drops: list[dict], truncation: str) -
     kept = [e for e in episodes if e.filter and e.filter.get("kept")]
     all_tokens = sum(generated_tokens(e) for e in episodes)
     kept_tokens = sum(generated_tokens(e) for e in kept)
+    too_long = [n for _, n in too_long_prompts(episodes)]
     return {
         "episodes": len(episodes),
         "episodes_kept": len(kept),
@@ -396,10 +429,54 @@ def budget_report(episodes: list[Episode], drops: list[dict], truncation: str) -
         "tokens_kept": kept_tokens,
         "tokens_discarded": all_tokens - kept_tokens,
         "overlong": sum(is_overlong(e) for e in episodes),
+        "overlong_masked": sum(map(masked_overlong, episodes)),
+        "prompt_too_long": len(too_long),  # episodes: nothing generated, the prompt over the limit
+        "prompt_too_long_tokens": max((n for n in too_long if n is not None), default=None),
         "truncation": truncation,
         "infrastructure_faults": sum(e.reward.is_infrastructure_fault for e in episodes),
         "acceptance": acceptance(episodes, drops),
     }
+
+
+def zero_contrast_step(stats: dict[str, int]) -> bool:
+    """Did every group of a step (``contrast_stats``) have one reward for all its samples? Its
+    advantages are then all 0: no policy gradient (normal on hard tasks)."""
+    return stats.get("groups", 0) > 0 and stats.get("zero_contrast") == stats["groups"]
+
+
+class EmptyStep(str, Enum):
+    """Why a training step trained on no token (``empty_reason``). The ``LIMITS`` are decided
+    by a contract key, not by the data: a run all of whose first steps train nothing because
+    of them is stopped (``guards``, rule ``nothing_trained``)."""
+
+    prompt_too_long = "prompt_too_long"  # every episode's first prompt over the prompt limit
+    overlong_masked = "overlong_masked"  # every episode masked overlong (or prompt_too_long, fewer)
+    zero_contrast = "zero_contrast"  # dynamic sampling dropped every group that could train
+    stale = "stale"  # every trained session was older than rollout.max_policy_lag allows
+    infrastructure_faults = "infrastructure_faults"  # every other episode was a fault (masked)
+    nothing_generated = "nothing_generated"  # none of the above: no episode generated a token
+
+
+LIMITS = frozenset({EmptyStep.prompt_too_long, EmptyStep.overlong_masked})
+
+
+def empty_reason(report: dict[str, Any], trained_tokens: int, stale: int) -> EmptyStep | None:
+    """Why a step trained on no token, from its batch's ``report`` (``budget_report``), the
+    tokens it trained and the sessions it dropped as stale; None when it trained some. Every
+    episode blocked by a limit (prompt too long, or overlong under ``mask``) names the limit
+    that blocked more of them; otherwise a dropped group (no contrast) comes first."""
+    if trained_tokens:
+        return None
+    if stale:
+        return EmptyStep.stale
+    too_long, masked = report["prompt_too_long"], report["overlong_masked"]
+    if report["episodes"] and too_long + masked == report["episodes"]:
+        return EmptyStep.prompt_too_long if too_long >= masked else EmptyStep.overlong_masked
+    if report["groups_dropped"]:
+        return EmptyStep.zero_contrast
+    if report["infrastructure_faults"]:
+        return EmptyStep.infrastructure_faults
+    return EmptyStep.nothing_generated
 
 
 def rollout_batch(

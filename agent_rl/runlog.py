@@ -32,8 +32,17 @@ import numpy as np
 
 from agent_rl import checkpoint
 from agent_rl.config import ExperimentContract, SFTContract, read_contract
+from agent_rl.guards import limit_clauses
 from agent_rl.models import fingerprint_changes
-from agent_rl.rollout import RolloutBatch
+from agent_rl.rollout import (
+    LIMITS,
+    EmptyStep,
+    RolloutBatch,
+    empty_reason,
+    shown_hint,
+    too_long_prompts,
+    zero_contrast_step,
+)
 from envs.core import TaskSpec
 from evals.run import EvalRecord, slice_summary
 from evals.stats import paired_bootstrap
@@ -57,13 +66,15 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
                  wait_s: float = 0.0, hint_share: float | None = None) -> dict[str, Any]:
     """One step's record. ``rollout_s``: generating the batch (on whatever thread did);
     ``wait_s``: how long the trainer waited for it (all of ``rollout_s`` when synchronous);
-    ``hint_share``: the share the contract's ``hints`` scheduled for this step (logged as
-    ``hint/share`` when given). ``reward/hinted_mean`` and ``reward/unhinted_mean`` split
+    ``hint_share``: the share the contract's ``hints`` scheduled for this step (logged, when
+    given, as ``hint/scheduled_share``, beside ``hint/share``: the share the episodes' hint
+    provenance says was shown). ``reward/hinted_mean`` and ``reward/unhinted_mean`` split
     ``reward/mean`` by whether the episode showed a hint (None when no episode is on that side);
-    ``hint/used_frac`` is the share that did."""
+    ``hint/used_frac`` is the share that did. ``train/empty_step`` is 1 on a step that trained
+    on no token, ``train/empty_reason`` says why (``rollout.empty_reason``)."""
     episodes = batch.episodes
-    hinted = [e.reward.total for e in episodes if e.hint is not None]
-    unhinted = [e.reward.total for e in episodes if e.hint is None]
+    hinted = [e.reward.total for e in episodes if shown_hint(e)]
+    unhinted = [e.reward.total for e in episodes if not shown_hint(e)]
     groups = batch.advantage_stats  # over every valid episode, dropped groups included
     compressed = [s for e in episodes for s in e.compressed_sessions()]
     rewards = [e.reward.total for e in episodes]
@@ -74,6 +85,7 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         for name, value in e.reward.components.items():
             components[name] += value / len(episodes)
     report = batch.report
+    empty = empty_reason(report, update.get("tokens", 0), update.get("rollout/dropped_stale", 0))
     return {
         "step": step,
         "loss/policy": update.get("loss/policy", 0.0),
@@ -113,7 +125,8 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "reward/hinted_mean": float(np.mean(hinted)) if hinted else None,
         "reward/unhinted_mean": float(np.mean(unhinted)) if unhinted else None,
         "hint/used_frac": len(hinted) / max(len(episodes), 1),
-        **({"hint/share": hint_share} if hint_share is not None else {}),
+        **({"hint/share": len(hinted) / max(len(episodes), 1), "hint/scheduled_share": hint_share}
+           if hint_share is not None else {}),
         "rollout/tokens_generated": report["tokens_generated"],
         "rollout/tokens_discarded": report["tokens_discarded"],
         "rollout/tokens_per_s": report["tokens_generated"] / max(rollout_s, 1e-9),
@@ -122,7 +135,12 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "rollout/policy_lag_mean": lag["mean"],
         "rollout/data_wait_s": wait_s,
         **{k: v for k, v in update.items() if k.startswith("rollout/")},
+        "rollout/prompt_too_long": report["prompt_too_long"],
+        "rollout/prompt_too_long_tokens": report["prompt_too_long_tokens"],
+        "rollout/overlong_masked": report["overlong_masked"],
         "train/tokens": update.get("tokens", 0),
+        "train/empty_step": int(empty is not None),
+        "train/empty_reason": None if empty is None else empty.value,
         # decoder-layer work recomputed in backward (rows over optim.micro_batch_tokens)
         "train/recomputed_frac": update.get("train/recomputed_frac", 0.0),
         "train/tokens_per_s": update.get("tokens", 0) / max(train_s, 1e-9),
@@ -137,6 +155,61 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "batch/task_ids": sorted({e.task_id for e in episodes}),
         "rollout/acceptance": report["acceptance"],
     }
+
+
+# what a step that trained on no token says, by its cause (``rollout.EmptyStep``), where no limit
+# is the cause (those: ``guards.limit_clauses``); a zero-contrast step is warned once, apart
+EMPTY_STEP_CAUSES = {
+    EmptyStep.zero_contrast: "no group had both reward contrast and a token to train (dynamic "
+                             "sampling dropped those without contrast)",
+    EmptyStep.stale: "every session was sampled more than rollout.max_policy_lag updates ago",
+    EmptyStep.infrastructure_faults: "its episodes were infrastructure faults (masked, never "
+                                     "trained: see reward/infra_error_rate)",
+    EmptyStep.nothing_generated: "no episode generated a token",
+}
+SHOWN_PROMPTS = 5  # the too-long prompts a warning names
+
+
+def note_untrained(metrics: dict[str, Any], batch: RolloutBatch, counters: Counter,
+                   max_prompt_tokens: int, max_response_tokens: int, warn: bool = True
+                   ) -> dict[str, int]:
+    """What a step trained less on than it seems to, counted in ``counters`` (kept in the
+    checkpoint, so a resumed run counts on) and warned when ``warn``: the first prompts over
+    ``rollout.max_prompt_tokens`` the run meets (their task ids, lengths and the limit: once);
+    a step that trained on no token (its cause and the key that decides it: every time), but
+    a zero-contrast one: a step whose groups all had zero reward contrast (no policy gradient;
+    normal on hard tasks, so counted and warned once). Returns the totals for the record."""
+    step, report = metrics["step"], batch.report
+    empty = None if metrics["train/empty_reason"] is None else EmptyStep(metrics["train/empty_reason"])
+    if report["prompt_too_long"] and not counters["prompt_too_long"] and warn:
+        named = dict(too_long_prompts(batch.episodes))  # one per task
+        shown = ", ".join(f"task {task} ({'?' if n is None else n} tokens)"
+                          for task, n in list(named.items())[:SHOWN_PROMPTS])
+        more = f" and {len(named) - SHOWN_PROMPTS} more tasks" if len(named) > SHOWN_PROMPTS else ""
+        warnings.warn(f"step {step}: {report['prompt_too_long']} of {report['episodes']} "
+                      f"episodes generated nothing, their first prompt longer than "
+                      f"rollout.max_prompt_tokens ({max_prompt_tokens}): {shown}{more}; raise "
+                      "rollout.max_prompt_tokens (counted in rollout/prompt_too_long, warned "
+                      "once)", RuntimeWarning, stacklevel=2)
+    counters["prompt_too_long"] += report["prompt_too_long"]
+    counters["empty_steps"] += metrics["train/empty_step"]
+    zero = zero_contrast_step(batch.advantage_stats) and empty not in LIMITS
+    counters["zero_contrast_steps"] += zero
+    if warn and empty is not None and not zero:
+        cause = ("; ".join(limit_clauses(metrics, max_prompt_tokens, max_response_tokens))
+                 if empty in LIMITS else EMPTY_STEP_CAUSES[empty])
+        warnings.warn(f"step {step} trained on no token: {cause}", RuntimeWarning, stacklevel=2)
+    if warn and zero and counters["zero_contrast_steps"] == 1:
+        g = batch.advantage_stats
+        warnings.warn(f"step {step}: every group had one reward for all its samples "
+                      f"({g['all_wrong']} all wrong, {g['all_correct']} all correct, "
+                      f"{g['zero_contrast_other']} other), so no policy gradient"
+                      f"{' and no token trained (dynamic sampling)' if empty else ''}; normal on "
+                      "hard tasks, counted in total/zero_contrast_steps (warned once)",
+                      RuntimeWarning, stacklevel=2)
+    return {"total/empty_steps": counters["empty_steps"],
+            "total/zero_contrast_steps": counters["zero_contrast_steps"],
+            "total/prompt_too_long": counters["prompt_too_long"]}
 
 
 def held_out_tasks(splits: dict[str, Any], names: list[str], n: int) -> dict[str, list[TaskSpec]]:

@@ -58,7 +58,7 @@ from agent_rl.render import (
     render_session,
     share_prefixes,
 )
-from agent_rl.rollout import task_total
+from agent_rl.rollout import prompt_too_long, task_total
 from agent_rl.runlock import hold_if_main
 from agent_rl.runlog import (
     check_run_dir,
@@ -87,7 +87,7 @@ from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
 from evals.run import run_eval, write_episodes, write_records
 from evals.splits import SPLIT_NAMES
-from trajectories import Episode, RolloutStore
+from trajectories import Episode, RolloutStore, Session
 
 RESUME_DIR = "resume"  # run_dir/resume/step-N: the bundles `agent-rl sft --resume` continues from
 
@@ -157,10 +157,11 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
                                  contract.data.max_episodes)
     rendered = render_sessions(tokenizer, kept, contract.limits.max_prompt_tokens
                                + contract.limits.max_response_tokens)
-    data |= {"sessions": len(rendered), "trained_tokens_per_epoch":
-             sum(r.num_trained for r in rendered), "tokens_per_epoch": sum(map(len, rendered))}
+    data |= {"sessions": len(rendered), "skipped_sessions": skipped_sessions(kept),
+             "trained_tokens_per_epoch": sum(r.num_trained for r in rendered),
+             "tokens_per_epoch": sum(map(len, rendered))}
     if not rendered:
-        raise ValueError(f"no session to train on: {json.dumps(data)}")
+        raise ValueError(no_session_message(data))
 
     # --- 4. resume: weights, optimizer and RNG states of the newest resume bundle, the step
     # (the data cursor: ``batch_of_step``) and the held-out result before training; then the
@@ -334,14 +335,46 @@ def select_episodes(episodes: list[Episode], env_id: str, held_out: set[str],
                   "reward_mean": float(np.mean(rewards)) if rewards else None}
 
 
+def untrainable(episode: Episode, session: Session) -> str | None:
+    """Why ``render_sessions`` skips a session, None where it has a generated turn to train:
+    ``prompt_too_long`` (its episode ended before generating a token, the prompt over the limit
+    of the run that recorded it), ``no_token_ids`` (assistant turns without sampled token ids),
+    ``no_assistant_turn``."""
+    if any(t.generated for t in session.turns):
+        return None
+    if prompt_too_long(episode):
+        return "prompt_too_long"
+    return "no_token_ids" if any(t.role == "assistant" for t in session.turns) else "no_assistant_turn"
+
+
+def skipped_sessions(episodes: list[Episode]) -> dict[str, int]:
+    """How many sessions of ``episodes`` ``render_sessions`` skips, by reason (``untrainable``)."""
+    return dict(Counter(why for e in episodes for s in e.sessions
+                        if (why := untrainable(e, s)) is not None))
+
+
+def no_session_message(data: dict[str, Any]) -> str:
+    """The error of an SFT run left with no session to train on: what was read, dropped and
+    skipped, by reason."""
+    def counts(by_reason: dict[str, int]) -> str:
+        return ", ".join(f"{reason} {n}" for reason, n in by_reason.items()) or "none"
+
+    hint = (" (episodes that generated no token: their prompts were longer than the prompt "
+            "limit of the run that recorded them)" if "prompt_too_long" in data["skipped_sessions"]
+            else "")
+    return (f"no session to train on: {data['episodes_read']} episodes read, "
+            f"{data['episodes_kept']} kept (dropped: {counts(data['dropped'])}); their sessions "
+            f"skipped: {counts(data['skipped_sessions'])}{hint}")
+
+
 def render_sessions(tokenizer, episodes: list[Episode], max_tokens: int) -> list[Rendered]:
     """Every session that generated a token, rendered as the RL trainer renders it; a longer
     one than ``max_tokens`` is an error naming it (training on it would exceed what the policy
-    is ever shown)."""
+    is ever shown). The others are skipped (``untrainable``, counted by ``skipped_sessions``)."""
     out = []
     for e in episodes:
         for session in e.sessions:
-            if not any(t.generated for t in session.turns):
+            if untrainable(e, session) is not None:
                 continue
             r = render_session(tokenizer, session, require_logprobs=False)
             if len(r) > max_tokens:

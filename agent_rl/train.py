@@ -116,6 +116,7 @@ from agent_rl.runlog import (
     json_safe,
     log_json,
     logged_eval,
+    note_untrained,
     pin_run_dir,
     progress_bar,
     rewind_logs,
@@ -181,6 +182,7 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     train_tasks = list(splits[contract.env.split])
     eval_sets = held_out_tasks(splits, contract.eval.splits, contract.eval.n)
     check_data(contract.env, env, train_tasks, eval_sets, contract.rollout.max_prompt_tokens)
+    check_hints(contract.env, contract.hints is not None, train_tasks)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
     check_world(contract, launched_world_size())
@@ -384,6 +386,10 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
             counters["episodes"] += len(batch.episodes)
             metrics = step_metrics(step, batch, update, rollout_s, train_s, counters, lag, wait_s,
                                    hint_share=scheduled_hints(step))
+            # prompts over the limit, a step that trained no token, no reward contrast: counted,
+            # warned (the guard nothing_trained stops a run whose limits let nothing train)
+            metrics |= note_untrained(metrics, batch, counters, contract.rollout.max_prompt_tokens,
+                                      contract.rollout.max_response_tokens, warn=main)
             metrics["step/seconds"] = time.perf_counter() - t0  # waiting for the batch to here
             if selection is not None:  # the band in force and what estimating it cost
                 metrics |= {**selection.metrics(step), "total/curriculum_tokens_generated":
@@ -391,7 +397,7 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
             result.losses.append(metrics["loss/policy"])
 
             # guards, evaluation, checkpoint
-            trip = guards.after_step(metrics)
+            trip = guards.after_step(metrics, last=step == contract.optim.max_steps)
             if contract.eval.every and step % contract.eval.every == 0 and step < contract.optim.max_steps:
                 held = evaluate_policy(f"step{step}")
                 metrics["holdout/reward"] = held["reward_mean"]
@@ -460,6 +466,19 @@ def check_data(section: EnvSection, env, train_tasks: list[TaskSpec],
             f"{section.id} compresses at context_budget {budget} tokens, but "
             f"{limit_key} is {max_prompt_tokens}: raise {limit_key} or lower "
             "env.kwargs.context_budget")
+
+
+def check_hints(section: EnvSection, scheduled: bool, train_tasks: list[TaskSpec]) -> None:
+    """Hints asked for (``scheduled``: the contract's ``hints`` section; or ``env.kwargs.hints``)
+    from an env whose training tasks carry none are refused before anything is written: no
+    episode could show one, and a run would log hints it never gave."""
+    asked = "hints" if scheduled else "env.kwargs.hints" if section.kwargs.get("hints") else None
+    if asked is None or any(t.hint for t in train_tasks):
+        return
+    raise ValueError(f"{asked}: {section.id} gives no task hints (none of its "
+                     f"{len(train_tasks)} {section.split!r} tasks has one), so no episode could "
+                     f"show one; remove {asked}, or train on an env whose tasks carry hints "
+                     "(e.g. agent_rl/Arithmetic-v0)")
 
 
 def estimate_band(contract: ExperimentContract, policy, backend: Backend,

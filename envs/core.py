@@ -40,10 +40,10 @@ Each ``step(action)`` appends the action as an assistant turn of the *active* se
 
 After ``reset`` and every step the env asks for a summary when ``compression_due()``.
 ``max_turns`` assistant turns, ``max_sessions`` sessions, or a prompt the policy refused as too
-long (``finish_reason == PROMPT_TOO_LONG``) end the episode ``truncated``. Agent text never
-raises: malformed calls (deep nesting, huge numbers), unknown tools and bad arguments are tool
-errors, counted (the episode ends ``format_error`` only when it ends on one); lone surrogates
-become U+FFFD. ``step()`` before ``reset()`` or after the end raises ``RuntimeError``.
+long (``finish_reason == PROMPT_TOO_LONG``; its length goes to ``reward.audit["prompt_tokens"]``)
+end the episode ``truncated``. Agent text never raises: malformed calls (deep nesting, huge
+numbers), unknown tools and bad arguments are tool errors, counted (the episode ends
+``format_error`` only when it ends on one); lone surrogates become U+FFFD. ``step()`` before ``reset()`` or after the end raises ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ class ToolEnv(gymnasium.Env):
         rec = self._recorder
         turn, revision = tools.assistant_turn(action)
         if turn.finish_reason == PROMPT_TOO_LONG:  # nothing was generated for this prompt
-            return self._finish(None, truncated_by="max_prompt_tokens")
+            return self._finish(None, truncated_by="max_prompt_tokens",
+                                audit={"prompt_tokens": action.get("prompt_tokens")})
         rec.add(turn, revision)
         if rec.awaiting_summary:
             rec.compress(sessions.Summary(turn.content), self._continuation(turn.content))
@@ -319,13 +320,15 @@ class ToolEnv(gymnasium.Env):
         k = self._recorder.compressions + 1
         return self._opening(self.continuation_prompt(summary, k), compressions=k)
 
-    def _finish(self, answer: str | None, truncated_by: str | None = None):
-        """End the episode: score ``answer`` (none when out of budget, ``truncated_by``)."""
+    def _finish(self, answer: str | None, truncated_by: str | None = None,
+                audit: dict[str, Any] | None = None):
+        """End the episode: score ``answer`` (none when out of budget, ``truncated_by``; then
+        ``audit`` is recorded too)."""
         self._running = False
         rec = self._recorder
         scored = None if truncated_by else self.score(self.task, answer, self.state)
         reward = rec.reward(scored, self.reward_weights, f"{self.env_id}@{self.version}",
-                            truncated_by)
+                            truncated_by, audit)
         episode = rec.episode(reward, truncated_by is None, self.session_used,
                               tool_effects=self.tool_effects(self.task, self.state),
                               **self._header)

@@ -97,10 +97,11 @@ class Completion:
     policy_revision: int | None = None
 
     def action(self) -> dict[str, Any]:
-        """The env action carrying the generated tokens into the episode record."""
+        """The env action carrying the generated tokens into the episode record (and the
+        prompt's length, which a ``prompt_too_long`` episode records)."""
         return {"text": self.text, "token_ids": list(self.token_ids) or None,
                 "logprobs": list(self.logprobs) or None, "finish_reason": self.finish_reason,
-                "policy_revision": self.policy_revision}
+                "policy_revision": self.policy_revision, "prompt_tokens": self.prompt_tokens}
 
 
 @runtime_checkable

@@ -351,10 +351,11 @@ class SessionRecorder:
         ]
 
     def reward(self, scored: RewardBreakdown | None, weights: Mapping[str, float], verifier: str,
-               truncated_by: str | None = None) -> RewardBreakdown:
+               truncated_by: str | None = None, audit: dict[str, Any] | None = None
+               ) -> RewardBreakdown:
         """The episode's reward (module docstring): ``scored`` is the verifier's breakdown of
-        the answer, None when the episode ran out of budget (``truncated_by`` says which);
-        the audit adds ``tool_errors`` and ``assistant_turns``."""
+        the answer, None when the episode ran out of budget (``truncated_by`` says which, and
+        ``audit`` is added); the audit adds ``tool_errors`` and ``assistant_turns``."""
         if scored is None:
             # Out of budget: no answer to score. Ending right after a malformed call or a
             # failing tool says more than "truncated" about what went wrong.
@@ -362,7 +363,7 @@ class SessionRecorder:
                 self.last_error, Outcome.truncated)
             reward = RewardBreakdown.from_components(
                 dict.fromkeys(weights, 0.0), dict(weights), outcome, verifier,
-                audit={"truncated_by": truncated_by})
+                audit={"truncated_by": truncated_by, **(audit or {})})
         elif self.violations:
             reward = RewardBreakdown.from_components(
                 dict.fromkeys(scored.components, 0.0), scored.weights, Outcome.policy_violation,

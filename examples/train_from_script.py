@@ -22,8 +22,9 @@ def contract(run_dir: str) -> ExperimentContract:
         "env": {"id": "agent_rl/Records-v0", "pool_size": 64},
         "eval": {"split": "holdout", "n": 4, "every": 0},
         "model": {"id": "tiny", "adapter": "none"},
-        "rollout": {"group_size": 2, "tasks_per_step": 2, "max_response_tokens": 16,
-                    "truncation": "keep", "dynamic_sampling": False},
+        # Records-v0's first prompt (instructions, tool schemas, task) is 1009-1092 tokens
+        "rollout": {"group_size": 2, "tasks_per_step": 2, "max_prompt_tokens": 1536,
+                    "max_response_tokens": 16, "truncation": "keep", "dynamic_sampling": False},
         "optim": {"lr": 1e-4, "max_steps": 3},
         "checkpoint": {"every": 0, "keep": 1},
         # a random model always hits the length limit; > 1 turns that guard off

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ def test_train_from_script(tmp_path):
     assert "held-out reward before" in out and "paired diff" in out
     assert f"trained 3 steps; run dir {run_dir}" in out
     assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "result.json").is_file()
+    trained = [json.loads(line)["train/tokens"] for line in (run_dir / "metrics.jsonl").open()]
+    assert len(trained) == 3 and all(n > 0 for n in trained)  # its prompts fit its limit
 
 
 def test_register_env(tmp_path):

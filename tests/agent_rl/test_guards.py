@@ -7,7 +7,13 @@ import math
 import pytest
 
 from agent_rl.config import GuardSection
-from agent_rl.guards import Guards, GuardTrip, holdout_train_reward
+from agent_rl.guards import (
+    Guards,
+    GuardTrip,
+    NothingTrained,
+    holdout_train_reward,
+    limit_clauses,
+)
 
 NAN, INF = math.nan, math.inf
 
@@ -201,3 +207,85 @@ def test_a_step_without_unhinted_episodes_is_left_out_of_the_holdout_history():
     assert [guards.after_eval(t, 0.5) for t in (0.0, 0.1)] == [None, None]
     assert guards.after_eval(None, 0.5) is None  # not a third evaluation
     assert guards.after_eval(0.2, 0.5).rule == "reward_not_holdout"  # the third one
+
+
+# --- nothing_trained ----------------------------------------------------------------------------
+
+
+def starved(step: int, too_long: int = 0, masked: int = 0, longest: int | None = None) -> dict:
+    """A step that trained on no token because a limit blocked every episode."""
+    reason = "prompt_too_long" if too_long >= masked else "overlong_masked"
+    return healthy(**{"step": step, "loss/policy": 0.0, "optim/grad_norm": 0.0,
+                      "train/tokens": 0, "train/empty_reason": reason,
+                      "rollout/prompt_too_long": too_long, "rollout/overlong_masked": masked,
+                      "rollout/prompt_too_long_tokens": longest})
+
+
+def trained(step: int) -> dict:
+    return healthy(**{"step": step, "train/tokens": 40, "train/empty_reason": None})
+
+
+def test_nothing_trained_fires_on_the_second_starved_step_naming_the_key():
+    guards = Guards()
+    assert trips(guards, starved(1, too_long=4, longest=1092)) == [None]
+    trip = guards.after_step(starved(2, too_long=4, longest=1050))
+    assert isinstance(trip, NothingTrained) and trip.action == "abort"
+    assert trip.evidence["rollout/prompt_too_long"] == 8  # 4 + 4 episodes
+    assert trip.evidence["rollout/prompt_too_long_tokens"] == 1092  # the longest of both steps
+    assert trip.message == ("no token trained in steps 1-2: 8 episodes ended before generating a "
+                            "token, their first prompt (up to 1092 tokens) longer than "
+                            "rollout.max_prompt_tokens: raise rollout.max_prompt_tokens (the "
+                            "contract changes: start a new run_dir)")
+
+
+def test_nothing_trained_names_both_limits_when_both_blocked():
+    guards = Guards()
+    trips(guards, starved(1, masked=4))
+    trip = guards.after_step(starved(2, too_long=1, masked=3))
+    assert trip.message == ("no token trained in steps 1-2: 1 episodes ended before generating a "
+                            "token, their first prompt longer than rollout.max_prompt_tokens: "
+                            "raise rollout.max_prompt_tokens; 7 episodes hit "
+                            "rollout.max_response_tokens under rollout.truncation: mask, which "
+                            "keeps them out of the loss: raise rollout.max_response_tokens, or set "
+                            "rollout.truncation to keep or penalize (the contract changes: start a "
+                            "new run_dir)")
+
+
+def test_limit_clauses_name_the_values_where_given():
+    record = {"rollout/prompt_too_long": 2, "rollout/prompt_too_long_tokens": 90,
+              "rollout/overlong_masked": 0}
+    assert limit_clauses(record, 64, 8) == [
+        "2 episodes ended before generating a token, their first prompt (up to 90 tokens) longer "
+        "than rollout.max_prompt_tokens (64): raise rollout.max_prompt_tokens"]
+    assert limit_clauses({"rollout/overlong_masked": 3}, 64, 8)[0].startswith(
+        "3 episodes hit rollout.max_response_tokens (8) under rollout.truncation: mask")
+    assert limit_clauses({"rollout/prompt_too_long": 0, "rollout/overlong_masked": 0}) == []
+
+
+def test_nothing_trained_decides_at_the_last_step_of_a_shorter_run():
+    trip = Guards().after_step(starved(1, masked=2), last=True)
+    assert isinstance(trip, NothingTrained) and trip.message.startswith("no token trained in step 1:")
+
+
+def test_nothing_trained_is_off_once_a_step_trains_or_trains_nothing_for_another_reason():
+    """One trained step, or a zero-contrast one (normal on hard tasks), ends the watch: later
+    starved steps are warned by the trainer, never an error."""
+    assert trips(Guards(), starved(1, too_long=2), trained(2), starved(3, too_long=2),
+                 starved(4, too_long=2)) == [None] * 4
+    zero = healthy(**{"step": 1, "train/tokens": 0, "train/empty_reason": "zero_contrast"})
+    assert trips(Guards(), zero, starved(2, too_long=2), starved(3, too_long=2)) == [None] * 3
+    assert trips(Guards(), *[trained(s) for s in range(1, 5)]) == [None] * 4
+
+
+def test_nothing_trained_resumes_where_it_was():
+    """A run killed after its first starved step trips at the same step once resumed."""
+    first = Guards()
+    trips(first, starved(1, too_long=2))
+    resumed = Guards()
+    resumed.load_state(first.state())
+    assert isinstance(resumed.after_step(starved(2, too_long=2)), NothingTrained)
+    done = Guards()
+    trips(done, trained(1))
+    after = Guards()
+    after.load_state(done.state())
+    assert trips(after, starved(2, too_long=2), starved(3, too_long=2)) == [None, None]

@@ -41,7 +41,7 @@ def stop_biased(seed=0, bias=4.0):
 def session_from(conv, completion, session_id="s"):
     turns = [Turn(**m) for m in conv] + [Turn(role="assistant", content=completion.text,
                                               **{k: v for k, v in completion.action().items()
-                                                 if k not in ("text", "policy_revision")})]
+                                                 if k not in ("text", "policy_revision", "prompt_tokens")})]
     return Session(session_id=session_id, episode_id="ep", turns=turns)
 
 

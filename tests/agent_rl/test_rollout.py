@@ -16,12 +16,14 @@ from agent_rl.policy import HFPolicy, sequence_logprobs
 from agent_rl.render import chat_ids, end_of_turn_id, render_episode, render_session
 from agent_rl.rollout import (
     LENGTH,
+    EmptyStep,
     RolloutBatch,
     apply_length_reward,
     apply_truncation,
     budget_report,
     build_sequences,
     contrast_stats,
+    empty_reason,
     filter_groups,
     generated_tokens,
     hint_share,
@@ -31,6 +33,8 @@ from agent_rl.rollout import (
     rollout_batch,
     session_advantages,
     task_total,
+    too_long_prompts,
+    zero_contrast_step,
 )
 from agent_rl.runlog import step_metrics
 from envs.runner import Sampling
@@ -244,8 +248,11 @@ def test_budget_report_counts_every_generated_token(tok):
     assert report["infrastructure_faults"] == 2
     assert report["drop_reasons"] == {"all_correct": 1, "all_wrong": 1, "zero_contrast": 1,
                                       "too_few_valid": 1}
+    assert report["overlong_masked"] == 1  # g-long#1, in its group's baseline, out of the loss
+    assert report["prompt_too_long"] == 0 and report["prompt_too_long_tokens"] is None
     assert set(report) == {"episodes", "episodes_kept", "groups", "groups_dropped", "drop_reasons",
                            "tokens_generated", "tokens_kept", "tokens_discarded", "overlong",
+                           "overlong_masked", "prompt_too_long", "prompt_too_long_tokens",
                            "truncation", "infrastructure_faults", "acceptance"}
 
 
@@ -881,7 +888,8 @@ def test_rollout_batch_shows_hints_on_the_chosen_jobs_with_their_provenance(tiny
             assert f"Hint: {task.hint['text']}" in e.sessions[0].turns[1].content
         assert e.hash_ok()
     m = step_metrics(3, batch, {}, 1.0, 1.0, Counter(), {"max": 0.0, "mean": 0.0}, hint_share=0.5)
-    assert m["hint/used_frac"] == pytest.approx(2 / 6) and m["hint/share"] == 0.5
+    assert m["hint/used_frac"] == m["hint/share"] == pytest.approx(2 / 6)  # task 2 has none
+    assert m["hint/scheduled_share"] == 0.5
     rewards = [e.reward.total for e in batch.episodes]
     assert m["reward/hinted_mean"] == pytest.approx((rewards[0] + rewards[3]) / 2)
     assert m["reward/unhinted_mean"] == pytest.approx((sum(rewards) - rewards[0] - rewards[3]) / 4)
@@ -904,9 +912,106 @@ def test_reward_split_by_hint_on_a_hand_made_batch(tok):
     assert m["reward/hinted_mean"] == pytest.approx(0.75)  # (1.0 + 0.5) / 2
     assert m["reward/unhinted_mean"] == pytest.approx(0.25)  # (0.0 + 0.25 + 0.5) / 3
     assert m["reward/mean"] == pytest.approx(0.45)  # 2.25 / 5
-    assert m["hint/used_frac"] == pytest.approx(0.4) and m["hint/share"] == 0.4
+    assert m["hint/used_frac"] == m["hint/share"] == pytest.approx(0.4)
+    assert m["hint/scheduled_share"] == 0.4
     everyone = [e.evolve(hint=hint) for e in episodes]
     all_hinted = step_metrics(1, RolloutBatch(everyone, [], batch.report, {}, []), {}, 1.0, 1.0,
                               Counter(), lag)
     assert all_hinted["reward/unhinted_mean"] is None and all_hinted["hint/used_frac"] == 1.0
-    assert "hint/share" not in all_hinted  # no hints section: no scheduled share
+    assert "hint/share" not in all_hinted and "hint/scheduled_share" not in all_hinted  # no schedule
+
+
+# --- steps that train on no token ------------------------------------------------------------
+
+
+def test_a_prompt_over_the_limit_is_recorded_with_its_length(tiny):
+    """Nothing is generated for a first prompt over max_prompt_tokens: the episode records how
+    long the prompt was (the policy's count), the report counts it, and the step's cause is
+    the prompt limit."""
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(2, seed=0)
+    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
+                          sampling=Sampling(max_new_tokens=4, seed=0, max_prompt_tokens=8), seed=0,
+                          truncation="keep", dynamic_sampling=False)
+    env = envs.make("agent_rl/Arithmetic-v0")
+    lengths = {t.task_id: policy.count_tokens(env.reset(options={"task": t})[0]) for t in tasks}
+    assert all(n > 8 for n in lengths.values())
+    assert too_long_prompts(batch.episodes) == [(t.task_id, lengths[t.task_id])
+                                                for t in tasks for _ in range(2)]
+    assert batch.report["prompt_too_long"] == 4 and batch.report["tokens_generated"] == 0
+    assert batch.report["prompt_too_long_tokens"] == max(lengths.values())
+    assert batch.sequences == []
+    assert empty_reason(batch.report, 0, 0) == EmptyStep.prompt_too_long
+    m = step_metrics(1, batch, {"tokens": 0}, 1.0, 1.0, Counter(), {"max": 0.0, "mean": 0.0})
+    assert m["train/empty_step"] == 1 and m["train/empty_reason"] == "prompt_too_long"
+    assert m["rollout/prompt_too_long"] == 4
+
+
+def test_empty_reason_by_hand(tok):
+    """Why a step trained nothing: the limits when they blocked every episode (the one that
+    blocked more), else the dropped groups (no contrast), faults, stale sessions."""
+    report = {"episodes": 4, "prompt_too_long": 1, "overlong_masked": 3, "groups_dropped": 0,
+              "infrastructure_faults": 0}
+    assert empty_reason(report, 0, 0) == EmptyStep.overlong_masked
+    assert empty_reason({**report, "prompt_too_long": 2, "overlong_masked": 2}, 0, 0) == \
+        EmptyStep.prompt_too_long
+    assert empty_reason(report, 12, 0) is None  # it trained
+    assert empty_reason(report, 0, 3) == EmptyStep.stale
+    some = {**report, "overlong_masked": 1, "groups_dropped": 1}  # 2 of 4 blocked, 1 group dropped
+    assert empty_reason(some, 0, 0) == EmptyStep.zero_contrast
+    assert empty_reason({**some, "groups_dropped": 0, "infrastructure_faults": 2}, 0, 0) == \
+        EmptyStep.infrastructure_faults
+    # every reply overlong under mask, as a real batch: nothing rendered, the response limit named
+    episodes = [apply_truncation(make_episode(tok, f"g#{k}", "g", float(k), finish="length"),
+                                 "mask", 0.0) for k in range(2)]
+    decided, drops = filter_groups(episodes, True)
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    report = budget_report(decided, drops, "mask")
+    assert sequences == [] and report["overlong_masked"] == 2
+    assert empty_reason(report, 0, 0) == EmptyStep.overlong_masked
+
+
+def test_zero_contrast_step_is_every_group_without_contrast():
+    assert zero_contrast_step({"groups": 2, "zero_contrast": 2, "all_wrong": 2})
+    assert not zero_contrast_step({"groups": 2, "zero_contrast": 1})
+    assert not zero_contrast_step({"groups": 0, "zero_contrast": 0})
+
+
+def test_hint_share_is_what_the_episodes_showed_not_the_schedule(tok):
+    """A schedule of 1.0 over episodes none of which showed a hint logs hint/share 0 (the
+    schedule is hint/scheduled_share)."""
+    episodes = [make_episode(tok, f"a#{k}", "a", 0.0) for k in range(4)]
+    batch = RolloutBatch(episodes, [], budget_report(episodes, [], "keep"), {}, [])
+    lag = {"max": 0.0, "mean": 0.0}
+    m = step_metrics(1, batch, {}, 1.0, 1.0, Counter(), lag, hint_share=1.0)
+    assert m["hint/share"] == 0.0 and m["hint/scheduled_share"] == 1.0
+    hint = {"text": "6 * 7 = 42", "provenance": "solution-derived", "shown": True}
+    shown = RolloutBatch([e.evolve(hint=hint) if k < 3 else e for k, e in enumerate(episodes)],
+                         [], batch.report, {}, [])
+    assert step_metrics(1, shown, {}, 1.0, 1.0, Counter(), lag, hint_share=1.0)["hint/share"] == 0.75
+
+
+def test_an_empty_step_that_is_not_zero_contrast_is_warned_every_time(tok, recwarn):
+    """Group a has contrast but both its replies are overlong under mask; group b has none and
+    is dropped: no token is trained, yet not every group lacked contrast, so the step is warned
+    (every such step), not counted as a zero-contrast step."""
+    from agent_rl.runlog import note_untrained
+
+    episodes = [make_episode(tok, "a#0", "a", 1.0, finish="length"),
+                make_episode(tok, "a#1", "a", 0.0, finish="length"),
+                make_episode(tok, "b#0", "b", 0.0), make_episode(tok, "b#1", "b", 0.0)]
+    decided, drops = filter_groups([apply_truncation(e, "mask", 0.0) for e in episodes], True)
+    sequences, _ = build_sequences(tok, decided, **BUILD)
+    batch = RolloutBatch(decided, sequences, budget_report(decided, drops, "mask"),
+                         contrast_stats(decided), drops)
+    assert sequences == [] and not zero_contrast_step(batch.advantage_stats)
+    counters = Counter()
+    for step in (1, 2):
+        m = step_metrics(step, batch, {"tokens": 0}, 1.0, 1.0, counters, {"max": 0.0, "mean": 0.0})
+        assert m["train/empty_reason"] == "zero_contrast"
+        totals = note_untrained(m, batch, counters, 64, 8)
+    assert totals == {"total/empty_steps": 2, "total/zero_contrast_steps": 0, "total/prompt_too_long": 0}
+    assert [str(w.message) for w in recwarn] == [
+        f"step {s} trained on no token: no group had both reward contrast and a token to train "
+        "(dynamic sampling dropped those without contrast)" for s in (1, 2)]

@@ -379,3 +379,49 @@ def test_batch_of_step_is_the_epochs_seeded_order_in_batches():
                 (2, orders[1][:2]), (2, orders[1][2:4]), (2, orders[1][4:])]
     for step, (epoch, sessions) in enumerate(expected, start=1):
         assert sft.batch_of_step(step, 5, 2, seed=7) == (epoch, [int(i) for i in sessions])
+
+
+def test_a_store_whose_episodes_generated_nothing_names_the_skipped_sessions(tmp_path, capsys):
+    """Episodes that ended before the policy generated a token (their prompts over the limit of
+    the run that sampled them) leave no session to train on: the error counts the skipped
+    sessions by reason, and the CLI prints it (exit 2)."""
+    from agent_rl.cli import main
+    from agent_rl.policy import HFPolicy
+    from envs.runner import Sampling, run_episodes
+
+    c = contract(tmp_path)
+    train_tasks = c.env.splits(envs.make(RECORDS))["train"][:2]
+    model, tokenizer = load_model("tiny")
+    episodes = run_episodes(RECORDS, train_tasks, HFPolicy(model, tokenizer),
+                            sampling=Sampling(max_new_tokens=4, seed=0, max_prompt_tokens=64),
+                            samples_per_task=2, seed=0)
+    assert all(e.reward.audit["truncated_by"] == "max_prompt_tokens" for e in episodes)
+    store = RolloutStore(tmp_path / "rollouts.jsonl")
+    store.append(episodes)
+    c = contract(tmp_path, data={"source": "store", "store": str(store.path)})
+    expected = ("no session to train on: 4 episodes read, 4 kept (dropped: none); their sessions "
+                "skipped: prompt_too_long 4 (episodes that generated no token: their prompts were "
+                "longer than the prompt limit of the run that recorded them)")
+    with pytest.raises(ValueError) as raised:
+        sft.run(c, progress=False)
+    assert str(raised.value) == expected
+    assert sft.skipped_sessions(episodes) == {"prompt_too_long": 4}
+    config = tmp_path / "sft.yaml"
+    config.write_text(json.dumps({**c.model_dump(mode="json"), "run_dir": str(tmp_path / "cli")}))
+    assert main(["sft", str(config), "--no-progress"]) == 2
+    assert f"agent-rl sft: error: {expected}" in capsys.readouterr().err
+
+
+def test_skipped_sessions_by_reason():
+    """A session with no assistant turn in an episode that ended for another reason, and one
+    whose assistant turn carries no sampled token ids, are counted apart."""
+
+    _, tokenizer = load_model("tiny")
+    (episode,) = sft.solver_episodes(RECORDS, records_tasks(1), tokenizer, 1, {}, seed=0)
+    root = episode.sessions[0]
+    typed = root.model_copy(update={"turns": [t.model_copy(update={"token_ids": None})
+                                              if t.role == "assistant" else t for t in root.turns]})
+    bare = root.model_copy(update={"turns": [t for t in root.turns if t.role != "assistant"]})
+    assert sft.untrainable(episode, root) is None
+    assert sft.untrainable(episode, typed) == "no_token_ids"
+    assert sft.untrainable(episode, bare) == "no_assistant_turn"

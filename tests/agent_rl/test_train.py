@@ -30,6 +30,7 @@ import envs
 from agent_rl import checkpoint, train
 from agent_rl.config import ExperimentContract
 from agent_rl.distributed import TorchBackend
+from agent_rl.guards import NothingTrained
 from agent_rl.models import tiny_model
 from agent_rl.rollout import TrainSequence, session_advantages
 from tests.agent_rl import toy_env
@@ -246,15 +247,26 @@ def test_lora_rollouts_sample_a_merged_copy_that_follows_the_adapter(tmp_path):
     assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
-def test_no_reward_contrast_trains_nothing(tmp_path):
+def test_no_reward_contrast_trains_nothing(tmp_path, recwarn):
     """Arithmetic-v0 gives a random model 0 everywhere: every group is dropped as all_wrong,
-    no sequence is trained, no optimizer step is taken."""
+    no sequence is trained, no optimizer step is taken. Normal on hard tasks: the steps are
+    recorded as empty for zero contrast, counted and warned once, and the run ends as usual."""
     result = train.run(make_contract(tmp_path / "run", "env.id=agent_rl/Arithmetic-v0",
                                      "optim.max_steps=2", "eval.every=0", "rollout.max_response_tokens=6"),
                        progress=False)
+    assert result.stopped is None and result.steps == 2 and result.after is not None
     metrics = read_jsonl(result.run_dir / "metrics.jsonl")
     assert all(m["groups/dropped"] == TASKS and m["groups/all_wrong"] == TASKS for m in metrics)
     assert all(m["train/sequences"] == 0 and m["optim/skipped"] == 1.0 for m in metrics)
+    assert [(m["train/empty_step"], m["train/empty_reason"]) for m in metrics] == \
+        [(1, "zero_contrast")] * 2
+    assert [m["total/zero_contrast_steps"] for m in metrics] == [1, 2]
+    said = [str(w.message) for w in recwarn if "reward for all its samples" in str(w.message)]
+    assert said == ["step 1: every group had one reward for all its samples (2 all wrong, 0 all "
+                    "correct, 0 other), so no policy gradient and no token trained (dynamic "
+                    "sampling); normal on hard tasks, counted in total/zero_contrast_steps "
+                    "(warned once)"]
+    assert not [w for w in recwarn if "trained on no token" in str(w.message)]
     episodes = list(RolloutStore(result.run_dir / "rollouts.jsonl").read())
     assert len(episodes) == 2 * TASKS * GROUP
     assert all(e.filter["kept"] is False and e.filter["reason"] == "all_wrong" for e in episodes)
@@ -486,15 +498,127 @@ def test_annealed_hints_show_on_the_scheduled_share_and_never_in_evaluation(tmp_
 
 def test_max_prompt_tokens_is_enforced(tmp_path):
     run_dir = tmp_path / "run"
-    train.run(make_contract(run_dir, "rollout.max_prompt_tokens=8", "optim.max_steps=1",
-                            "eval.n=2", "checkpoint.every=0"), progress=False)
+    with pytest.warns(RuntimeWarning, match="longer than rollout.max_prompt_tokens"):
+        result = train.run(make_contract(run_dir, "rollout.max_prompt_tokens=8", "optim.max_steps=1",
+                                         "eval.n=2", "checkpoint.every=0"), progress=False)
     episodes = list(RolloutStore(run_dir / "rollouts.jsonl").read())
     assert len(episodes) == TASKS * GROUP
     assert {e.reward.audit["truncated_by"] for e in episodes} == {"max_prompt_tokens"}
+    assert all(e.reward.audit["prompt_tokens"] > 8 for e in episodes)  # how long it was
     assert {e.reward.outcome for e in episodes} == {Outcome.truncated}
     assert {r["outcome"] for r in read_jsonl(run_dir / "evals" / "before.jsonl")} == {"truncated"}
     (m,) = read_jsonl(run_dir / "metrics.jsonl")
     assert m["rollout/tokens_generated"] == 0 and m["train/sequences"] == 0
+    # a run of one step, that step blocked by the limit: it trained nothing, and says so
+    assert isinstance(result.stopped, NothingTrained) and result.steps == 1
+
+
+def test_a_run_whose_every_prompt_is_over_the_limit_stops_naming_the_key(tmp_path, recwarn):
+    """Every first prompt longer than rollout.max_prompt_tokens: each step is recorded empty
+    (and warned), the first step names the prompts (task, tokens, the limit), and the guard
+    nothing_trained stops the run at its second step, with a checkpoint and guard.json; every
+    episode is in the store."""
+    run_dir = tmp_path / "run"
+    result = train.run(make_contract(run_dir, "rollout.max_prompt_tokens=8", "optim.max_steps=4",
+                                     "eval.every=0", "eval.n=2"), progress=False)
+    trip = result.stopped
+    assert isinstance(trip, NothingTrained) and trip.rule == "nothing_trained"
+    assert trip.action == "abort" and result.steps == 2 and result.after is None
+    episodes = list(RolloutStore(run_dir / "rollouts.jsonl").read())
+    longest = max(e.reward.audit["prompt_tokens"] for e in episodes)
+    assert trip.message == (f"no token trained in steps 1-2: {2 * TASKS * GROUP} episodes ended "
+                            f"before generating a token, their first prompt (up to {longest} "
+                            "tokens) longer than rollout.max_prompt_tokens: raise "
+                            "rollout.max_prompt_tokens (the contract changes: start a new run_dir)")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [(m["train/tokens"], m["train/empty_step"], m["train/empty_reason"]) for m in metrics] \
+        == [(0, 1, "prompt_too_long")] * 2
+    assert [m["total/prompt_too_long"] for m in metrics] == [TASKS * GROUP, 2 * TASKS * GROUP]
+    assert [m["total/zero_contrast_steps"] for m in metrics] == [0, 0]  # the limit, not contrast
+    assert json.loads((run_dir / "guard.json").read_text())["rule"] == "nothing_trained"
+    assert checkpoint.latest_complete(run_dir / "checkpoints").name == "step-000002"
+    assert len(episodes) == 2 * TASKS * GROUP
+    said = [str(w.message) for w in recwarn]
+    (first,) = [w for w in said if "their first prompt longer" in w]  # once, at step 1
+    tasks = {e.task_id: e.reward.audit["prompt_tokens"] for e in episodes[:TASKS * GROUP]}
+    assert first.startswith(f"step 1: {TASKS * GROUP} of {TASKS * GROUP} episodes generated "
+                            "nothing, their first prompt longer than rollout.max_prompt_tokens (8): ")
+    assert all(f"task {t} ({n} tokens)" in first for t, n in tasks.items())
+    per_step = [max(e.reward.audit["prompt_tokens"] for e in episodes[k:k + TASKS * GROUP])
+                for k in (0, TASKS * GROUP)]
+    assert [w for w in said if "trained on no token" in w] == [
+        f"step {s} trained on no token: {TASKS * GROUP} episodes ended before generating a token, "
+        f"their first prompt (up to {n} tokens) longer than rollout.max_prompt_tokens (8): raise "
+        "rollout.max_prompt_tokens" for s, n in zip((1, 2), per_step, strict=True)]
+
+
+def test_every_reply_masked_overlong_stops_naming_the_response_limit(tmp_path):
+    """truncation: mask on a policy whose every reply hits max_response_tokens: no token is
+    trained (the replies serve the baseline only), and the run says which keys to change."""
+    result = train.run(make_contract(tmp_path / "run", "rollout.truncation=mask",
+                                     "rollout.max_response_tokens=4", "optim.max_steps=3",
+                                     "eval.every=0", "eval.n=2"), progress=False)
+    assert isinstance(result.stopped, NothingTrained) and result.steps == 2
+    assert result.stopped.message == (
+        f"no token trained in steps 1-2: {2 * TASKS * GROUP} episodes hit "
+        "rollout.max_response_tokens under rollout.truncation: mask, which keeps them out of the "
+        "loss: raise rollout.max_response_tokens, or set rollout.truncation to keep or penalize "
+        "(the contract changes: start a new run_dir)")
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert [m["train/empty_reason"] for m in metrics] == ["overlong_masked"] * 2
+    assert all(m["rollout/overlong_masked"] == TASKS * GROUP for m in metrics)
+
+
+def test_a_baseline_of_zero_steps_is_no_run_that_trained_nothing(tmp_path):
+    """optim.max_steps: 0 trains nothing by design (a canary baseline): it ends as usual, even
+    under a prompt limit every prompt exceeds."""
+    result = train.run(make_contract(tmp_path / "run", "optim.max_steps=0",
+                                     "rollout.max_prompt_tokens=8", "eval.n=2"), progress=False)
+    assert result.stopped is None and result.steps == 0 and result.after is not None
+    assert (result.run_dir / "result.json").exists()
+
+
+@pytest.mark.parametrize("setting", [["hints.schedule=constant", "hints.start=1.0"],
+                                     ["env.kwargs={hints: true}"]])
+def test_hints_on_an_env_without_hints_are_refused_before_anything_is_written(tmp_path, setting):
+    """tests/Digits-v0's tasks carry no hint: a run asking for hints would log a share it
+    never showed."""
+    key = "hints" if setting[0].startswith("hints") else "env.kwargs.hints"
+    with pytest.raises(ValueError, match=rf"^{key}: tests/Digits-v0 gives no task hints"):
+        train.run(make_contract(tmp_path / "run", *setting), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_exits_4_when_nothing_was_trained_and_2_on_hints_without_hints(tmp_path, capsys):
+    """The distinct exit code of a run whose limits let nothing train (3 stays a guard's)."""
+    from agent_rl import cli
+
+    tiny = str(REPO / "examples" / "tiny.yaml")
+    code = cli.main(["train", tiny, "--set", f"run_dir={tmp_path}/starved", "--set",
+                     "rollout.max_prompt_tokens=8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 4
+    assert "stopped by guard nothing_trained (abort) at step 2: no token trained in steps 1-2" in err
+    assert "raise rollout.max_prompt_tokens" in err
+    # the warnings read as the CLI's own lines, without Python's source line
+    assert "agent-rl train: warning: step 1: 4 of 4 episodes generated nothing" in err
+    assert "RuntimeWarning" not in err and "note_untrained(" not in err
+    code = cli.main(["train", tiny, "--set", f"run_dir={tmp_path}/hints", "--set",
+                     "env.id=agent_rl/Records-v0", "--set", "hints.schedule=constant"])
+    assert code == 2 and "error: hints: agent_rl/Records-v0 gives no task hints" in capsys.readouterr().err
+    assert not (tmp_path / "hints").exists()
+
+
+@pytest.mark.slow
+def test_tiny_records_example_trains_on_real_tokens(tmp_path):
+    """examples/tiny_records.yaml (the README's SFT-then-RL and canary sections): its prompts
+    fit, so every step trains tokens (a random model's replies, at advantage 0: zero contrast)."""
+    contract = ExperimentContract.from_yaml(REPO / "examples" / "tiny_records.yaml",
+                                            [f"run_dir={tmp_path / 'run'}", "optim.max_steps=1"])
+    result = train.run(contract, progress=False)
+    (m,) = read_jsonl(result.run_dir / "metrics.jsonl")
+    assert result.stopped is None
+    assert m["train/tokens"] > 0 and m["rollout/prompt_too_long"] == 0
 
 
 def test_evaluation_tasks_that_overlap_training_are_refused_before_anything_is_written(tmp_path):
