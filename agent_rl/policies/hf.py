@@ -50,7 +50,6 @@ from agent_rl import kernels
 from agent_rl.policies import decode
 from agent_rl.policies.logprobs import scaled_log_softmax, token_logprobs
 from agent_rl.policies.models import named_weights_for_push
-from agent_rl.policies.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policies.hf.OpenAIPolicy)
 from agent_rl.policies.render import conversation_ids, stop_token_ids
 from agent_rl.run.devices import as_dtype, autocast
 from envs.core import PROMPT_TOO_LONG
