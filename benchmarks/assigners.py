@@ -32,8 +32,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent_rl import train  # noqa: E402
-from agent_rl.config import ExperimentContract  # noqa: E402
+from agent_rl.run.contract import ExperimentContract  # noqa: E402
+from agent_rl.training import train  # noqa: E402
 from evals.stats import paired_bootstrap  # noqa: E402
 
 ASSIGNERS = ("broadcast", "terminal_only", "uniform_split", "discounted", "usage_weighted")

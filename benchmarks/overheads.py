@@ -2,7 +2,7 @@
 credit, as a fraction of rollout time, for every built-in environment.
 
 For each env id, one GRPO batch (``--tasks`` tasks x ``--group`` samples) is rolled out as
-``agent_rl.rollout.rollout_batch`` does it, with the pieces timed apart:
+``agent_rl.training.rollout.rollout_batch`` does it, with the pieces timed apart:
 
     policy     HFPolicy.generate (the model: prefill, decode, sampling, detokenising)
     env        reset + step of every environment (tool calls, rewards, context budgets
@@ -44,9 +44,9 @@ from typing import Any
 import gymnasium
 
 import envs
-from agent_rl.models import load_model
-from agent_rl.policy import HFPolicy
-from agent_rl.rollout import apply_truncation, build_sequences, filter_groups
+from agent_rl.policies.hf import HFPolicy
+from agent_rl.policies.models import load_model
+from agent_rl.training.rollout import apply_truncation, build_sequences, filter_groups
 from envs import codetests, sandbox
 from envs.runner import Sampling, run_episodes
 

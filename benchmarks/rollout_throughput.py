@@ -46,9 +46,10 @@ import torch
 from limits import copy_bandwidth, matmul_peak
 
 import envs
-from agent_rl.models import as_dtype, load_model, rollout_copy
-from agent_rl.policy import HFPolicy, chat_prompts
-from agent_rl.render import stop_token_ids
+from agent_rl.policies.hf import HFPolicy, chat_prompts
+from agent_rl.policies.models import load_model, rollout_copy
+from agent_rl.policies.render import stop_token_ids
+from agent_rl.run.devices import as_dtype
 from envs.runner import Completion, Sampling, run_episodes
 
 QUESTIONS = [

@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import envs  # noqa: E402
-from agent_rl.models import load_model  # noqa: E402
-from agent_rl.policy import HFPolicy  # noqa: E402
+from agent_rl.policies.hf import HFPolicy  # noqa: E402
+from agent_rl.policies.models import load_model  # noqa: E402
 from envs.runner import Sampling  # noqa: E402
 from envs.sessions import Spawn, control_action  # noqa: E402
 from envs.tools import HermesParser  # noqa: E402

@@ -4,7 +4,7 @@ micro-batches carry, with and without packing, on a real multi-session batch.
 
 The batch: one GRPO step of Relay-v0 (``--tasks`` tasks x 8 samples, two sessions per
 episode) rolled out by the model itself, every group kept. One optimizer step of the trainer
-(``agent_rl.train.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
+(``agent_rl.training.train.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
 best of ``--repeats`` after ``--warmup`` untimed ones, against the best of the matmul peaks
 measured before every timed step and after the last (``matmul_peaks_gflop_s``: the
 machine's speed drifts by half within minutes). FLOPs counted: 6 x (parameters outside the
@@ -54,11 +54,9 @@ from limits import matmul_peak
 
 import envs
 from agent_rl.attention import allowed_pairs, plan_blocks
-from agent_rl.config import ExperimentContract
-from agent_rl.distributed import TorchBackend, adamw
-from agent_rl.models import load_model
-from agent_rl.policy import HFPolicy
-from agent_rl.render import (
+from agent_rl.policies.hf import HFPolicy
+from agent_rl.policies.models import load_model
+from agent_rl.policies.render import (
     ROW_TOKENS,
     bin_tokens,
     collate_shared,
@@ -67,8 +65,10 @@ from agent_rl.render import (
     padded_tokens,
     share_prefixes,
 )
-from agent_rl.rollout import rollout_batch
-from agent_rl.train import policy_update
+from agent_rl.run.contract import ExperimentContract
+from agent_rl.run.distributed import TorchBackend, adamw
+from agent_rl.training.rollout import rollout_batch
+from agent_rl.training.train import policy_update
 from envs.runner import Sampling
 
 ENV = "agent_rl/Relay-v0"

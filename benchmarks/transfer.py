@@ -67,7 +67,7 @@ def held_out_atomic(scale: dict[str, Any]) -> list[str]:
 
 
 def sft_contract(scale: dict[str, Any], ids_file: Path, out: Path):
-    from agent_rl.config import SFTContract
+    from agent_rl.run.contract import SFTContract
 
     return SFTContract.from_dict({
         "name": "transfer-sft", "env": env_section(scale, HELD_COMPOSED, ids_file),
@@ -85,7 +85,7 @@ def sft_contract(scale: dict[str, Any], ids_file: Path, out: Path):
 
 def grpo_contract(scale: dict[str, Any], arm: str, held_out: list[str], eval_split: str,
                   ids_file: Path, init: Path, out: Path):
-    from agent_rl.config import ExperimentContract
+    from agent_rl.run.contract import ExperimentContract
 
     return ExperimentContract.from_dict({
         "name": f"transfer-{arm}", "env": env_section(scale, held_out, ids_file),
@@ -106,7 +106,7 @@ def grpo_contract(scale: dict[str, Any], arm: str, held_out: list[str], eval_spl
 
 def evaluate(path: Path, tasks: dict[str, list], scale: dict[str, Any]) -> dict[str, list[float]]:
     """Greedy, hint-free rewards of the policy in bundle/run ``path`` on each task list."""
-    from agent_rl.cli import load_bundle_policy
+    from agent_rl.policies.load import load_bundle_policy
     from envs.runner import Sampling
     from evals.run import run_eval
 
@@ -124,9 +124,9 @@ def evaluate(path: Path, tasks: dict[str, list], scale: dict[str, Any]) -> dict[
 def finished_warm_start(contract):
     """The ``SFTResult`` of a warm start already in ``contract``'s run dir under this contract
     (read back from its ``result.json``), else None."""
-    from agent_rl import checkpoint
-    from agent_rl.config import SFTContract
-    from agent_rl.sft import SFTResult
+    from agent_rl.run import checkpoint
+    from agent_rl.run.contract import SFTContract
+    from agent_rl.training.sft import SFTResult
 
     run_dir = contract.resolved_run_dir
     done = run_dir / "result.json"
@@ -154,7 +154,7 @@ def main() -> None:
     t0 = time.perf_counter()
 
     import envs
-    from agent_rl import sft, train
+    from agent_rl.training import sft, train
     from evals.stats import paired_bootstrap
 
     ids_file = out / "held_out_atomic.txt"

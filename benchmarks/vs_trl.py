@@ -11,7 +11,7 @@ keeps zero-contrast groups), a full fine-tune or LoRA (rank 16, alpha 32, every 
 
 Every run is a fresh process: TRL in ``.venv-trl`` (built by this script when missing: the CPU
 torch wheel, ``trl==1.16.0``, this venv's transformers and peft, then this project, whose
-environment scores TRL's completions), ours in this venv through ``agent_rl.train.run``. A run
+environment scores TRL's completions), ours in this venv through ``agent_rl.training.train.run``. A run
 takes one warm-up step, then ``--steps`` timed steps; runs alternate TRL, ours, TRL, ours, ...
 (``--repeats`` pairs) and each side's figure is the median over its timed steps.
 
@@ -131,8 +131,8 @@ def trl_worker(model_dir: str, adapter: str, steps: int, seed: int) -> dict[str,
 
 
 def ours_worker(model_dir: str, adapter: str, steps: int, seed: int) -> dict[str, Any]:
-    from agent_rl.config import ExperimentContract
-    from agent_rl.train import run
+    from agent_rl.run.contract import ExperimentContract
+    from agent_rl.training.train import run
 
     run_dir = tempfile.mkdtemp(prefix="vs-ours-")
     contract = ExperimentContract.from_dict({
@@ -188,7 +188,7 @@ def trl_python() -> Path:
 
 
 def save_model(name: str, folder: Path) -> str:
-    from agent_rl.models import load_model
+    from agent_rl.policies.models import load_model
 
     model, tokenizer = load_model(name)
     model.save_pretrained(folder)

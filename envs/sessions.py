@@ -227,7 +227,7 @@ class SessionRecorder:
     def messages(self) -> list[dict[str, Any]]:
         """The active session's chat messages (copies: callers may change them). An assistant
         message the policy sampled also carries its ``token_ids``, so that a chat-template
-        policy shows it those very tokens again (``agent_rl.render.conversation_ids``)."""
+        policy shows it those very tokens again (``agent_rl.policies.render.conversation_ids``)."""
         out = []
         for t in self._drafts[self.active].turns:
             message = t.message()  # a fresh dict of strings but for its tool calls

@@ -53,7 +53,7 @@ pool: every task its own records) use ``store_per_task``: ``live.store`` is
 Bundles are addressed by content hash. ``evals`` does not import ``agent_rl``: the caller hands
 the hash and a way to re-read and verify it, e.g.
 ``Candidate(name, verify_bundle(path), policy, current_hash=partial(verify_bundle, path))``
-with ``agent_rl.checkpoint.verify_bundle`` (every file against the manifest, the marker
+with ``agent_rl.run.checkpoint.verify_bundle`` (every file against the manifest, the marker
 present; returns the hash). ``bundle_hash`` alone would read only ``MANIFEST.json``.
 
 Traffic split. The canary arms serve different tasks, so a ``no_regression`` criterion (paired
@@ -98,7 +98,7 @@ class Candidate:
 
     ``current_hash`` re-reads and verifies the whole artifact now and returns its content hash,
     raising (naming the bad file) when it does not verify (e.g. ``partial(
-    agent_rl.checkpoint.verify_bundle, path)``), so weights swapped or corrupted after
+    agent_rl.run.checkpoint.verify_bundle, path)``), so weights swapped or corrupted after
     evaluation are caught.
     """
 
@@ -464,7 +464,7 @@ def _promote(candidate: Candidate, plan: CanaryPlan) -> StageReport:
     live = plan.live
     try:
         current = candidate.current_hash()
-    except Exception as exc:  # e.g. agent_rl.checkpoint.BundleError, naming the file
+    except Exception as exc:  # e.g. agent_rl.run.checkpoint.BundleError, naming the file
         return StageReport(stage="promote", status="fail", reasons=[
             f"FAIL the artifact does not verify now: {exc}; refused"])
     if current != candidate.bundle_hash:
@@ -553,7 +553,7 @@ def live_task_count(n: int, fraction: float) -> int:
 
 def release_criteria(acceptance) -> tuple[list[Criterion], list[Criterion]]:
     """(offline/shadow criteria, canary criteria) from a contract's ``acceptance`` section (an
-    ``agent_rl.config.AcceptanceSection``): no held-out reward regression beyond ``MARGIN``,
+    ``agent_rl.run.contract.AcceptanceSection``): no held-out reward regression beyond ``MARGIN``,
     plus the acceptance bounds; the canary arms serve different tasks, so it keeps only the
     min/max bounds."""
     from evals.gates import criteria_from_acceptance

@@ -1,4 +1,4 @@
-"""Train from a script: an ExperimentContract built in code, run by ``agent_rl.train.run``.
+"""Train from a script: an ExperimentContract built in code, run by ``agent_rl.train``.
 
 The tiny random Llama (``model.id: tiny``) on Records-v0 for three steps: it runs in seconds on
 a CPU and shows the whole loop (rollout -> credit -> advantages -> loss -> step -> held-out
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from agent_rl.config import ExperimentContract
-from agent_rl.train import run
+import agent_rl
+from agent_rl import ExperimentContract
 
 
 def contract(run_dir: str) -> ExperimentContract:
@@ -40,7 +40,7 @@ def main() -> None:
     c = contract(args.run_dir or tempfile.mkdtemp(prefix="agent-rl-records-"))
     print(f"contract {c.contract_hash()[:12]}: {c.env.id}, model {c.model.id}, "
           f"{c.optim.max_steps} steps")
-    result = run(c, progress=False)
+    result = agent_rl.train(c, progress=False)
     for step, loss in enumerate(result.losses, start=1):
         print(f"step {step}: loss/policy {loss:+.4f}")
     if result.stopped is not None:

@@ -47,8 +47,8 @@ def test_example_configs_are_valid_contracts_with_their_splits(config):
     """Every shipped config validates, and its train and evaluation splits exist, are
     non-empty and do not leak into each other (what `agent-rl train` checks first)."""
     import envs
-    from agent_rl.config import read_contract
-    from agent_rl.train import check_data
+    from agent_rl.run.contract import read_contract
+    from agent_rl.training.shared import check_data
     from evals.splits import default_splits
 
     contract = read_contract(config)  # an RL contract, or a warm start's (examples/*_sft.yaml)
@@ -197,7 +197,7 @@ def test_train_throughput_runs_as_a_smoke(tmp_path):
         assert s["shared_tokens"] < a["allowed"] <= a["blocked"] <= a["whole_rows"]
         assert a["whole_rows"] >= p["packed_padded_tokens"]
         assert a["allowed"] <= a["bf16_kernel"] and a["bf16_kernel"] % 16 == 0  # whole vectors of keys
-    from agent_rl.models import tiny_model
+    from agent_rl.policies.models import tiny_model
 
     config = tiny_model(0)[0].config
     per_pair = 12 * config.hidden_size * config.num_hidden_layers

@@ -1,5 +1,5 @@
 """Worker for test_distributed.py: trains the tiny Llama for a few optimizer steps through an
-`agent_rl.distributed` backend and writes what it saw as JSON (plus the final weights).
+`agent_rl.run.distributed` backend and writes what it saw as JSON (plus the final weights).
 
     python _ds_worker.py SPEC.json OUT_DIR          # a world of one (or under torchrun)
 
@@ -28,8 +28,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from agent_rl import checkpoint, distributed, train
-from agent_rl.models import tiny_model
+from agent_rl.policies.models import tiny_model
+from agent_rl.run import checkpoint, distributed
+from agent_rl.training import train
 
 LENGTHS = (9, 13, 6, 11)
 ADVANTAGES = (1.0, -0.5, 0.7, -1.2)

@@ -13,9 +13,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from agent_rl import train
-from agent_rl.config import ExperimentContract
-from agent_rl.distributed import end_launched_rank
+from agent_rl.run.contract import ExperimentContract
+from agent_rl.run.distributed import end_launched_rank
+from agent_rl.training import train
 from tests.agent_rl import toy_env
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent_rl import attention, train
+from agent_rl import attention
 from agent_rl.attention import BLOCKED, blocked, blocked_attention_forward, plan_blocks
-from agent_rl.models import tiny_model
-from agent_rl.render import packed_attention_mask
+from agent_rl.policies.models import tiny_model
+from agent_rl.policies.render import packed_attention_mask
+from agent_rl.training import train
 
 
 def shared_row_mask(dtype=torch.bool) -> torch.Tensor:

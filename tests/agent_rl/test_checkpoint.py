@@ -18,8 +18,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from agent_rl import checkpoint
-from agent_rl.checkpoint import (
+from agent_rl.run import checkpoint
+from agent_rl.run.checkpoint import (
     BundleError,
     apply_retention,
     bundle_hash,
@@ -535,7 +535,7 @@ def test_a_full_disk_inside_a_backends_torch_save_names_the_last_complete_bundle
     (``checkpoint.save_torch``), so a full disk inside torch.save is the OSError ENOSPC it is
     (given a path, torch said "unexpected pos"): `write_bundle` raises `DiskFullError`
     naming the bundle and the last complete one, which stays intact; no partial folder."""
-    from agent_rl.distributed import TorchBackend, write_bundle
+    from agent_rl.run.distributed import TorchBackend, write_bundle
 
     model, optimizer, _ = _setup()
     backend = TorchBackend(model, optimizer)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import envs
-from agent_rl import checkpoint
+from agent_rl.run import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -152,7 +152,7 @@ def test_sigterm_stops_cleanly_and_points_at_resume(tmp_path):
 def test_train_under_torchrun_on_two_ranks(tmp_path):
     """The README's launch: `torchrun --nproc-per-node 2 -m agent_rl.cli train ...` with
     ZeRO-3 trains on two ranks (gloo), and only rank 0 reports."""
-    from agent_rl.distributed import free_port
+    from agent_rl.run.distributed import free_port
 
     run_dir = tmp_path / "r"
     env = {k: v for k, v in ENV.items()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_rl.config import UNHASHED, ContractError, ExperimentContract
+from agent_rl.run.contract import UNHASHED, ContractError, ExperimentContract
 
 # The example of DESIGN section 7, verbatim: its key names are part of the contract.
 DESIGN_YAML = """\
@@ -395,7 +395,7 @@ def test_reward_shaping_length_is_a_contract_key(design_file):
 
 
 def test_env_holdout_is_a_contract_key(design_file, tmp_path, monkeypatch):
-    from agent_rl.config import HoldoutSection
+    from agent_rl.run.contract import HoldoutSection
 
     monkeypatch.chdir(tmp_path)  # task_ids_file is read from the working directory
     (tmp_path / "ids.txt").write_text("t-1\n")
@@ -466,7 +466,7 @@ def _pool():
 
 
 def test_env_holdout_splits_the_pool_by_name(tmp_path):
-    from agent_rl.config import EnvSection, HoldoutSection
+    from agent_rl.run.contract import EnvSection, HoldoutSection
 
     ids = tmp_path / "held_out.txt"
     ids.write_text("# held-out tasks\ni1\n\n  i2   # and this one\n")

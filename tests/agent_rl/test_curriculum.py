@@ -1,4 +1,4 @@
-"""agent_rl.curriculum: pass rates estimated through a scripted policy on Arithmetic-v0 are
+"""agent_rl.training.curriculum: pass rates estimated through a scripted policy on Arithmetic-v0 are
 exactly known, so the kept set, the inclusive band edges, the token cost and the per-difficulty
 record are checked by hand; then the trainer on the tiny model: the band's cost in the budget,
 its record, an empty band refused before anything is written, and an exact resume."""
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import envs
-from agent_rl import curriculum, train
-from agent_rl.config import ExperimentContract
-from agent_rl.curriculum import CurriculumError, Selection, TaskEstimate
+from agent_rl.run.contract import ExperimentContract
+from agent_rl.training import curriculum, train
+from agent_rl.training.curriculum import CurriculumError, Selection, TaskEstimate
 from envs.runner import Completion, Sampling, stream_seed
 from tests.agent_rl.test_train import bundle_params_hash, read_jsonl
 
@@ -184,7 +184,7 @@ def test_state_round_trips_through_json(tasks):
 def test_a_resume_cuts_the_rounds_after_its_checkpoint(tmp_path):
     """A round's record carries the first step it trains: a checkpoint of step 3 keeps round 0
     (step 1, whose band it holds) and sets round 1 (step 4, estimated again on resume) aside."""
-    from agent_rl.runlog import rewind_logs
+    from agent_rl.run.rundir import rewind_logs
 
     lines = [json.dumps({"step": 1, "round": 0}), json.dumps({"step": 4, "round": 1})]
     (tmp_path / "curriculum.jsonl").write_text("".join(line + "\n" for line in lines))

@@ -1,4 +1,4 @@
-"""Training backends (agent_rl.distributed): TorchBackend against today's loop, DeepSpeed in a
+"""Training backends (agent_rl.run.distributed): TorchBackend against today's loop, DeepSpeed in a
 world of one against TorchBackend (ZeRO 0-3, CPU offload), two ranks against one process, and
 resuming from a bundle.
 
@@ -30,8 +30,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from agent_rl import checkpoint, distributed
-from agent_rl.distributed import StepResult, TorchBackend, make_backend
+from agent_rl.run import checkpoint, distributed
+from agent_rl.run.distributed import StepResult, TorchBackend, make_backend
 
 WORKER = Path(__file__).with_name("_ds_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -361,7 +361,7 @@ def test_the_process_group_is_destroyed_before_the_interpreter_tears_down():
     session): a check registered before it, so run after it, finds no process group any more."""
     script = ("import atexit, torch.distributed as dist\n"
               "atexit.register(lambda: print('at exit, initialized:', dist.is_initialized()))\n"
-              "from agent_rl.distributed import init_distributed\n"
+              "from agent_rl.run.distributed import init_distributed\n"
               "init_distributed()\n"
               "print('running, initialized:', dist.is_initialized())\n")
     env = {k: v for k, v in os.environ.items()

@@ -8,15 +8,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent_rl.grpo import (
-    behaviour_correction,
-    group_advantages,
+from agent_rl.policies.logprobs import (
     picked_logprobs,
     picked_logprobs_and_entropy,
-    policy_loss,
     token_entropy,
     token_logprobs,
 )
+from agent_rl.training.grpo import behaviour_correction, group_advantages, policy_loss
 
 LN2 = math.log(2)
 
@@ -596,8 +594,8 @@ def test_padding_cannot_leak_into_the_sequence_ratio_or_cispo():
 def test_train_run_takes_the_recipe_keys_for_one_step(tmp_path, monkeypatch, ratio, objective):
     """One step of the tiny model on tests/Digits-v0 (reward contrast, so a real gradient): the
     contract keys reach policy_update, the first update sees ratio 1 and the step is taken."""
-    from agent_rl import train
-    from agent_rl.config import ExperimentContract
+    from agent_rl.run.contract import ExperimentContract
+    from agent_rl.training import train
     from tests.agent_rl import toy_env
 
     seen = []

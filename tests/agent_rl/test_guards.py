@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from agent_rl.config import GuardSection
-from agent_rl.guards import (
+from agent_rl.run.contract import GuardSection
+from agent_rl.run.guards import (
     Guards,
     GuardTrip,
     NothingTrained,

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent_rl import decode, kernels
+from agent_rl import kernels
+from agent_rl.policies import decode
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -221,7 +222,7 @@ def test_sample_by_hand():
 def test_sample_matches_the_tensor_ops():
     """Against log-softmax, exp, cumsum and searchsorted (policy._sample_step's tensor path)
     on a 49,152-token vocabulary: the same tokens, log-probs within 1e-5."""
-    from agent_rl.grpo import scaled_log_softmax
+    from agent_rl.policies.logprobs import scaled_log_softmax
 
     torch.manual_seed(0)
     logits = torch.randn(64, 49152) * 4
@@ -540,7 +541,7 @@ def test_chunk_attention_matches_float32_sdpa(d):
     the plan's chunks: values, lse and gradients as float32 SDPA on the same bf16 inputs,
     within bf16's rounding of the probabilities (and their gradients): ~2^-9 relative."""
     from agent_rl.attention import plan_blocks
-    from agent_rl.render import packed_attention_mask
+    from agent_rl.policies.render import packed_attention_mask
 
     gen = torch.Generator().manual_seed(0)
     # row 0: prompt 0 (5 tokens), samples 1 and 2 (40, 23), padding; row 1: prompt 0 (9), samples

@@ -19,8 +19,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import envs
-from agent_rl.cli import CLIError, build_parser, load_policy, main
-from agent_rl.openai_policy import OpenAIPolicy, OpenAIPolicyError, chat_url, to_openai_messages
+from agent_rl.cli import build_parser, main
+from agent_rl.policies.load import PolicyLoadError, load_policy
+from agent_rl.policies.openai_policy import (
+    OpenAIPolicy,
+    OpenAIPolicyError,
+    chat_url,
+    to_openai_messages,
+)
 from envs.arithmetic import WEIGHTS, arithmetic_reward
 from envs.runner import Policy, Sampling, run_episodes, stream_seed
 
@@ -338,7 +344,7 @@ def test_cli_timeout_reaches_the_policy_and_bounds_eval(stub, tmp_path, monkeypa
     assert build_parser().parse_args(["eval", "--timeout", "2.5"]).timeout == 2.5
     loaded = load_policy(f"openai:{stub.base}", "m", "cpu", timeout=2.5)
     assert loaded.policy.timeout == 2.5 and SECRET not in repr(loaded.policy)
-    with pytest.raises(CLIError, match="timeout must be a positive"):
+    with pytest.raises(PolicyLoadError, match="timeout must be a positive"):
         load_policy(f"openai:{stub.base}", "m", "cpu", timeout=0)
     start = time.monotonic()
     code = main(["eval", "--env", ARITH, "--policy", f"openai:{stub.base}/drip/body", "--n", "1",

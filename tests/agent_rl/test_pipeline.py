@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (agent_rl.pipeline): batches run ahead of training on their own
+"""Asynchronous rollouts (agent_rl.training.pipeline): batches run ahead of training on their own
 thread, and no sample older than ``max_policy_lag`` updates is ever trained on.
 
 The property test drives the real RolloutPipeline over random schedules: a producer whose
@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
+from agent_rl.training.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 
 
 @dataclass

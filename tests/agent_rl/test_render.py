@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from agent_rl.models import smollm2_tokenizer, tiny_model, tiny_tokenizer
-from agent_rl.policy import sequence_logprobs
-from agent_rl.render import (
+from agent_rl.policies.hf import sequence_logprobs
+from agent_rl.policies.models import smollm2_tokenizer, tiny_model, tiny_tokenizer
+from agent_rl.policies.render import (
     collate_shared,
     pack,
     packed_attention_mask,
@@ -293,8 +293,8 @@ def test_pack_is_first_fit_decreasing_and_keeps_a_long_row_alone():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_prefix_rows_give_the_unpacked_log_probs_and_gradients(attn):
-    from agent_rl.grpo import picked_logprobs
-    from agent_rl.train import trained_token_logits
+    from agent_rl.policies.logprobs import picked_logprobs
+    from agent_rl.training.train import trained_token_logits
 
     model, tok = tiny_model(seed=0)
     model.set_attn_implementation(attn)
@@ -354,7 +354,7 @@ def test_conversation_ids_show_the_policy_the_context_the_trainer_scores(tok):
     token, the trainer's rendering up to that turn's first sampled token, with a
     non-canonically sampled earlier turn and one that starts with whitespace; re-rendering
     the text (the chat template alone) would show another context."""
-    from agent_rl.render import chat_ids, conversation_ids
+    from agent_rl.policies.render import chat_ids, conversation_ids
 
     s = Session(session_id="s", episode_id="e", turns=[
         Turn(role="system", content="You can call tools."),
@@ -382,7 +382,7 @@ def test_rollout_log_probs_match_the_trainer_after_a_non_canonical_turn():
     non-canonical tokenization: the trainer's log-probs of the new tokens, scored on
     render_session's sequence, equal the rollout's (they differ by far more when the policy
     is shown the re-tokenized text)."""
-    from agent_rl.policy import HFPolicy
+    from agent_rl.policies.hf import HFPolicy
     from envs.runner import Sampling
 
     model, tok = tiny_model(0)
@@ -411,7 +411,7 @@ def test_conversation_ids_memo_renders_only_the_new_turns(tok, monkeypatch):
     """With a memo, a conversation that grew by a generated turn renders that turn (two
     template calls) and the generation prompt (one), not every earlier turn again, and gives
     the same ids as without it."""
-    from agent_rl import render
+    from agent_rl.policies import render
 
     s = Session(session_id="s", episode_id="e", turns=[
         Turn(role="user", content="What is the record value?"), _non_canonical(tok, "the record value"),
@@ -437,7 +437,7 @@ def test_a_batch_memo_renders_each_message_list_once(tok, monkeypatch):
     session's system, user and first generation prompt come from the memo, so it renders 4
     (its first reply, the user message after it, its second prompt and reply): 7 + 4 calls,
     11 renderings kept, the same tensors."""
-    from agent_rl import render
+    from agent_rl.policies import render
 
     other = Session(session_id="s1", episode_id="ep-1", turns=[
         *tool_session(tok).turns[:2], _sampled(tok, "I think 42.", lp=-0.3),

@@ -1,4 +1,4 @@
-"""agent_rl.rollout: truncation, dynamic sampling, acceptance, the budget report, credit ->
+"""agent_rl.training.rollout: truncation, dynamic sampling, acceptance, the budget report, credit ->
 advantages -> sequences (hand-computed), a real multi-session LongRecords-v0 episode rendered
 token by token, and rollout_batch end to end with the tiny model."""
 
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import envs
-from agent_rl.models import tiny_model, tiny_tokenizer
-from agent_rl.policy import HFPolicy, sequence_logprobs
-from agent_rl.render import chat_ids, end_of_turn_id, render_episode, render_session
-from agent_rl.rollout import (
+from agent_rl.policies.hf import HFPolicy, sequence_logprobs
+from agent_rl.policies.models import tiny_model, tiny_tokenizer
+from agent_rl.policies.render import chat_ids, end_of_turn_id, render_episode, render_session
+from agent_rl.run.guards import EmptyStep
+from agent_rl.training.metrics import step_metrics
+from agent_rl.training.rollout import (
     LENGTH,
-    EmptyStep,
     RolloutBatch,
     apply_length_reward,
     apply_truncation,
@@ -36,7 +37,6 @@ from agent_rl.rollout import (
     too_long_prompts,
     zero_contrast_step,
 )
-from agent_rl.runlog import step_metrics
 from envs.runner import Sampling
 from trajectories import (
     Boundary,
@@ -996,7 +996,7 @@ def test_an_empty_step_that_is_not_zero_contrast_is_warned_every_time(tok, recwa
     """Group a has contrast but both its replies are overlong under mask; group b has none and
     is dropped: no token is trained, yet not every group lacked contrast, so the step is warned
     (every such step), not counted as a zero-contrast step."""
-    from agent_rl.runlog import note_untrained
+    from agent_rl.training.metrics import note_untrained
 
     episodes = [make_episode(tok, "a#0", "a", 1.0, finish="length"),
                 make_episode(tok, "a#1", "a", 0.0, finish="length"),

@@ -26,9 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_rl import checkpoint, cli, models, runlog, train
-from agent_rl.models import tiny_model
-from agent_rl.runlog import RunDirError
+from agent_rl import cli
+from agent_rl.policies import load, models
+from agent_rl.policies.models import tiny_model
+from agent_rl.run import checkpoint, rundir
+from agent_rl.run.rundir import RunDirError
+from agent_rl.training import train
 from tests.agent_rl import toy_env
 from tests.agent_rl.test_train import BASE, REPO, make_contract, read_jsonl
 
@@ -182,8 +185,8 @@ def test_the_embedded_gguf_is_pinned_by_its_file_hash(tmp_path, monkeypatch):
 
 def test_log_lines_are_fsynced(tmp_path, monkeypatch):
     synced = []
-    monkeypatch.setattr(runlog.os, "fsync", synced.append)
-    runlog.log_json(tmp_path / "metrics.jsonl", {"step": 1})
+    monkeypatch.setattr(rundir.os, "fsync", synced.append)
+    rundir.log_json(tmp_path / "metrics.jsonl", {"step": 1})
     assert len(synced) == 1
 
 
@@ -213,7 +216,7 @@ def test_resume_refuses_a_reward_function_whose_source_changed(tmp_path, monkeyp
 
 CLI = """
 import sys, time
-from agent_rl import checkpoint
+from agent_rl.run import checkpoint
 from agent_rl.cli import main
 from tests.agent_rl import toy_env
 
@@ -276,23 +279,23 @@ def test_a_second_process_is_refused_at_once_and_a_killed_holders_lock_is_taken_
         holder.kill()
         holder.communicate()
     assert holder.returncode == -signal.SIGKILL
-    assert (run_dir / runlog.LOCK_FILE).exists()  # left by the killed process, no lock held
+    assert (run_dir / rundir.LOCK_FILE).exists()  # left by the killed process, no lock held
     with pytest.warns(UserWarning, match=rf"taking over the lock of pid {holder.pid} on host"):
         result = train.run(contract, resume=True, progress=False)
     assert result.steps == 3
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
-    assert not (run_dir / runlog.LOCK_FILE).exists()  # released at the end
+    assert not (run_dir / rundir.LOCK_FILE).exists()  # released at the end
 
 
 def test_the_lock_is_released_on_any_exit_and_held_by_rank_0_only(tmp_path, monkeypatch):
     """A refused run leaves the folder as it found it (lock file and created folders gone);
     the lock nests within a process; a second holder in another process is refused; a rank
     other than 0 takes no lock (rank 0 of its launch holds it for the job)."""
-    from agent_rl import runlock
+    from agent_rl.run import runlock
 
     run_dir = tmp_path / "new" / "run"
     with runlock.hold_run_dir(run_dir) as lock:
-        assert lock == run_dir / runlog.LOCK_FILE
+        assert lock == run_dir / rundir.LOCK_FILE
         assert json.loads(lock.read_text())["pid"] == os.getpid()
         with runlock.hold_run_dir(run_dir):  # nested: the CLI's hold, then train.run's
             pass
@@ -330,7 +333,7 @@ def test_the_lock_is_released_on_any_exit_and_held_by_rank_0_only(tmp_path, monk
     finally:
         os.kill(child, signal.SIGKILL)
     deadline = time.monotonic() + 30
-    with open(run_dir / runlog.LOCK_FILE) as fh:  # the kernel drops the lock as the child ends
+    with open(run_dir / rundir.LOCK_FILE) as fh:  # the kernel drops the lock as the child ends
         while True:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -432,7 +435,7 @@ def test_a_read_only_run_dir_exits_2_naming_it_before_loading_a_model(finished, 
     config = tmp_path / "contract.yaml"
     config.write_text(make_contract(Path("run"), *SHORT).to_yaml())
     loaded = []
-    monkeypatch.setattr(cli, "load_model_or_fail", lambda *a: loaded.append(a))
+    monkeypatch.setattr(load, "load_base_model", lambda *a: loaded.append(a))
     before = snapshot(read_only / "run")
     for extra, folder in (("--resume", "run"), ("--set=run_dir=run/new", "run/new")):
         assert cli.main(["train", str(config), extra, "--no-progress"]) == 2
@@ -446,8 +449,8 @@ def test_a_read_only_run_dir_exits_2_naming_it_before_loading_a_model(finished, 
 
 KILLED_IN_ESTIMATE = """
 import sys, time
-from agent_rl import train
-from agent_rl.config import ExperimentContract
+from agent_rl.training import train
+from agent_rl.run.contract import ExperimentContract
 from tests.agent_rl import toy_env
 
 def hang(*args, **kwargs):

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import envs
-from agent_rl import checkpoint, sft
-from agent_rl.config import ContractError, ExperimentContract, SFTContract, read_contract
-from agent_rl.distributed import TorchBackend
-from agent_rl.grpo import picked_logprobs
-from agent_rl.models import load_model, model_fingerprint
-from agent_rl.render import end_of_turn_id
-from agent_rl.train import initial_model
+from agent_rl.policies.logprobs import picked_logprobs
+from agent_rl.policies.models import initial_model, load_model, model_fingerprint
+from agent_rl.policies.render import end_of_turn_id
+from agent_rl.run import checkpoint
+from agent_rl.run.contract import ContractError, ExperimentContract, SFTContract, read_contract
+from agent_rl.run.distributed import TorchBackend
+from agent_rl.training import sft
 from trajectories import RewardBreakdown, RolloutStore
 
 RECORDS = "agent_rl/Records-v0"
@@ -81,7 +81,7 @@ def test_sft_update_is_the_mean_nll_of_the_trained_tokens():
     assert m["loss/sft"] == pytest.approx(nll / count, rel=1e-5)
     # bf16 autocast: the same loss to bf16's rounding; from the second step on, the logits'
     # gradients go straight into the head's kept rows (train.HeadGrads.grad_rows)
-    from agent_rl import train
+    from agent_rl.training import train
 
     placed, flush = [], train.HeadGrads.flush
     with pytest.MonkeyPatch.context() as mp:
@@ -174,7 +174,7 @@ def test_model_init_errors_name_the_key(tmp_path):
 
 
 def test_lora_training_checkpoint_is_refused_as_init(tmp_path):
-    from agent_rl.train import add_lora
+    from agent_rl.policies.models import add_lora
 
     model, _ = load_model("tiny")
     peft_model = add_lora(model, 4, 8)
@@ -222,8 +222,8 @@ def test_cli_sft_refuses_a_broken_contract_before_any_work(tmp_path, capsys):
 
 
 def test_train_from_an_sft_bundle_pins_it(tmp_path):
-    from agent_rl import train
-    from agent_rl.cli import load_bundle_policy
+    from agent_rl.policies.load import load_bundle_policy
+    from agent_rl.training import train
 
     warm = sft.run(contract(tmp_path, optim={"epochs": 1, "batch_sessions": 6}), progress=False)
     loaded = load_bundle_policy(warm.run_dir, None, "cpu")  # `agent-rl eval --policy SFT_RUN`
@@ -287,8 +287,8 @@ def test_cli_sft_prints_the_bundle_and_the_train_command(tmp_path, capsys):
 
 KILLED_SFT = """
 import sys, time
-from agent_rl import sft
-from agent_rl.config import SFTContract
+from agent_rl.training import sft
+from agent_rl.run.contract import SFTContract
 
 update, calls = sft.sft_update, []
 def hang_in_step_4(*args, **kwargs):  # step 3 logged, resume bundle 2 written: killed here
@@ -386,7 +386,7 @@ def test_a_store_whose_episodes_generated_nothing_names_the_skipped_sessions(tmp
     the run that sampled them) leave no session to train on: the error counts the skipped
     sessions by reason, and the CLI prints it (exit 2)."""
     from agent_rl.cli import main
-    from agent_rl.policy import HFPolicy
+    from agent_rl.policies.hf import HFPolicy
     from envs.runner import Sampling, run_episodes
 
     c = contract(tmp_path)

@@ -83,7 +83,7 @@ def test_cli_error_message_quoting_episode_ids_is_escaped(hostile_store):
 
 
 def test_warnings_printed_by_a_command_are_escaped():
-    code = ("import warnings\nfrom agent_rl.cli import escaped_warnings\n"
+    code = ("import warnings\nfrom agent_rl.cli.common import escaped_warnings\n"
             "with escaped_warnings():\n    warnings.warn('task \\x1b[2J\\u202e done')\n"
             "warnings.warn('after \\x1b[2J')\n")
     result = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
@@ -94,7 +94,7 @@ def test_warnings_printed_by_a_command_are_escaped():
 
 
 def test_escaped_warnings_leave_recorders_the_raw_warning():
-    from agent_rl.cli import escaped_warnings
+    from agent_rl.cli.common import escaped_warnings
 
     with warnings.catch_warnings(record=True) as caught, escaped_warnings():
         warnings.simplefilter("always")
@@ -104,7 +104,7 @@ def test_escaped_warnings_leave_recorders_the_raw_warning():
 
 
 def test_eval_slice_table_escapes_task_metadata():
-    from agent_rl.cli import slice_table
+    from agent_rl.cli.evaluate import slice_table
 
     row = {"structure": "chain\x1b[31m", "entity_group": "[bold]g\u202e", "n": 3,
            "reward/mean": 0.5, "reward/lo": 0.1, "reward/hi": 0.9, "success/rate": 0.5,
@@ -119,7 +119,7 @@ def test_eval_slice_table_escapes_task_metadata():
 
 
 def test_progress_line_is_escaped_and_not_markup(capsys):
-    from agent_rl.runlog import progress_bar
+    from agent_rl.training.metrics import progress_bar
 
     with progress_bar(True, 1, 0, status=lambda m: m["said"]) as advance:
         advance({"said": "[red]task\x1b[2J\u202e"})
@@ -142,7 +142,7 @@ def test_envs_check_report_is_escaped(monkeypatch, capsys):
 
 
 def test_echo_escapes_the_cli_plain_lines(capsys):
-    from agent_rl.cli import echo
+    from agent_rl.cli.common import echo
 
     echo("dropped {'task\x1b[2J': 1}\nbundle: runs/x")
     assert capsys.readouterr().out == "dropped {'task\\x1b[2J': 1}\nbundle: runs/x\n"

@@ -27,12 +27,13 @@ import safetensors.torch
 import torch
 
 import envs
-from agent_rl import checkpoint, train
-from agent_rl.config import ExperimentContract
-from agent_rl.distributed import TorchBackend
-from agent_rl.guards import NothingTrained
-from agent_rl.models import tiny_model
-from agent_rl.rollout import TrainSequence, session_advantages
+from agent_rl.policies.models import tiny_model
+from agent_rl.run import checkpoint
+from agent_rl.run.contract import ExperimentContract
+from agent_rl.run.distributed import TorchBackend
+from agent_rl.run.guards import NothingTrained
+from agent_rl.training import shared, train
+from agent_rl.training.rollout import TrainSequence, session_advantages
 from tests.agent_rl import toy_env
 from trajectories import Outcome, RolloutStore
 
@@ -297,9 +298,10 @@ def test_resume_after_a_stop_is_the_straight_run(straight, tmp_path):
 KILLED_RUN = """
 import sys, time
 import envs
-from agent_rl import checkpoint, train
+from agent_rl.run import checkpoint
+from agent_rl.training import train
 from tests.agent_rl import toy_env
-from agent_rl.config import ExperimentContract
+from agent_rl.run.contract import ExperimentContract
 
 save_bundle = checkpoint.save_bundle
 def save_slowly(root, step, **kwargs):  # hangs before writing checkpoint 2: killed there
@@ -633,7 +635,7 @@ def test_evaluation_tasks_that_overlap_training_are_refused_before_anything_is_w
 
 def test_the_rollout_trainer_mismatch_is_measured_every_step(straight):
     """Synchronous fp32 rollouts: the trainer's log-probs before its update are the rollout's,
-    up to float noise (both come from grpo.token_logprobs on the same weights)."""
+    up to float noise (both come from logprobs.token_logprobs on the same weights)."""
     _, result = straight
     for m in read_jsonl(result.run_dir / "metrics.jsonl"):
         assert 0.0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < 1e-4
@@ -682,7 +684,7 @@ def test_bfloat16_autocast_with_a_correction(tmp_path, correction):
 
 
 def test_device_selection_on_this_machine(tmp_path):
-    from agent_rl.models import resolve_device
+    from agent_rl.run.devices import resolve_device
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
@@ -702,7 +704,7 @@ def test_device_selection_on_this_machine(tmp_path):
 def test_deepspeed_backend_trains_like_torch_and_resumes_exactly(straight, tmp_path):
     """backend deepspeed, ZeRO-2 with the optimizer offloaded to the CPU, a world of one set
     up by the trainer itself: the same per-step losses as the torch backend (same seed and
-    batches; ZeRO-2's partitioned fp32 optimizer differs by round-off only, agent_rl.distributed
+    batches; ZeRO-2's partitioned fp32 optimizer differs by round-off only, agent_rl.run.distributed
     measures 5e-8 relative) and a resume from its DeepSpeed bundle equal to the straight run."""
     _, torch_run = straight
     overrides = ["backend.name=deepspeed", "backend.zero_stage=2", "backend.offload=cpu"]
@@ -728,7 +730,7 @@ DS = ["backend.name=deepspeed"]
 def launch(run_dir: Path, *overrides: str, nproc: int = 2, resume: bool = False) -> Path:
     """`train.run` under `python -m torch.distributed.run` with `nproc` ranks (gloo on CPU,
     one thread each); returns the run directory. Fails with the ranks' output."""
-    from agent_rl.distributed import free_port
+    from agent_rl.run.distributed import free_port
 
     contract = make_contract(run_dir, *overrides)
     spec = run_dir.with_suffix(".json")
@@ -867,9 +869,9 @@ def test_kl_update_measures_the_update_not_the_rollout_mismatch(tmp_path):
     0.5 nats on every trained token (what rollout/logprob_diff_* reports)."""
     import dataclasses
 
-    from agent_rl.distributed import TorchBackend
-    from agent_rl.policy import HFPolicy
-    from agent_rl.rollout import rollout_batch
+    from agent_rl.policies.hf import HFPolicy
+    from agent_rl.run.distributed import TorchBackend
+    from agent_rl.training.rollout import rollout_batch
     from envs.runner import Sampling
 
     contract = make_contract(tmp_path / "r")
@@ -894,8 +896,8 @@ def test_update_kl_is_k3_of_old_policy_samples(tmp_path):
     (a token whose probability fell by e^5), r = e^-5: 0.006738 - 1 + 5 = 4.006738 (the
     estimator for the new policy's samples, exp(old - new) - 1 - (old - new), would read
     e^5 - 6 = 142.41)."""
-    from agent_rl.policy import HFPolicy
-    from agent_rl.rollout import rollout_batch
+    from agent_rl.policies.hf import HFPolicy
+    from agent_rl.training.rollout import rollout_batch
     from envs.runner import Sampling
 
     model, tokenizer = tiny_model(0)
@@ -906,7 +908,7 @@ def test_update_kl_is_k3_of_old_policy_samples(tmp_path):
     rendered = [q.rendered for q in batch.sequences]
     bins = train.micro_batches(train.pack(train.share_prefixes(rendered)), 512)[0]
     kl = functools.partial(train.update_kl, model, bins, rendered, 0, 1.0)
-    tensors = train.device_batch(bins, rendered, 0, torch.device("cpu"))
+    tensors = shared.device_batch(bins, rendered, 0, torch.device("cpu"))
     with torch.no_grad():
         own = train.picked_logprobs(train.trained_token_logits(model, tensors), tensors["target"], 1.0)
     assert kl(own) == pytest.approx(0.0, abs=1e-6)
@@ -919,7 +921,7 @@ def test_kl_micro_batch_picks_rank_zeros_densest_micro_batch():
     token computed, padding included (hand-computed: 2/10, 6/12, 5/8, and 2/8 for two bins of
     4 and 3 tokens padded to 2 x 4), only rank 0's (0, k, 2k, ... of k ranks), the earliest of
     a tie."""
-    from agent_rl.render import Rendered, SharedRow
+    from agent_rl.policies.render import Rendered, SharedRow
 
     def rendered(trained):
         mask = torch.zeros(12, dtype=torch.bool)
@@ -943,7 +945,7 @@ def test_kl_micro_batch_picks_rank_zeros_densest_micro_batch():
     # render.padded_tokens, which both this and render.micro_batches count with: rows padded to
     # the longest bin; bins of 4, 3 and 5 tokens in micro-batches of at most 10: 2 x 4 = 8
     # fits, 3 x 5 = 15 does not
-    from agent_rl.render import micro_batches, padded_tokens
+    from agent_rl.policies.render import micro_batches, padded_tokens
 
     assert padded_tokens(micro[3]) == 8
     bins = [[row(4, 0)], [row(3, 1)], [row(5, 2)]]
@@ -955,7 +957,7 @@ def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gr
     decoder layers recompute in backward (hand-computed for the tiny model's L = 2), all of
     them under optim.activation_checkpointing; the activations kept for backward shrink and
     the gradients stay bit for bit the same."""
-    from agent_rl.models import tiny_model
+    from agent_rl.policies.models import tiny_model
 
     model, _ = tiny_model(seed=0)
     model.train()
@@ -1040,7 +1042,7 @@ def test_half_activations_inside_the_trainers_kernels():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from agent_rl import kernels
-    from agent_rl.render import packed_attention_mask
+    from agent_rl.policies.render import packed_attention_mask
 
     small, _ = tiny_model(seed=0)
     backend = TorchBackend(small, torch.optim.SGD(small.parameters(), lr=0.0))
@@ -1087,8 +1089,8 @@ def test_half_activations_inside_the_trainers_kernels():
 
 def graded_sequences(model, tokenizer) -> list:
     """A rolled-out batch of tests/Digits-v0 (4 tasks x 4 samples), advantages +1 / -0.5."""
-    from agent_rl.policy import HFPolicy
-    from agent_rl.rollout import rollout_batch
+    from agent_rl.policies.hf import HFPolicy
+    from agent_rl.training.rollout import rollout_batch
     from envs.runner import Sampling
 
     batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
@@ -1120,7 +1122,7 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     gradient is the same (to float rounding) as with the dense lookup gradient, and it stays
     dense for the clip and the optimizer; the lookup is dense again afterwards, and untied
     weights are left alone."""
-    from agent_rl.distributed import TorchBackend
+    from agent_rl.run.distributed import TorchBackend
 
     contract = make_contract(tmp_path / "r")
     model, tokenizer = tiny_model(0)
@@ -1225,7 +1227,7 @@ def test_linear_casts_give_the_same_gradient_to_the_bit(tmp_path, monkeypatch):
 
 
 def test_the_head_gradient_is_deferred_only_where_nothing_waits_for_it():
-    from agent_rl.distributed import TorchBackend
+    from agent_rl.run.distributed import TorchBackend
 
     model, _ = tiny_model(0)
     backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
@@ -1241,7 +1243,7 @@ def test_the_head_gradient_is_deferred_only_where_nothing_waits_for_it():
 
 def _head_only(weight: list[list[float]]):
     """A model that is only a bias-free output head holding ``weight``; (model, head, backend)."""
-    from agent_rl.distributed import TorchBackend
+    from agent_rl.run.distributed import TorchBackend
 
     class Model(torch.nn.Module):
         def get_output_embeddings(self):

@@ -22,10 +22,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agent_rl.models import tiny_tokenizer
-from agent_rl.policy import HFPolicy, sequence_logprobs
-from agent_rl.render import chat_ids
-from agent_rl.vllm_policy import named_weights_for_push, tensors_hash
+from agent_rl.policies.hf import HFPolicy, sequence_logprobs
+from agent_rl.policies.models import tiny_tokenizer
+from agent_rl.policies.render import chat_ids
+from agent_rl.policies.vllm_policy import named_weights_for_push, tensors_hash
 from envs.core import PROMPT_TOO_LONG
 from envs.runner import Sampling
 
@@ -159,7 +159,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def engine(tiny, tmp_path_factory):
-    from agent_rl.vllm_policy import VLLMPolicy
+    from agent_rl.policies.vllm_policy import VLLMPolicy
 
     model, tokenizer = tiny
     policy = VLLMPolicy.from_model(model, tokenizer, tmp_path_factory.mktemp("tiny-vllm-llama"),
@@ -320,8 +320,8 @@ def test_training_on_vllm_rollouts(tmp_path, lag):
     every step: fp32 numerics on the same weights, so about 1e-5 at lag 0."""
     import json
 
-    from agent_rl import train
-    from agent_rl.config import ExperimentContract
+    from agent_rl.run.contract import ExperimentContract
+    from agent_rl.training import train
     from tests.agent_rl import toy_env
     from trajectories import RolloutStore
 

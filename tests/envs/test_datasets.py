@@ -683,7 +683,7 @@ def test_reward_timeout_s_is_a_finite_positive_number(tmp_path, value):
 def test_stopped_rewards_are_masked_and_counted_by_the_trainer(tmp_path):
     """The trainer's rollout leaves a stopped reward out of its group and counts it
     (``reward/infra_error_rate``), with the task id and the reason on the episode."""
-    from agent_rl.rollout import budget_report, filter_groups
+    from agent_rl.training.rollout import budget_report, filter_groups
     from envs.runner import Completion, run_episodes
 
     class Replies:

@@ -125,7 +125,7 @@ def test_train_yaml_is_a_valid_contract(tmp_path):
     built-in env; the slow test above trains it for real."""
     import yaml
 
-    from agent_rl.config import ExperimentContract
+    from agent_rl.run.contract import ExperimentContract
 
     root = new_env_package("letters", tmp_path)
     data = yaml.safe_load((root / "train.yaml").read_text())

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import envs  # noqa: F401  (registers the environments)
-from agent_rl.checkpoint import bundle_hash, save_bundle, verify_bundle
-from agent_rl.cli import LoadedPolicy, bundle_candidate
+from agent_rl.cli.canary import bundle_candidate
+from agent_rl.policies.load import LoadedPolicy
+from agent_rl.run.checkpoint import bundle_hash, save_bundle, verify_bundle
 from envs import TaskMeta, TaskSpec
 from envs.arithmetic import ArithmeticEnv
 from envs.records.env import solver_plan, solver_progress
@@ -495,7 +496,7 @@ def test_a_release_plan_from_held_out_tasks():
     regression within MARGIN plus the acceptance bounds, the canary keeps only the bounds;
     greedy replies. A fraction outside (0, 1) or too few tasks is refused, saying what to
     change."""
-    from agent_rl.config import AcceptanceSection
+    from agent_rl.run.contract import AcceptanceSection
 
     tasks = HELD_OUT[:7]
     assert live_task_count(3, 0.75) == 4 and live_task_count(2, 0.5) == 4

@@ -23,8 +23,8 @@ def test_canonical_json_by_hand():
 def test_every_hashed_record_uses_it(tmp_path):
     import torch
 
-    from agent_rl import checkpoint
-    from agent_rl.config import ExperimentContract
+    from agent_rl.run import checkpoint
+    from agent_rl.run.contract import ExperimentContract
     from envs.core import TaskSpec
     from evals.splits import sealed_eval_set
     from trajectories import messages_hash

@@ -2,7 +2,7 @@
 
 Evaluation only. It cannot be trained: the server applies its own chat template and
 tokenizer, returns no prompt token ids and at best the ids of the sampled tokens, so the
-trainer cannot rebuild the exact token sequence (``agent_rl.render``) nor recompute the
+trainer cannot rebuild the exact token sequence (``agent_rl.policies.render``) nor recompute the
 log-probs the PPO ratio needs. ``trainable`` is False to say so.
 
 Standard library only (``http.client`` + ``json``): one POST per conversation, run by a small

@@ -80,7 +80,7 @@ from typing import Any, Literal, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from agent_rl import checkpoint
+from agent_rl.run import checkpoint
 
 BACKEND_FILE = "backend.json"
 OFFLOADS = ("none", "cpu")

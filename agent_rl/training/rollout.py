@@ -86,14 +86,14 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
-from agent_rl.grpo import GroupBaseline, group_baseline
-from agent_rl.render import Rendered, render_session
+from agent_rl.policies.render import Rendered, render_session
+from agent_rl.run.guards import EmptyStep
+from agent_rl.training.grpo import GroupBaseline, group_baseline
 from envs.core import TaskSpec
 from envs.runner import Policy, Sampling, run_episodes
 from trajectories import Episode, Outcome, RewardBreakdown, assign, session_weights
@@ -442,22 +442,6 @@ def zero_contrast_step(stats: dict[str, int]) -> bool:
     """Did every group of a step (``contrast_stats``) have one reward for all its samples? Its
     advantages are then all 0: no policy gradient (normal on hard tasks)."""
     return stats.get("groups", 0) > 0 and stats.get("zero_contrast") == stats["groups"]
-
-
-class EmptyStep(str, Enum):
-    """Why a training step trained on no token (``empty_reason``). The ``LIMITS`` are decided
-    by a contract key, not by the data: a run all of whose first steps train nothing because
-    of them is stopped (``guards``, rule ``nothing_trained``)."""
-
-    prompt_too_long = "prompt_too_long"  # every episode's first prompt over the prompt limit
-    overlong_masked = "overlong_masked"  # every episode masked overlong (or prompt_too_long, fewer)
-    zero_contrast = "zero_contrast"  # dynamic sampling dropped every group that could train
-    stale = "stale"  # every trained session was older than rollout.max_policy_lag allows
-    infrastructure_faults = "infrastructure_faults"  # every other episode was a fault (masked)
-    nothing_generated = "nothing_generated"  # none of the above: no episode generated a token
-
-
-LIMITS = frozenset({EmptyStep.prompt_too_long, EmptyStep.overlong_masked})
 
 
 def empty_reason(report: dict[str, Any], trained_tokens: int, stale: int) -> EmptyStep | None:

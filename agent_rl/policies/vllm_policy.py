@@ -3,7 +3,7 @@ with the trained weights pushed into the running engine after every update.
 
 The contract is ``HFPolicy``'s, token for token:
 
-    prompt_b   = agent_rl.render.conversation_ids(tokenizer, messages_b) (the chat template,
+    prompt_b   = agent_rl.policies.render.conversation_ids(tokenizer, messages_b) (the chat template,
                  earlier sampled turns as their token ids), handed to vLLM as token ids (vLLM
                  never tokenizes or applies a template)
     step s:    x_s ~ softmax(logits_s / T), top-p truncated;  argmax when T == 0
@@ -21,7 +21,7 @@ Which log-probs vLLM returns (``logprobs_mode``, read in vllm 0.32's ``v1/sample
 ``raw_logprobs`` (vLLM's default) is log_softmax(logits) *before* temperature, right only at
 T' = 1; ``processed_logprobs`` is log_softmax of the logits after temperature and top-k/top-p,
 in float32. We use ``processed_logprobs``: with top_p == 1 it is log_softmax(logits / T)
-exactly (the division and the log-softmax run in float32, as ``grpo.token_logprobs`` does), and
+exactly (the division and the log-softmax run in float32, as ``logprobs.token_logprobs`` does), and
 when every row is greedy vLLM returns log_softmax(logits), i.e. T' = 1. With top_p < 1 vLLM
 renormalises over the nucleus, which is not the trainer's full-softmax convention (no mode
 gives "after temperature, before top-p"), so ``generate`` refuses top_p < 1 rather than report
@@ -63,9 +63,10 @@ from typing import Any
 
 import torch
 
-from agent_rl.models import as_dtype, named_weights_for_push  # noqa: F401  (re-exported)
-from agent_rl.policy import HFPolicy, chat_prompts
-from agent_rl.render import stop_token_ids
+from agent_rl.policies.hf import HFPolicy, chat_prompts
+from agent_rl.policies.models import named_weights_for_push  # noqa: F401  (re-exported)
+from agent_rl.policies.render import stop_token_ids
+from agent_rl.run.devices import as_dtype
 from envs.runner import Completion, Sampling, stream_seed
 
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU KV cache, in GiB

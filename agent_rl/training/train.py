@@ -7,7 +7,8 @@
     -> evaluate after -> report
 
 The math lives in ``grpo.py`` (advantages, clipped loss, KL) and ``rollout.py`` (filtering,
-credit, rendering), what the run directory holds in ``runlog.py``; this file only wires it.
+credit, rendering), what the run directory holds in ``run/rundir.py``, what a step reports
+in ``metrics.py``; this file only wires it.
 
 Rollouts are synchronous (policy lag 0) unless ``rollout.max_policy_lag`` is k > 0. Synchronous:
 each batch is sampled by the current weights, so the first update on a batch has ratio 1, and
@@ -42,7 +43,6 @@ import functools
 import hashlib
 import json
 import math
-import random
 import sys
 import time
 import types
@@ -58,11 +58,31 @@ import torch.utils.checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import envs
-from agent_rl import checkpoint, curriculum, kernels
+from agent_rl import kernels
 from agent_rl.attention import BLOCKED, blocked, plan_blocks
-from agent_rl.config import EnvSection, ExperimentContract, ModelSection
-from agent_rl.decode import SILU
-from agent_rl.distributed import (
+from agent_rl.policies.decode import SILU
+from agent_rl.policies.hf import HFPolicy, scoring_temperature
+from agent_rl.policies.logprobs import picked_logprobs, picked_logprobs_and_entropy
+from agent_rl.policies.models import (
+    add_lora,
+    initial_model,
+    load_model,
+    model_fingerprint,
+    rollout_copy,
+)
+from agent_rl.policies.render import (
+    ROW_TOKENS,
+    Rendered,
+    SharedRow,
+    micro_batches,
+    pack,
+    padded_tokens,
+    share_prefixes,
+)
+from agent_rl.run import checkpoint
+from agent_rl.run.contract import EnvSection, ExperimentContract
+from agent_rl.run.devices import as_dtype, autocast, resolve_device
+from agent_rl.run.distributed import (
     Backend,
     TorchBackend,
     adamw,
@@ -71,35 +91,31 @@ from agent_rl.distributed import (
     make_backend,
     write_bundle,
 )
-from agent_rl.grpo import (
-    KL_ESTIMATORS,
-    behaviour_correction,
-    picked_logprobs,
-    picked_logprobs_and_entropy,
-    policy_loss,
+from agent_rl.run.guards import Guards, GuardTrip, holdout_train_reward
+from agent_rl.run.rundir import (
+    TensorBoardLog,
+    check_run_dir,
+    json_safe,
+    log_json,
+    logged_eval,
+    pin_run_dir,
+    rewind_logs,
+    unpin_run_dir,
+    write_file,
 )
-from agent_rl.guards import Guards, GuardTrip, holdout_train_reward
-from agent_rl.models import (
-    as_dtype,
-    autocast,
-    load_model,
-    model_fingerprint,
-    resolve_device,
-    rollout_copy,
+from agent_rl.run.runlock import hold_if_main
+from agent_rl.training import curriculum
+from agent_rl.training.grpo import KL_ESTIMATORS, behaviour_correction, policy_loss
+from agent_rl.training.metrics import (
+    compare,
+    held_out_tasks,
+    note_untrained,
+    progress_bar,
+    step_metrics,
+    summarize_eval,
 )
-from agent_rl.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
-from agent_rl.policy import HFPolicy, scoring_temperature
-from agent_rl.render import (
-    ROW_TOKENS,
-    Rendered,
-    SharedRow,
-    collate_shared,
-    micro_batches,
-    pack,
-    padded_tokens,
-    share_prefixes,
-)
-from agent_rl.rollout import (
+from agent_rl.training.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
+from agent_rl.training.rollout import (
     RolloutBatch,
     TrainSequence,
     hint_share,
@@ -107,28 +123,10 @@ from agent_rl.rollout import (
     merge_batches,
     rollout_batch,
 )
-from agent_rl.runlock import hold_if_main
-from agent_rl.runlog import (
-    TensorBoardLog,
-    check_run_dir,
-    compare,
-    held_out_tasks,
-    json_safe,
-    log_json,
-    logged_eval,
-    note_untrained,
-    pin_run_dir,
-    progress_bar,
-    rewind_logs,
-    step_metrics,
-    summarize_eval,
-    unpin_run_dir,
-    write_file,
-)
+from agent_rl.training.shared import check_data, check_resumable, device_batch, seed_everything
 from envs.core import TaskSpec
 from envs.runner import Sampling
 from evals.run import run_eval, write_episodes, write_records
-from evals.splits import LeakageError, check_leakage
 from trajectories import RolloutStore
 
 # how a decoder layer recomputes its activations in backward (``recompute_layers``)
@@ -443,30 +441,6 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
 # --- the pieces the loop calls ----------------------------------------------------------------
 
 
-def check_data(section: EnvSection, env, train_tasks: list[TaskSpec],
-               eval_sets: dict[str, list[TaskSpec]], max_prompt_tokens: int,
-               limit_key: str = "rollout.max_prompt_tokens") -> None:
-    """What must hold before a run starts: non-empty splits, no evaluation task that is also a
-    training task (``evals.splits.check_leakage``: same id, same normalised prompt or a near
-    duplicate), and a context budget below the prompt limit (``limit_key`` names it)."""
-    empty = [name for name, tasks in {section.split: train_tasks, **eval_sets}.items()
-             if not tasks]
-    if empty:
-        raise ValueError(f"{section.id}: empty split {empty} of a pool of "
-                         f"{section.pool_size} tasks; enlarge env.pool_size")
-    for name, tasks in eval_sets.items():
-        try:
-            check_leakage(train_tasks, tasks)
-        except LeakageError as exc:
-            raise ValueError(f"eval.split {name!r} overlaps env.split {section.split!r}: "
-                             f"{exc}") from None
-    budget = getattr(env.unwrapped, "context_budget", None)
-    if budget is not None and budget >= max_prompt_tokens:
-        raise ValueError(
-            f"{section.id} compresses at context_budget {budget} tokens, but "
-            f"{limit_key} is {max_prompt_tokens}: raise {limit_key} or lower "
-            "env.kwargs.context_budget")
-
 
 def check_hints(section: EnvSection, scheduled: bool, train_tasks: list[TaskSpec]) -> None:
     """Hints asked for (``scheduled``: the contract's ``hints`` section; or ``env.kwargs.hints``)
@@ -486,7 +460,7 @@ def estimate_band(contract: ExperimentContract, policy, backend: Backend,
                   previous: curriculum.Selection | None) -> curriculum.Selection:
     """The curriculum round of ``step``: its pool's pass rates, k samples each by ``policy`` at
     the rollout's sampling settings, sharded over the ranks (job-seeded as a whole), and the
-    band kept (``agent_rl.curriculum``). Collective; writes nothing."""
+    band kept (``agent_rl.training.curriculum``). Collective; writes nothing."""
     cur, r = contract.curriculum, curriculum.round_of(step, contract.curriculum.every)
     pool = curriculum.estimation_pool(train_tasks, cur.pool, contract.optim.seed, r)
     lo, hi = shard(len(pool), backend.rank, backend.world_size)
@@ -688,11 +662,6 @@ def kl_micro_batch(micro: list[list[list[SharedRow]]], rendered: list[Rendered],
         return trained / padded_tokens(bins)
     return max(range(0, len(micro), world_size), key=lambda i: (density(i), -i))
 
-
-def device_batch(bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,
-                 device: torch.device) -> dict[str, torch.Tensor]:
-    """``render.collate_shared`` of a micro-batch, its tensors on the model's device."""
-    return {k: v.to(device) for k, v in collate_shared(bins, rendered, pad_id).items()}
 
 
 @contextlib.contextmanager
@@ -1212,28 +1181,6 @@ class TaskSampler:
         return out
 
 
-def initial_model(section: ModelSection):
-    """``(model, tokenizer)`` of ``model.id``, its weights replaced by those of the bundle
-    ``model.init`` names when set (``checkpoint.load_init``: verified, and refused unless
-    trained from these base files), before any adapter is added."""
-    model, tokenizer = load_model(section.id)
-    if section.init is not None:
-        try:
-            checkpoint.load_init(section.init, model, model_fingerprint(section.id))
-        except checkpoint.BundleError as exc:
-            raise checkpoint.BundleError(f"model.init: {exc}") from None
-    return model, tokenizer
-
-
-def add_lora(model, rank: int, alpha: int):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ImportError("model.adapter: lora needs peft: pip install 'agent-rl[peft]'") from None
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
-                        task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
-
 
 def check_world(contract: ExperimentContract, world_size: int) -> None:
     """What several ranks need (WORLD_SIZE from the launcher), before anything is written."""
@@ -1273,7 +1220,7 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
             and contract.model.adapter != "lora"):
         return policy
     if rollout.backend == "vllm":
-        from agent_rl.vllm_policy import VLLMPolicy
+        from agent_rl.policies.vllm_policy import VLLMPolicy
 
         engine = VLLMPolicy.from_model(model, tokenizer, run_dir / "rollout-engine",
                                        dtype=rollout.dtype or contract.model.dtype, device=policy.device,
@@ -1316,19 +1263,5 @@ def reference_logits(model, reference, batch) -> torch.Tensor:
             return trained_token_logits(model, batch)
     return trained_token_logits(reference, batch)
 
-
-def check_resumable(meta: dict[str, Any], contract_hash: str, template_hash: str, path: Path) -> None:
-    if meta.get("contract_hash") != contract_hash:
-        raise ValueError(f"cannot resume from {path}: it was written under contract "
-                         f"{meta.get('contract_hash', '?')[:12]}, this run's contract is "
-                         f"{contract_hash[:12]} (start a new run_dir or restore the old config)")
-    if meta.get("template_hash") != template_hash:
-        raise ValueError(f"cannot resume from {path}: the tokenizer's chat template changed")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 

@@ -19,7 +19,7 @@ reward_not_holdout     train reward rose over the last ``holdout_patience``     
                        evaluations while the hint-free holdout did not
 nothing_trained        the run's first ``nothing_trained_steps`` steps (or all of   abort
                        them, in a shorter run) trained on no token, each because
-                       of a limit (``rollout.LIMITS``: every first prompt over
+                       of a limit (``LIMITS``: every first prompt over
                        ``rollout.max_prompt_tokens``, every reply overlong under
                        ``rollout.truncation: mask``)
 =====================  ==========================================================  ======
@@ -46,9 +46,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from agent_rl.rollout import LIMITS, EmptyStep
+
+class EmptyStep(str, Enum):
+    """Why a training step trained on no token (``training.rollout.empty_reason``). The
+    ``LIMITS`` are decided by a contract key, not by the data: a run all of whose first steps
+    train nothing because of them is stopped (rule ``nothing_trained``)."""
+
+    prompt_too_long = "prompt_too_long"  # every episode's first prompt over the prompt limit
+    overlong_masked = "overlong_masked"  # every episode masked overlong (or prompt_too_long, fewer)
+    zero_contrast = "zero_contrast"  # dynamic sampling dropped every group that could train
+    stale = "stale"  # every trained session was older than rollout.max_policy_lag allows
+    infrastructure_faults = "infrastructure_faults"  # every other episode was a fault (masked)
+    nothing_generated = "nothing_generated"  # none of the above: no episode generated a token
+
+
+LIMITS = frozenset({EmptyStep.prompt_too_long, EmptyStep.overlong_masked})
 
 
 def holdout_train_reward(metrics: dict[str, Any], annealed_hints: bool) -> float | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
@@ -147,7 +148,7 @@ class ModelSection(_Section):
     @field_validator("device")
     @classmethod
     def _device_spec(cls, value: str) -> str:
-        from agent_rl.models import check_device_spec
+        from agent_rl.run.devices import check_device_spec
 
         return check_device_spec(value)
 
@@ -170,7 +171,7 @@ class RolloutSection(_Section):
 
 
 class RewardShapingSection(_Section):
-    length: float = Field(0.0, ge=0.0, description="weight of Kimi k1.5's length reward, added to every training episode's reward as the component `length` (agent_rl.rollout, step 4); 0 or null: off. Held-out evaluation is never shaped")
+    length: float = Field(0.0, ge=0.0, description="weight of Kimi k1.5's length reward, added to every training episode's reward as the component `length` (agent_rl.training.rollout, step 4); 0 or null: off. Held-out evaluation is never shaped")
 
     @field_validator("length", mode="before")
     @classmethod
@@ -179,7 +180,7 @@ class RewardShapingSection(_Section):
 
 
 class HintsSection(_Section):
-    """Task hints on a decaying share of the training episodes (``agent_rl.rollout``, step 0:
+    """Task hints on a decaying share of the training episodes (``agent_rl.training.rollout``, step 0:
     the formulas, the rounding, the seeded choice); held-out evaluation never shows any. In
     place of ``env.kwargs.hints``, which may not be given with it."""
 
@@ -190,7 +191,7 @@ class HintsSection(_Section):
 
 
 class CurriculumSection(_Section):
-    """Kimi k1.5's difficulty filter (``agent_rl.curriculum``: the pool, the pass rule, the
+    """Kimi k1.5's difficulty filter (``agent_rl.training.curriculum``: the pool, the pass rule, the
     rounds, resume): train only on tasks whose estimated pass rate is in [min, max]."""
 
     filter: Literal["pass_rate"] = Field(..., description="pass_rate: k samples of each pool task at the rollout's settings; a sample passes when its outcome is `correct`")
@@ -240,7 +241,7 @@ class LossSection(_Section):
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="lower clip bound 1 - clip_low (1.0: none, as MiniMax-M1's CISPO)")
     clip_high: float = Field(0.28, ge=0.0, description="upper clip bound 1 + clip_high")
     ratio: Literal["token", "sequence"] = Field("token", description="token: r_t = pi/pi_old per token (PPO/GRPO); sequence: GSPO's length-normalised sequence ratio s_b, one clip decision per sequence (GSPO clips at about 3e-4 / 4e-4, not 0.2 / 0.28)")
-    objective: Literal["ppo_clip", "cispo"] = Field("ppo_clip", description="with q the loss.ratio: ppo_clip: -min(q A, clip(q) A); cispo (MiniMax-M1): -sg[clip(q)] A logp, a clipped IS weight that never drops a token's gradient (agent_rl.grpo)")
+    objective: Literal["ppo_clip", "cispo"] = Field("ppo_clip", description="with q the loss.ratio: ppo_clip: -min(q A, clip(q) A); cispo (MiniMax-M1): -sg[clip(q)] A logp, a clipped IS weight that never drops a token's gradient (agent_rl.training.grpo)")
     kl: KLSection = Field(default_factory=KLSection)
 
 
@@ -293,7 +294,11 @@ class _Contract(_Section):
 
     # --- I/O -------------------------------------------------------------------------------
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Self:
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None,
+                  values: Mapping[str, Any] | None = None) -> Self:
+        """The contract in the YAML file ``path``, with ``overrides`` (``--set`` items:
+        ``KEY=VALUE``, the value YAML text) and then ``values`` (dotted key -> Python value)
+        applied before it is validated."""
         path = Path(path)
         try:
             data = yaml.safe_load(path.read_text()) or {}
@@ -303,14 +308,16 @@ class _Contract(_Section):
             raise ContractError(f"{path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ContractError(f"{path}: the top level must be a mapping of keys")
-        return cls.from_dict(data, overrides, source=str(path))
+        return cls.from_dict(data, overrides, source=str(path), values=values)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None,
-                  source: str = "contract") -> Self:
+    def from_dict(cls, data: Mapping[str, Any], overrides: list[str] | None = None,
+                  source: str = "contract", values: Mapping[str, Any] | None = None) -> Self:
         data = json.loads(json.dumps(data))  # deep copy, plain types
         for item in overrides or []:
             apply_override(data, item)
+        for key, value in (values or {}).items():
+            set_key(data, key, json.loads(json.dumps(value, default=str)), "override")
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -575,7 +582,7 @@ def content_hash(path: str, key: str) -> str:
 
 def init_bundle_hash(path: str) -> str:
     """The content hash of the bundle ``model.init`` names (``checkpoint.resolve_bundle``)."""
-    from agent_rl import checkpoint
+    from agent_rl.run import checkpoint
 
     try:
         return checkpoint.bundle_hash(checkpoint.resolve_bundle(path))
@@ -629,7 +636,7 @@ UNHASHED = ExperimentContract.UNHASHED
 
 
 class SFTDataSection(_Section):
-    """The episodes ``agent-rl sft`` trains on (``agent_rl.sft``)."""
+    """The episodes ``agent-rl sft`` trains on (``agent_rl.training.sft``)."""
 
     source: Literal["solver", "store"] = Field("solver", description="solver: the env's scripted solver (reference_action) on the env.split tasks; store: the episodes of a RolloutStore file")
     episodes_per_task: int = Field(1, ge=1, description="solver: episodes per train task (seeded env resets)")
@@ -736,16 +743,26 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if not all(parts):
         raise ContractError(f"--set {item!r}: the key has an empty part; expected KEY=VALUE, "
                             "e.g. optim.max_steps=4")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ContractError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
+    set_key(data, key, value, "--set")
+
+
+def set_key(data: dict[str, Any], key: str, value: Any, where: str = "override") -> None:
+    """Set the dotted ``key`` (``optim.max_steps``) of a nested dict to ``value`` in place,
+    making the sections on its way; ``where`` names the override in an error (``--set``)."""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ContractError(f"{where} {key!r}: the key has an empty part, e.g. optim.max_steps")
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ContractError(f"--set {key}: {part!r} is not a section")
+            raise ContractError(f"{where} {key}: {part!r} is not a section")
         node = child
-    try:
-        node[parts[-1]] = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ContractError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
+    node[parts[-1]] = value
 
 
 def format_errors(exc: ValidationError) -> str:

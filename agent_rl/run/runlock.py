@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from agent_rl.runlog import LOCK_FILE, RunDirError, nothing_to_resume
+from agent_rl.run.rundir import LOCK_FILE, RunDirError, nothing_to_resume
 
 _HELD: dict[Path, int] = {}  # run directories this process holds: nesting depth
 

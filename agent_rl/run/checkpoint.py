@@ -14,7 +14,7 @@ A bundle is one folder, `root/step-000042/`:
                        plus `format_version`, `step`, `created`, `trainable_only`,
                        `parameter_names` and `parameter_aliases` (tied weights)
     ...                any plain files the caller's `extra_writer` adds (a training backend's
-                       state: `agent_rl.distributed`)
+                       state: `agent_rl.run.distributed`)
     MANIFEST.json      canonical JSON {"format_version", "files": {name: {"sha256", "size"}}}
     COMPLETE           sha256 of MANIFEST.json's canonical content: the bundle's address
 

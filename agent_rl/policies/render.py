@@ -109,7 +109,7 @@ def chat_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generati
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"tokenizer {type(tokenizer).__name__} has no chat template. Fix: set "
-            "`tokenizer.chat_template` (e.g. agent_rl.models.CHATML_TEMPLATE) or load an "
+            "`tokenizer.chat_template` (e.g. agent_rl.policies.models.CHATML_TEMPLATE) or load an "
             "instruct/chat model whose tokenizer ships one"
         )
     if not messages:

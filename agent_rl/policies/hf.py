@@ -2,7 +2,7 @@
 
 Why our own loop rather than ``model.generate``: the rollout must report, for every sampled
 token, the log-prob the trainer will later recompute for the same token, with the same
-function (``agent_rl.grpo.token_logprobs``) and the same temperature, so that the PPO ratio
+function (``agent_rl.policies.logprobs.token_logprobs``) and the same temperature, so that the PPO ratio
 is exactly 1 (up to float noise, ~1e-6 in float32) on the first update after a rollout.
 
 The loop, per batch of up to ``batch_size`` conversations:
@@ -15,7 +15,7 @@ The loop, per batch of up to ``batch_size`` conversations:
                logp_s   = log_softmax(logits_s / T')      T' = scoring_temperature(T)  [B, V]
                x_s      = first token with cumsum(exp(logp_s), top-p truncated) > u_bs * total
                           (inverse-CDF sampling, u_bs uniform); argmax when T == 0
-               the row's log-prob: logp_s[x_s], the trainer's rule (``grpo.picked_logprobs``)
+               the row's log-prob: logp_s[x_s], the trainer's rule (``logprobs.picked_logprobs``)
     stop:      a row stops after sampling EOS / ``<|im_end|>`` (kept in its token ids) or
                after ``max_new_tokens`` tokens (finish_reason "length"); a stopped row leaves
                the batch (and the KV cache), so the last long reply does not drag the rest
@@ -46,11 +46,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from agent_rl import decode, kernels
-from agent_rl.grpo import scaled_log_softmax, token_logprobs
-from agent_rl.models import as_dtype, autocast, named_weights_for_push
-from agent_rl.openai_policy import OpenAIPolicy  # noqa: F401  (re-exported: agent_rl.policy.OpenAIPolicy)
-from agent_rl.render import conversation_ids, stop_token_ids
+from agent_rl import kernels
+from agent_rl.policies import decode
+from agent_rl.policies.logprobs import scaled_log_softmax, token_logprobs
+from agent_rl.policies.models import named_weights_for_push
+from agent_rl.policies.render import conversation_ids, stop_token_ids
+from agent_rl.run.devices import as_dtype, autocast
 from envs.core import PROMPT_TOO_LONG
 from envs.runner import Completion, Sampling, stream_seed
 
@@ -80,7 +81,7 @@ def sequence_logprobs(
     """Log-prob of every token given the ones before it, one forward pass: ``[B, T]``.
 
     input_ids ``[B, T]``; attention_mask ``[B, T]`` (padding) or ``[B, 1, T, T]`` (packed
-    rows, see ``agent_rl.render.packed_attention_mask``); ``temperature`` is the *sampling*
+    rows, see ``agent_rl.policies.render.packed_attention_mask``); ``temperature`` is the *sampling*
     temperature (mapped by ``scoring_temperature``). Position 0 of each row is 0.0. Runs with
     gradients unless the caller disables them: the trainer uses this for the new log-probs.
     """
@@ -182,7 +183,7 @@ class HFPolicy:
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self.revision = 0  # optimizer steps applied to these weights; the trainer bumps it
         self.prompt_memo: dict = {}  # render.conversation_ids' layouts of generated turns
-        # decode steps on a preallocated KV cache (agent_rl.decode) where the model allows
+        # decode steps on a preallocated KV cache (agent_rl.policies.decode) where the model allows
         self.static_cache = decode.supports(model)
         # pack_weights: the model is a frozen rollout copy (never trained through this policy);
         # its projections and head are held in panels for our kernel (agent_rl.kernels) where

@@ -1,0 +1,150 @@
+"""What every ``agent-rl`` command shares: the command registry (``@command``), the
+user-facing error (``CLIError``), the shared flags' help and the printing helpers (``echo``,
+``console``, escaped warnings: everything printed may quote agent or task text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as ``agent-rl <command>: error: <message>``, exit 2."""
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None]):
+    """Register ``run(args) -> int`` as the subcommand ``name``."""
+
+    def decorator(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        if name in COMMANDS:
+            raise ValueError(f"agent-rl command {name!r} is already registered")
+        COMMANDS[name] = Command(name, help, arguments, run)
+        return run
+
+    return decorator
+
+
+
+# --- shared flags and printing -------------------------------------------------------------
+
+SPLIT_NAMES = "train, holdout, holdout_structure, holdout_entity, holdout_length, holdout_iid"
+POLICY_HELP = ("base (the --model weights), PATH (a checkpoint bundle folder, or a run dir: its "
+               "newest complete bundle) or openai:URL (an OpenAI-compatible server, evaluation "
+               "only; --model names the served model, $OPENAI_API_KEY is sent when set)")
+
+
+def interval(lo: Any, hi: Any) -> str:
+    return "–" if lo is None or hi is None else f"[{lo:.3f}, {hi:.3f}]"
+
+
+def number(value: Any) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def console():
+    from rich.console import Console
+
+    return Console()
+
+
+def echo(text: str, file=None) -> None:
+    """``print`` for the CLI's plain lines: they may quote agent or task text (ids, replies,
+    dataset rows, check and error messages), so control characters are escaped
+    (``trajectories.display.escape_terminal``)."""
+    from trajectories.display import escape_terminal
+
+    print(escape_terminal(text), file=file)
+
+
+@contextmanager
+def escaped_warnings():
+    """While a command runs, a printed warning has its message escaped like every other line:
+    it may quote agent or task text (a task id, a path, a record). Only the printing changes
+    (``warnings.formatwarning``); filters and recorders see the warning as it was raised."""
+    from trajectories.display import escape_terminal
+
+    original = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        return original(escape_terminal(str(message)), category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
+
+@contextlib.contextmanager
+def plain_warnings(command: str):
+    """Warnings print as ``agent-rl COMMAND: warning: MESSAGE``, without the source line
+    Python adds (a run's warnings are for its user, not about this code), escaped as every
+    other line (they may quote agent or task text)."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        echo(f"agent-rl {command}: warning: {message}", file=file or sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+class StopSignal:
+    """While active, SIGTERM raises KeyboardInterrupt, so a run stops the way Ctrl-C stops it
+    (a checkpoint being written is discarded whole; finished bundles stay)."""
+
+    def __enter__(self):
+        def stop(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        self.previous = signal.signal(signal.SIGTERM, stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def holding(run_dir: Path, resume: bool) -> contextlib.AbstractContextManager:
+    """``runlock.hold_if_main(run_dir, resume)``, entered: the run directory is this process's until
+    the returned context exits; one held by another process or that cannot be written is a
+    ``CLIError`` naming it (exit 2)."""
+    from agent_rl.run.rundir import RunDirError
+    from agent_rl.run.runlock import hold_if_main
+
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(hold_if_main(run_dir, resume))
+    except RunDirError as exc:
+        raise CLIError(str(exc)) from None
+    return stack
+
+
+def no_space(exc: OSError, run_dir: Path, checkpoints: Path) -> CLIError | None:
+    """A full disk while writing a file of the run (a log line; a checkpoint's is a
+    ``checkpoint.DiskFullError`` already) as a ``CLIError`` naming the file and the newest
+    complete bundle in ``checkpoints``; None for any other error."""
+    from agent_rl.run import checkpoint
+
+    if not checkpoint.is_disk_full(exc):
+        return None
+    return CLIError(str(checkpoint.no_space(exc.filename or run_dir, checkpoints, exc)))

@@ -1,0 +1,200 @@
+"""``agent-rl train CONFIG`` (GRPO) and ``agent-rl sft CONFIG`` (the supervised warm start)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from agent_rl.cli.common import (
+    CLIError,
+    StopSignal,
+    command,
+    console,
+    echo,
+    holding,
+    interval,
+    no_space,
+    number,
+    plain_warnings,
+)
+from agent_rl.policies.load import load_base_model
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="experiment contract (YAML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a contract key by its dotted path, e.g. optim.max_steps=4")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in run_dir from its newest complete checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def before_after_table(result):
+    """Held-out reward of the starting and the trained policy and the paired difference,
+    overall and (when several splits were evaluated) per split, with what crossed
+    compression boundaries (notes per episode, note tokens, share of notes used)."""
+    from rich.table import Table
+
+    from trajectories.display import terminal_text
+
+    table = Table(title="held-out reward before/after (greedy, hint-free)")
+    for column in ("split", "policy", "reward mean", "95% interval", "n", "success",
+                   "95% Wilson", "notes/ep", "note tok", "notes used"):
+        table.add_column(column, justify="left" if column in ("split", "policy") else "right")
+    before, after, comparison = result.before or {}, result.after or {}, result.comparison or {}
+    def pick(summary: dict, name: str) -> dict | None:
+        return summary if name == "all" else (summary.get("splits") or {}).get(name)
+
+    def notes(summary: dict) -> list[str]:  # single-session episodes wrote no notes
+        if not summary.get("compressions_per_episode"):
+            return ["–"] * 3
+        return [number(summary[k]) for k in ("compressions_per_episode", "summary_tokens",
+                                             "summary_used_frac")]
+
+    for name in ["all", *(before.get("splits") or after.get("splits") or {})]:
+        for tag, summary in (("before", pick(before, name)), ("after", pick(after, name))):
+            if summary:
+                table.add_row(terminal_text(name), tag, number(summary["reward_mean"]),
+                              interval(summary["reward_lo"], summary["reward_hi"]),
+                              str(summary["n"]), number(summary["success"]),
+                              interval(summary["success_lo"], summary["success_hi"]),
+                              *notes(summary))
+        c = pick(comparison, name) if comparison else None
+        if c:
+            table.add_row(terminal_text(name), "paired diff", f"{c['reward_diff']:+.3f}",
+                          interval(c["lo"], c["hi"]), str(c["n"]), "", "", "", "", "")
+    return table
+
+
+@command("train", "run GRPO training from an experiment contract", _train_arguments)
+def train(args: argparse.Namespace) -> int:
+    from agent_rl.run.contract import ContractError, ExperimentContract
+
+    try:  # a broken contract fails before torch is imported
+        contract = ExperimentContract.from_yaml(args.config, args.overrides)
+        run_dir = contract.check_run_dir()
+    except ContractError as exc:
+        raise CLIError(str(exc)) from exc
+    with holding(run_dir, args.resume):  # before the model loads: a busy or unwritable run_dir fails at once
+        return train_held(args, contract, run_dir)
+
+
+def train_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
+    """``agent-rl train`` once its run directory is held."""
+    import gymnasium
+
+    from agent_rl.run import checkpoint
+    from agent_rl.training import train as trainer
+    from evals.report import write_run_report
+
+    # Deprecation notices from the model libraries say nothing about this run.
+    for module in ("transformers", "peft", "torch"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    load_base_model(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
+    out = console()
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun / deepspeed: rank 0 reports
+    try:
+        with StopSignal(), plain_warnings("train"):
+            result = trainer.run(contract, resume=args.resume, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        if not main_rank:
+            return 130
+        latest = checkpoint.latest_complete(run_dir / "checkpoints")
+        where = f"from {latest}" if latest else "from the start (no complete checkpoint yet)"
+        echo(f"agent-rl train: interrupted; `agent-rl train {args.config} --resume` (same "
+             f"--set options) continues {where}", file=sys.stderr)
+        if (run_dir / "contract.sha256").is_file():  # the run got as far as pinning its folder
+            write_run_report(run_dir)
+        return 130
+    except OSError as exc:  # a full disk while writing a log line
+        if (error := no_space(exc, run_dir, run_dir / "checkpoints")) is None:
+            raise
+        raise error from exc
+    except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
+        raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
+    if not main_rank:
+        return stopped_code(result.stopped)
+    report = write_run_report(run_dir)
+    if result.before or result.after:
+        out.print(before_after_table(result))
+    echo(f"report: {report}\nrun dir: {run_dir}")
+    if result.stopped is not None:
+        trip = result.stopped
+        echo(f"agent-rl train: stopped by guard {trip.rule} ({trip.action}) at step "
+             f"{result.steps}: {trip.message}", file=sys.stderr)
+    return stopped_code(result.stopped)
+
+
+def stopped_code(trip) -> int:
+    """``train``'s exit code for a run that ended (``RunResult.stopped``): 0 finished, 4 the
+    guard ``nothing_trained`` (nothing was trained), 3 any other guard."""
+    from agent_rl.run.guards import NothingTrained
+
+    return 0 if trip is None else 4 if isinstance(trip, NothingTrained) else 3
+
+
+# --- sft ----------------------------------------------------------------------------------
+
+
+def _sft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="SFT contract (YAML: env, eval, model, "
+                        "data, optim, limits, run_dir)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a contract key by its dotted path, e.g. optim.epochs=1")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in run_dir from its newest resume bundle")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("sft", "supervised warm start on episodes (solver or a rollout store); writes a bundle "
+         "`train` starts from with model.init", _sft_arguments)
+def sft(args: argparse.Namespace) -> int:
+    from agent_rl.run.contract import ContractError, SFTContract
+
+    try:  # a broken contract fails before torch is imported
+        contract = SFTContract.from_yaml(args.config, args.overrides)
+        run_dir = contract.check_run_dir()
+    except ContractError as exc:
+        raise CLIError(str(exc)) from exc
+    with holding(run_dir, args.resume):  # before the model loads: a busy or unwritable run_dir fails at once
+        return sft_held(args, contract, run_dir)
+
+
+def sft_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
+    """``agent-rl sft`` once its run directory is held."""
+    import gymnasium
+
+    from agent_rl.run import checkpoint
+    from agent_rl.training import sft as warm_start
+
+    for module in ("transformers", "peft", "torch"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    load_base_model(contract.model.id, contract.model.dtype)
+    try:
+        with StopSignal(), plain_warnings("sft"):
+            result = warm_start.run(contract, resume=args.resume, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        latest = checkpoint.latest_complete(run_dir / warm_start.RESUME_DIR)
+        where = f"from {latest}" if latest else "from the start (no resume bundle yet)"
+        print(f"agent-rl sft: interrupted; `agent-rl sft {args.config} --resume` (same --set "
+              f"options) continues {where}", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a full disk while writing a log line
+        if (error := no_space(exc, run_dir, run_dir / warm_start.RESUME_DIR)) is None:
+            raise
+        raise error from exc
+    except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
+        raise CLIError(str(exc)) from exc
+    data = result.data
+    echo(f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
+         f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}, sessions "
+         f"skipped {data.get('skipped_sessions') or 'none'}), "
+         f"{result.steps} steps, loss {result.losses[0] if result.losses else float('nan'):.4f}"
+         f" -> {result.losses[-1] if result.losses else float('nan'):.4f}")
+    console().print(before_after_table(result))
+    echo(f"bundle: {result.bundle} (sha256 {result.bundle_hash[:12]})\n"  # whole, to be copied
+         f"start RL from it: agent-rl train CONFIG --set model.init={result.bundle}")
+    return 0
