@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
 
 from agent_rl.cli import build_parser, main
 from agent_rl.config import ContractError, ExperimentContract, SFTContract
@@ -291,7 +293,10 @@ def test_the_checks_catch_what_does_not_exist(monkeypatch):
            parse_command("x.md", "agent-rl train examples/nope.yaml --set run_dir=runs/x"),
            parse_command("x.md", "python examples/nope.py"),
            parse_command("x.md", "make nope"),
-           parse_command("x.md", "agent-rl report runs/never")]
+           parse_command("x.md", "agent-rl report runs/never"),
+           parse_command("x.md", "agent-rl trian examples/tiny.yaml"),
+           parse_command("x.md", "agent-rl eval --policy base --nn 4"),
+           parse_command("x.md", "python benchmarks/vs_trl.py --no-such-flag")]
     for command in bad:
         with pytest.raises((AssertionError, pytest.fail.Exception)):
             CHECKS[kind(command)](command)
@@ -344,6 +349,40 @@ def test_every_contract_key_is_in_contract_md():
     text = (ROOT / "docs" / "contract.md").read_text()
     missing = sorted(k for k in contract_keys() if f"`{k}`" not in text)
     assert not missing, f"docs/contract.md does not document: {missing}"
+
+
+def documented_default(cell: str):
+    """A default as contract.md's table writes it: `1e-5`, `null`, `[]`, (required), ..."""
+    cell = cell.strip()
+    if cell == "(required)":
+        return PydanticUndefined
+    value = yaml.safe_load(cell.strip("`"))
+    return float(value) if re.fullmatch(r"-?[\d.]+e-?\d+", str(value)) else value
+
+
+def model_defaults(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
+    out = {}
+    for name, field in model.model_fields.items():
+        section = next((m for m in (getattr(field.annotation, "__args__", None) or (field.annotation,))
+                        if isinstance(m, type) and issubclass(m, BaseModel)), None)
+        if section is not None:
+            out |= model_defaults(section, f"{prefix}{name}.")
+        else:
+            out[prefix + name] = field.default_factory() if field.default_factory else field.default
+    return out
+
+
+def test_the_documented_defaults_are_the_models():
+    """Each key's row in docs/contract.md gives the pydantic model's default (the training
+    contract's table above the SFT section, the SFT contract's below it)."""
+    train, sft = (ROOT / "docs" / "contract.md").read_text().split("## SFT contract")
+    wrong = []
+    for page, model in ((train, ExperimentContract), (sft, SFTContract)):
+        rows = dict(re.findall(r"^\| `([\w.]+)` \| ([^|]+) \|", page, re.MULTILINE))
+        for key, default in model_defaults(model).items():
+            if key in rows and documented_default(rows[key]) != default:
+                wrong.append(f"{model.__name__} {key}: documented {rows[key].strip()}, default {default!r}")
+    assert not wrong, wrong
 
 
 # --- no commit hashes in user docs --------------------------------------------------------------
