@@ -13,7 +13,7 @@ per-task differences are averaged over the seeds first, so a task is one unit of
 bootstrap). ``terminal_only`` gives the note-writing session nothing but a negative advantage
 in rewarded groups: it is the control that shows whether credit for the note matters.
 
-Writes ``OUT/assigners.json`` (after every run) and ``OUT/assigners.md`` (the README table).
+Writes ``OUT/assigners.json`` (after every run) and ``OUT/assigners.md`` (the table in docs/concepts.md).
 Rerunning with the same ``--out`` reuses every run that finished under the same contract, so
 an interrupted ablation picks up where it stopped.
 """

@@ -13,7 +13,7 @@ non-empty string (what ``envs.sessions.control_action`` turns into a ``Spawn``).
   to call spawn: ``Use the spawn tool to start a sub-agent with the task "...". Reply with
   only the tool call.``
 
-This decides whether a branching Relay-v0 variant could learn anything (README).
+This decides whether a branching Relay-v0 variant could learn anything (docs/concepts.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Description
     Every session opens with one worked example of its own kind (other entities, the same
     request or the same operation), shown as a user turn and an assistant reply: SmolLM2-135M
     answers with a bare number after one (1.0 greedy on perfect notes) and almost never without
-    (README, "Relay-v0"). The examples are prompt, never trained on.
+    (docs/concepts.md, "Relay-v0"). The examples are prompt, never trained on.
 
 Tools
     None by default. With ``branching=True`` there is no compression: the root sees every

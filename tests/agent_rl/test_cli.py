@@ -150,7 +150,7 @@ def test_sigterm_stops_cleanly_and_points_at_resume(tmp_path):
 
 @pytest.mark.slow
 def test_train_under_torchrun_on_two_ranks(tmp_path):
-    """The README's launch: `torchrun --nproc-per-node 2 -m agent_rl.cli train ...` with
+    """The launch in docs/scale-out.md: `torchrun --nproc-per-node 2 -m agent_rl.cli train ...` with
     ZeRO-3 trains on two ranks (gloo), and only rank 0 reports."""
     from agent_rl.run.distributed import free_port
 
