@@ -30,7 +30,7 @@ register("agent_rl/LongRecords-v0", "envs.records.env:LongRecordsEnv")
 register("agent_rl/PIIMask-v0", "envs.piimask:PIIMaskEnv")
 register("agent_rl/Relay-v0", "envs.relay:RelayEnv")
 register("agent_rl/CodeTests-v0", "envs.codetests.env:CodeTestsEnv")
-register("agent_rl/Dataset-v0", "envs.datasets:DatasetEnv")
+register("agent_rl/Dataset-v0", "envs.datasets.env:DatasetEnv")
 
 __all__ = [
     "accepted_kwargs",
