@@ -119,8 +119,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from agent_rl import kernels
-
 STD_MODES = ("population", "sample", "none")
 SCALE_MODES = ("group", "batch")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -404,19 +402,10 @@ def picked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
     return -(logp.exp() * logp).sum(-1)  # [N]
 
 
-def picked_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                                grad_into=None) -> tuple[torch.Tensor, torch.Tensor]:
+def picked_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``picked_logprobs`` and ``picked_entropy`` (without gradient) from one log-softmax:
-    ``[N]`` and ``[N]``. On the CPU in float32 or bf16, our kernel (``kernels.TokenLogprobs``:
-    the same values but for float summation order, one pass over the logits for both and one
-    back; measured ad hoc, 125 x 49152 logits forward and backward: 3-4 against 11-40 ms),
-    which writes the logits' gradient where ``grad_into(N)`` says (``kernels.TokenLogprobs``);
-    elsewhere the tensor ops."""
-    if kernels.fits_logprobs(logits):
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        return kernels.TokenLogprobs.apply(logits.contiguous(), targets.contiguous(), float(temperature),
-                                           grad_into)
+    ``[N]`` and ``[N]``. (The trainer's CPU accelerator computes the same with our kernel.)"""
     logp = scaled_log_softmax(logits, temperature)  # [N, V]
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)  # [N]

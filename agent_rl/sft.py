@@ -43,10 +43,9 @@ import numpy as np
 import torch
 
 import envs
-from agent_rl import checkpoint
+from agent_rl import accel, checkpoint
 from agent_rl.config import SFTContract
 from agent_rl.distributed import TorchBackend, adamw, launched_world_size, write_bundle
-from agent_rl.grpo import picked_logprobs_and_entropy
 from agent_rl.models import model_fingerprint, resolve_device, rollout_copy
 from agent_rl.policy import HFPolicy
 from agent_rl.render import (
@@ -80,8 +79,8 @@ from agent_rl.train import (
     device_batch,
     initial_model,
     seed_everything,
+    trained_logprobs,
     trained_token_logits,
-    trainer_step,
 )
 from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
@@ -390,7 +389,7 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     """One optimizer step: the mean negative log-likelihood of the batch's trained tokens,
     over micro-batches each weighted by its share of them; ``backend.step`` clips the
     gradients and skips a non-finite step (counted)."""
-    from agent_rl.models import autocast
+    from agent_rl.models import as_dtype, autocast
 
     model = backend.module
     model.train()
@@ -398,13 +397,12 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     total = sum(r.num_trained for r in batch)
     nll_sum, correct = 0.0, 0
     micro = micro_batches(pack(share_prefixes(batch), min(micro_tokens, ROW_TOKENS)), micro_tokens)
-    with trainer_step(backend, model, dtype) as head:  # the trainer's casts, forward and head
+    with accel.step(backend, model, as_dtype(dtype)) as fast:  # the trainer's CPU accelerator
         for bins in micro:
             tensors = device_batch(bins, batch, pad_id, device)
             with autocast(device, dtype):
-                logits = trained_token_logits(model, tensors, head)  # [N, V]
-            logprobs, _ = picked_logprobs_and_entropy(  # [N], as policy_update's
-                logits, tensors["target"], grad_into=None if head is None else head.grad_rows)
+                logits = trained_token_logits(model, tensors, fast)  # [N, V]
+            logprobs, _ = trained_logprobs(logits, tensors["target"], 1.0, fast)  # [N], as policy_update's
             backend.backward(-logprobs.sum() / max(total, 1))
             nll_sum += float(-logprobs.detach().sum())
             correct += int((logits.detach().argmax(-1) == tensors["target"]).sum())
