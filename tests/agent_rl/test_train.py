@@ -1523,3 +1523,49 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
     assert min(every_casts.values()) >= 3 and set(cached_casts.values()) == {2}
     for key in every:
         assert torch.equal(cached[key], every[key]), key
+
+
+# tolerances of the accelerator's equivalence (measured on the tiny model, two updates: float32
+# at most 5e-7 relative on every metric and weight; bf16 1.2e-4 on the losses, 1.4e-3 on the
+# gradient norm, 2.5e-3 on kl/update and on the weights, from bf16's roundings taken elsewhere:
+# the head's product once a step, float32 attention chunks, kernels rounding once)
+ACCEL_TOLERANCE = {"float32": {"loss": 1e-5, "grad_norm": 1e-5, "kl": 1e-5, "weights": 1e-5},
+                   "bfloat16": {"loss": 1e-3, "grad_norm": 1e-2, "kl": 2e-2, "weights": 1e-2}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_loop_gives_the_same_losses_with_the_cpu_accelerator_off(tmp_path, monkeypatch, dtype):
+    """Two policy_update steps (SGD, lr 0.5: the second step's ratios move) on a rolled-out
+    batch in micro-batches of 16 tokens, with agent_rl.accel on (its kernels, patches, casts
+    and head buffers) and off (accel.disabled(): the trainer's plain tensor ops): the same
+    losses, gradient norms, kl/update and trained weights, relative to ACCEL_TOLERANCE."""
+    contract = make_contract(tmp_path / "r", f"model.dtype={dtype}")
+    sequences = graded_sequences(*tiny_model(0))
+    scored = []
+    token_logprobs = trainer.Step.token_logprobs
+    monkeypatch.setattr(trainer.Step, "token_logprobs",
+                        lambda self, *a: scored.append(1) or token_logprobs(self, *a))
+
+    def two_steps(context):
+        model, _ = tiny_model(0)
+        backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.5), grad_clip=1.0)
+        prox = {}
+        with context:
+            metrics = [train.policy_update(backend, None, sequences, contract, pad_id=0, prox=prox,
+                                           micro_tokens=16) for _ in range(2)]
+        return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    on, on_weights = two_steps(contextlib.nullcontext())
+    assert scored  # the accelerator scored the tokens
+    scored.clear()
+    off, off_weights = two_steps(accel.disabled())
+    assert not scored
+    tol = ACCEL_TOLERANCE[dtype]
+    for mine, theirs in zip(on, off, strict=True):
+        assert mine["loss/policy"] == pytest.approx(theirs["loss/policy"], rel=tol["loss"])
+        assert mine["optim/grad_norm"] == pytest.approx(theirs["optim/grad_norm"], rel=tol["grad_norm"])
+        assert mine["kl/update"] == pytest.approx(theirs["kl/update"], rel=tol["kl"])
+        assert mine["optim/skipped"] == theirs["optim/skipped"] == 0.0
+    assert on[1]["loss/policy"] != pytest.approx(on[0]["loss/policy"], rel=1e-2)  # it trained
+    for name, weight in off_weights.items():
+        assert float((on_weights[name] - weight).abs().max()) <= tol["weights"] * float(weight.abs().max()), name
