@@ -1,6 +1,6 @@
 """One linear layer, three ways, side by side: MKL's ``F.linear`` on the plain float32 weight,
 oneDNN on its own reordered layout (what packed rollout copies ran before our kernel), and our
-kernel on the weight in panels (``agent_rl.kernels.blocked_linear``, what they run now).
+kernel on the weight in panels (``agent_rl.accel.blocked_linear``, what they run now).
 
 SmolLM2-135M's projection shapes (out x in) at 1, 8 and 32 rows (decode steps) and 400 rows
 (a prefill); each side cycles through enough copies of the weight (~300 MB) that every call
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from agent_rl import kernels
+from agent_rl import accel
 
 SHAPES = [(192, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576)]
 ROWS = (1, 8, 32, 400)
@@ -45,7 +45,7 @@ def time_shape(n: int, k: int, rows: tuple[int, ...], mb: int, repeats: int) -> 
     copies = max(2, mb * 10**6 // (n * k * 4))
     plain = [torch.randn(n, k) for _ in range(copies)]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in plain]
-    panels = [kernels.to_panels(w) for w in plain]
+    panels = [accel.to_panels(w) for w in plain]
     calls = max(4, min(200, 2 * copies))
     figures = {}
     for m in rows:
@@ -54,7 +54,7 @@ def time_shape(n: int, k: int, rows: tuple[int, ...], mb: int, repeats: int) -> 
             "mkl": lambda i, x=x: torch.nn.functional.linear(x, plain[i]),
             "onednn": lambda i, x=x: torch.ops.mkldnn._linear_pointwise(
                 x, onednn[i], None, "none", [], ""),
-            "ours": lambda i, x=x: kernels.blocked_linear(x, panels[i], None, n)}
+            "ours": lambda i, x=x: accel.blocked_linear(x, panels[i], None, n)}
         us = {side: per_call_s(fn, copies, calls, repeats) * 1e6 for side, fn in sides.items()}
         figures[m] = {side: round(t, 1) for side, t in us.items()}
         figures[m]["ours_gb_s"] = round(n * k * 4 / us["ours"] / 1e3, 1)
@@ -73,8 +73,8 @@ def main() -> None:
     shapes, rows = (SHAPES[:1], ROWS[:2]) if args.quick else (SHAPES, ROWS)
     if args.quick:
         args.mb, args.repeats = 8, 1
-    if not kernels.load():
-        raise SystemExit("agent_rl.kernels did not build here (see the warning above)")
+    if not accel.load_kernels():
+        raise SystemExit("agent_rl.accel's kernels did not build here (see the warning above)")
     torch.manual_seed(0)
     result: dict = {"threads": torch.get_num_threads(), "rows": list(rows), "quick": args.quick}
     for n, k in shapes:

@@ -4,7 +4,7 @@ and steady-state decode against this machine's roofline, measured in the same ru
 Workloads (every policy, same weights, same dtype, same sampling; alternated, best of
 ``--repeats`` each after a warm-up). HFPolicy runs on the model itself, as synchronous full
 fine-tuning samples, and on a rollout copy with its projections and head packed into panels
-for our kernel (``agent_rl.kernels``, ``pack_weights``; what ``train.run`` samples with
+for our kernel (``agent_rl.accel``, ``pack_weights``; what ``train.run`` samples with
 whenever rollouts run on a copy: LoRA merged, ``max_policy_lag`` > 0, ``rollout.dtype``):
 
     grpo      4 prompts x 8 samples (a group shares its prompt), T = 1, completions of

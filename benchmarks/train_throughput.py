@@ -13,7 +13,7 @@ parameters) x (trained tokens: the vocabulary projection runs only there); atten
 fraction is a lower bound. Printed beside it: the fraction counting the attention
 the masks need (12 x hidden size x layers FLOPs per allowed query x key pair, forward and
 backward), and the fraction counting all the work done: attention's pairs as computed (the
-trainer's blocked attention, ``attention.plan_blocks``: a few more than allowed; in bf16 the
+trainer's blocked attention, ``accel.plan_blocks``: a few more than allowed; in bf16 the
 pairs its kernel's tiles cover, ``kernel_pairs``) and the
 forward work a row longer than ``optim.micro_batch_tokens`` recomputes in backward
 (``train.recompute_layers``; its share of the layer work, ``train/recomputed_frac``, times
@@ -53,7 +53,7 @@ import torch
 from limits import matmul_peak
 
 import envs
-from agent_rl.attention import allowed_pairs, plan_blocks
+from agent_rl.accel import allowed_pairs, plan_blocks
 from agent_rl.policies.hf import HFPolicy
 from agent_rl.policies.models import load_model
 from agent_rl.policies.render import (

@@ -161,7 +161,7 @@ def test_train_throughput_kernel_pairs_by_hand(monkeypatch):
     the plan holds 64; 20 queries: tiles up to 6, 12, 18, 20 keys -> 16, 16, 32, 32."""
     import torch
 
-    from agent_rl.attention import plan_blocks
+    from agent_rl.accel import plan_blocks
 
     monkeypatch.syspath_prepend(str(EXAMPLES.parent / "benchmarks"))
     from train_throughput import kernel_pairs

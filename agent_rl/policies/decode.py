@@ -16,7 +16,7 @@ and runs the decoder layers directly:
                 generated[:, :, s] = k, v
                 each KV head's group of queries: softmax(q K^T * scaling, padding masked) V
                 over [the row's prompt, its generated positions so far], read in place (our
-                kernel on the CPU, ``kernels.decode_attention``; tensor ops elsewhere)
+                kernel on the CPU, ``accel.decode_attention``; tensor ops elsewhere)
                 x = x + o_proj(attention);  x = x + mlp(post_norm(x))
     logits = lm_head(norm(x))
 
@@ -27,7 +27,7 @@ over token trees, each distinct prefix once). It holds no copy of any weight.
 
 A rollout copy (a model only sampled from, never trained) can also hold its larger
 projections and head in panels of 32 output columns (``pack_linears``, ``PackedLinear``): the
-model's forward (the prefill) and these steps then run our kernel (``agent_rl.kernels``)
+model's forward (the prefill) and these steps then run our kernel (``agent_rl.accel``)
 instead of MKL's matrix products, which at a decode step's few rows read a plain fp32 weight
 far below the memory bandwidth. Same bytes, no second copy; the numbers move by float
 summation order (1e-4).
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from agent_rl import kernels
-from agent_rl.attention import blocked, plan_blocks
+from agent_rl import accel
+from agent_rl.accel import blocked_attention, plan_blocks
 
 SUPPORTED_TYPES = ("llama", "qwen2")
 # A prompt's keys and values are held once for the rows sharing it when that spares more than
@@ -57,8 +57,6 @@ SHARED_MIN_BYTES = 1 << 20
 # 192 x 576 1.45x / 1.19x, 576 x 576 1.47x / 1.21x, 1536 x 576 1.62x / 1.42x,
 # benchmarks/linear_kernel.py)
 PACK_MIN_ELEMENTS = 1 << 16
-# activation modules that are SiLU (kernels.silu_mul runs them with their product)
-SILU = ("SiLU", "SiLUActivation")
 
 
 def supports(model: Any) -> bool:
@@ -156,8 +154,8 @@ class StaticDecoder:
         first = self.layers[0].self_attn
         d = first.head_dim
         kvh = self.keys[0].shape[1]
-        # our kernels (kernels.rotary_write, decode_attention, silu_mul) where they take the step
-        fused = kernels.fits_decode(x, d, first.config.num_attention_heads // kvh)
+        # our kernels (accel.rotary_write, decode_attention, silu_mul) where they take the step
+        fused = accel.fits_decode(x, d, first.config.num_attention_heads // kvh)
         slot = s if self.shared else L + s  # where this position's key and value go
         own = torch.arange(A)  # [A] each row reads its own buffer (the kernel, not shared)
         padding = ~attend[:, None, None, :L] if self.shared and not fused else None  # [A, 1, 1, L]
@@ -167,7 +165,7 @@ class StaticDecoder:
             q, k, v = (attn.packed_qkv(h) if hasattr(attn, "packed_qkv")
                        else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)))  # [A, 1, heads * d]
             if fused:  # rotated q; rotated k and v written at the slot, one pass
-                q = kernels.rotary_write(q.flatten(1), k.flatten(1), v.flatten(1), cos[:, 0, 0],
+                q = accel.rotary_write(q.flatten(1), k.flatten(1), v.flatten(1), cos[:, 0, 0],
                                          sin[:, 0, 0], self.keys[i], self.values[i], slot)
                 q = q.view(A, kvh, -1, d)  # [A, kvh, g, d]
             else:
@@ -183,12 +181,12 @@ class StaticDecoder:
             # each KV head's query group attends to the prompt (shared or in the row's buffer)
             # and to the row's generated positions
             if fused and self.shared:  # our kernel: the prompt's keys held once, then the row's
-                o = kernels.decode_attention(
+                o = accel.decode_attention(
                     q, self.prompt_keys[i], self.prompt_values[i], self.which, self.keys[i][:, :, : s + 1],
                     self.values[i][:, :, : s + 1], attend, attn.scaling)  # [A, kvh, g, d]
             elif fused:  # our kernel over the row's own buffer, read in place
                 keys, values = self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1]
-                o = kernels.decode_attention(q, keys, values, own, keys[:, :, :0],
+                o = accel.decode_attention(q, keys, values, own, keys[:, :, :0],
                                              values[:, :, :0], attend, attn.scaling)  # [A, kvh, g, d]
             elif self.shared:
                 scores = torch.cat([
@@ -207,8 +205,8 @@ class StaticDecoder:
             mlp = layer.mlp
             if hasattr(mlp, "packed_gate_up"):  # the model's MLP: down(act(gate(h)) * up(h))
                 gate, up = mlp.packed_gate_up(h)  # [A, 1, M] each
-                if fused and type(mlp.act_fn).__name__ in SILU:
-                    x = x + mlp.down_proj(kernels.silu_mul(gate.flatten(1), up.flatten(1)).unsqueeze(1))
+                if fused and type(mlp.act_fn).__name__ in accel.SILU:
+                    x = x + mlp.down_proj(accel.silu_mul(gate.flatten(1), up.flatten(1)).unsqueeze(1))
                 else:
                     x = x + mlp.down_proj(mlp.act_fn(gate) * up)
             else:
@@ -259,7 +257,7 @@ def prefill(model: Any, prompts: list[list[int]], cache_arg: str) -> tuple[Any, 
     if config._attn_implementation != "sdpa":  # eager and the rest add the mask to the scores
         attend = torch.zeros(attend.shape, dtype=model.dtype).masked_fill(~attend, torch.finfo(model.dtype).min)
     cache = DynamicCache(config=config)
-    with blocked(model) as on:  # attention only over each node's ancestors (agent_rl.attention)
+    with blocked_attention(model) as on:  # attention only over each node's ancestors (agent_rl.accel)
         blocks = {"attention_blocks": plan_blocks(attend)} if on else {}
         hidden = model.model(input_ids=input_ids.to(device), attention_mask=attend.to(device),
                              position_ids=position_ids.to(device), use_cache=True,
@@ -344,8 +342,8 @@ def _common(a: list[int], b: list[int]) -> int:
 
 class PackedLinear(torch.nn.Module):
     """A frozen ``nn.Linear`` whose weight is held only in panels of 32 output columns
-    (``kernels.to_panels``: the same bytes as the plain weight, padded to a multiple of 32
-    rows) and multiplied by our kernel (``kernels.blocked_linear``).
+    (``accel.to_panels``: the same bytes as the plain weight, padded to a multiple of 32
+    rows) and multiplied by our kernel (``accel.blocked_linear``).
 
     MKL's ``F.linear`` on a plain fp32 weight, and oneDNN's on its own reordered layout, run
     far below the memory bound at the few rows of a decode step (SmolLM2's 1536 x 576
@@ -364,7 +362,7 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias
         self.tied = tied
         # [P, K, 32]; ``panels``: where to hold them (a PackedGroup's share)
-        self.panels = kernels.to_panels(linear.weight.detach(), out=panels)
+        self.panels = accel.to_panels(linear.weight.detach(), out=panels)
         self._storage_bytes = self.panels.untyped_storage().nbytes()  # a group's: all parts'
         self.stale = False
 
@@ -376,7 +374,7 @@ class PackedLinear(torch.nn.Module):
         storage = self.panels.untyped_storage()
         if storage.nbytes() == 0:  # released: memory again (its views stay valid)
             storage.resize_(self._storage_bytes)
-        kernels.to_panels(weight.detach().to(self.panels.dtype), out=self.panels)
+        accel.to_panels(weight.detach().to(self.panels.dtype), out=self.panels)
         self.stale = False
 
     def reload(self) -> None:
@@ -390,7 +388,7 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stale:
             raise RuntimeError("PackedLinear: its weights were released and not loaded since")
-        return kernels.blocked_linear(x, self.panels, self.bias, self.out_features)
+        return accel.blocked_linear(x, self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
@@ -405,19 +403,19 @@ class PackedGroup(torch.nn.Module):
 
     def __init__(self, linears: list[torch.nn.Linear]):
         super().__init__()
-        counts = [-(-linear.out_features // kernels.PANEL) for linear in linears]
+        counts = [-(-linear.out_features // accel.PANEL) for linear in linears]
         first = linears[0].weight
-        self.panels = first.new_zeros((sum(counts), first.shape[1], kernels.PANEL))  # [P, K, 32]
+        self.panels = first.new_zeros((sum(counts), first.shape[1], accel.PANEL))  # [P, K, 32]
         starts = [sum(counts[:j]) for j in range(len(counts))]
         self.parts = [PackedLinear(linear, panels=self.panels[start:start + count])
                       for linear, start, count in zip(linears, starts, counts, strict=True)]
-        self.columns = [(start * kernels.PANEL, linear.out_features)
+        self.columns = [(start * accel.PANEL, linear.out_features)
                         for start, linear in zip(starts, linears, strict=True)]
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if any(part.stale for part in self.parts):
             raise RuntimeError("PackedGroup: its weights were released and not loaded since")
-        y = kernels.blocked_linear(x, self.panels, None, self.panels.shape[0] * kernels.PANEL)
+        y = accel.blocked_linear(x, self.panels, None, self.panels.shape[0] * accel.PANEL)
         return [y[..., c:c + n] if part.bias is None else y[..., c:c + n] + part.bias
                 for part, (c, n) in zip(self.parts, self.columns, strict=True)]
 
@@ -429,12 +427,12 @@ GROUPS = {"self_attn": (("q_proj", "k_proj", "v_proj"), "packed_qkv"),
 
 def can_pack(model: Any) -> bool:
     """Would ``pack_linears`` take this model: a supported layout (``supports``) with float32
-    or bfloat16 weights on the CPU, and our kernel built here (``kernels.load``)."""
+    or bfloat16 weights on the CPU, and our kernel built here (``accel.load_kernels``)."""
     if not supports(model):
         return False
     weights = {(p.device.type, p.dtype) for p in model.parameters()}
     return (weights <= {("cpu", torch.float32), ("cpu", torch.bfloat16)} and len(weights) == 1
-            and kernels.load())
+            and accel.load_kernels())
 
 
 @torch.no_grad()
@@ -486,11 +484,11 @@ def _keep_rows(buffer: torch.Tensor, rows: torch.Tensor, used: int | None = None
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A Llama/Qwen2 RMSNorm (x / sqrt(mean(x^2) + eps) * weight, the module's formula) as one
-    op instead of its seven: our kernel's one pass on the CPU (``kernels.rms_norm``),
+    op instead of its seven: our kernel's one pass on the CPU (``accel.rms_norm``),
     ``F.rms_norm`` elsewhere; any other norm module as itself."""
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None or x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
         return norm(x)
-    if x.device.type == "cpu" and norm.weight.dtype == torch.float32 and kernels.load():
-        return kernels.rms_norm(x, norm.weight, eps)
+    if x.device.type == "cpu" and norm.weight.dtype == torch.float32 and accel.load_kernels():
+        return accel.rms_norm(x, norm.weight, eps)
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, eps)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from agent_rl import kernels
+from agent_rl import accel
 from agent_rl.policies import decode
 from agent_rl.policies.logprobs import scaled_log_softmax, token_logprobs
 from agent_rl.policies.models import named_weights_for_push
@@ -102,10 +102,10 @@ def _sample_step(logits: torch.Tensor, sampling: Sampling,
     ``exp`` of it, top-p truncated. Row b takes the first token whose cumulative probability
     exceeds ``uniforms[b]`` times the total (inverse-CDF sampling: one uniform per row and
     step, no per-row kernel); T == 0 takes the argmax. On the CPU without top-p, our kernel
-    does the same in one pass per row (``kernels.sample``)."""
+    does the same in one pass per row (``accel.sample_tokens``)."""
     if (sampling.temperature > 0 and sampling.top_p >= 1.0 and logits.device.type == "cpu"
-            and kernels.load()):
-        return kernels.sample(logits, uniforms, sampling.temperature)
+            and accel.load_kernels()):
+        return accel.sample_tokens(logits, uniforms, sampling.temperature)
     logp = scaled_log_softmax(logits, scoring_temperature(sampling.temperature))  # [B, V]
     if sampling.temperature == 0:
         token = logits.argmax(-1)  # [B]
@@ -186,7 +186,7 @@ class HFPolicy:
         # decode steps on a preallocated KV cache (agent_rl.policies.decode) where the model allows
         self.static_cache = decode.supports(model)
         # pack_weights: the model is a frozen rollout copy (never trained through this policy);
-        # its projections and head are held in panels for our kernel (agent_rl.kernels) where
+        # its projections and head are held in panels for our kernel (agent_rl.accel) where
         # they can, float32 compute only (autocast does not reach the packed products)
         self.packed = (decode.pack_linears(self.model)
                        if pack_weights and as_dtype(compute_dtype) == torch.float32 else {})

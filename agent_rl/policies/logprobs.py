@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from agent_rl import kernels
-
 
 def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-softmax of logits / temperature over the last dim, in at least float32."""
@@ -25,13 +23,11 @@ def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor
     return F.log_softmax(logits, dim=-1)
 
 
-
 def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-prob of ``targets[n]`` under ``softmax(logits[n] / temperature)``: logits ``[N, V]``,
     targets ``[N]`` -> ``[N]``. The one rule every log-prob here is computed with."""
     logp = scaled_log_softmax(logits, temperature)  # [N, V]
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N]
-
 
 
 def picked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -40,25 +36,14 @@ def picked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
     return -(logp.exp() * logp).sum(-1)  # [N]
 
 
-
-def picked_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                                grad_into=None) -> tuple[torch.Tensor, torch.Tensor]:
+def picked_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``picked_logprobs`` and ``picked_entropy`` (without gradient) from one log-softmax:
-    ``[N]`` and ``[N]``. On the CPU in float32 or bf16, our kernel (``kernels.TokenLogprobs``:
-    the same values but for float summation order, one pass over the logits for both and one
-    back; measured ad hoc, 125 x 49152 logits forward and backward: 3-4 against 11-40 ms),
-    which writes the logits' gradient where ``grad_into(N)`` says (``kernels.TokenLogprobs``);
-    elsewhere the tensor ops."""
-    if kernels.fits_logprobs(logits):
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        return kernels.TokenLogprobs.apply(logits.contiguous(), targets.contiguous(), float(temperature),
-                                           grad_into)
+    ``[N]`` and ``[N]``. (The trainer's CPU accelerator computes the same with our kernel.)"""
     logp = scaled_log_softmax(logits, temperature)  # [N, V]
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)  # [N]
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
-
 
 
 def token_logprobs(
@@ -74,7 +59,6 @@ def token_logprobs(
     picked = picked_logprobs(logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1),
                              temperature).view(B, T - 1)  # [B, T-1]
     return F.pad(picked, (1, 0))  # [B, T]
-
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 import envs
+from agent_rl import accel
 from agent_rl.policies.hf import HFPolicy
-from agent_rl.policies.logprobs import picked_logprobs_and_entropy
 from agent_rl.policies.models import add_lora, initial_model, model_fingerprint, rollout_copy
 from agent_rl.policies.render import (
     ROW_TOKENS,
@@ -77,7 +77,7 @@ from agent_rl.training.metrics import (
 )
 from agent_rl.training.rollout import prompt_too_long, task_total
 from agent_rl.training.shared import check_data, check_resumable, device_batch, seed_everything
-from agent_rl.training.train import trained_token_logits, trainer_step
+from agent_rl.training.train import trained_logprobs, trained_token_logits
 from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
 from evals.run import run_eval, write_episodes, write_records
@@ -385,7 +385,7 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     """One optimizer step: the mean negative log-likelihood of the batch's trained tokens,
     over micro-batches each weighted by its share of them; ``backend.step`` clips the
     gradients and skips a non-finite step (counted)."""
-    from agent_rl.run.devices import autocast
+    from agent_rl.run.devices import as_dtype, autocast
 
     model = backend.module
     model.train()
@@ -393,13 +393,12 @@ def sft_update(backend: TorchBackend, batch: list[Rendered], pad_id: int, micro_
     total = sum(r.num_trained for r in batch)
     nll_sum, correct = 0.0, 0
     micro = micro_batches(pack(share_prefixes(batch), min(micro_tokens, ROW_TOKENS)), micro_tokens)
-    with trainer_step(backend, model, dtype) as head:  # the trainer's casts, forward and head
+    with accel.step(backend, model, as_dtype(dtype)) as fast:  # the trainer's CPU accelerator
         for bins in micro:
             tensors = device_batch(bins, batch, pad_id, device)
             with autocast(device, dtype):
-                logits = trained_token_logits(model, tensors, head)  # [N, V]
-            logprobs, _ = picked_logprobs_and_entropy(  # [N], as policy_update's
-                logits, tensors["target"], grad_into=None if head is None else head.grad_rows)
+                logits = trained_token_logits(model, tensors, fast)  # [N, V]
+            logprobs, _ = trained_logprobs(logits, tensors["target"], 1.0, fast)  # [N], as policy_update's
             backend.backward(-logprobs.sum() / max(total, 1))
             nll_sum += float(-logprobs.detach().sum())
             correct += int((logits.detach().argmax(-1) == tensors["target"]).sum())

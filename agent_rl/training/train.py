@@ -26,10 +26,10 @@ ZeRO-3, which partitions the trained weights, rollouts and evaluation run on a f
 takes the weights after every update (``sync_weights``).
 
 Devices and numerics: everything runs on ``model.device``; ``model.dtype: bfloat16`` keeps
-fp32 master weights and runs forward passes under bf16 autocast, each weight cast once a step
-(``step_cast_cache``). On the CPU, RMSNorms, SwiGLU's middle and the rotary embedding run as
-our kernels (``kernel_norms``, ``kernel_mlps``, ``kernel_rotary``) and attention only where the
-packed mask allows (``attention.blocked``). The trainer's log-probs of
+fp32 master weights and runs forward passes under bf16 autocast. On the CPU (one process), each
+step's passes run inside the accelerator (``agent_rl.accel``: our kernels, blocked attention,
+casts once a step, the head's gradient once a step), entered through ``accel.step`` alone and
+a no-op anywhere else. The trainer's log-probs of
 the trained tokens, before its update, are compared with the rollout's on every step
 (``rollout/logprob_diff_mean|max``); ``rollout.correction`` decides what to do about the
 difference (``grpo.behaviour_correction``).
@@ -37,16 +37,12 @@ difference (``grpo.behaviour_correction``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import hashlib
 import json
 import math
-import sys
 import time
-import types
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +54,7 @@ import torch.utils.checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import envs
-from agent_rl import kernels
-from agent_rl.attention import BLOCKED, blocked, plan_blocks
-from agent_rl.policies.decode import SILU
+from agent_rl import accel
 from agent_rl.policies.hf import HFPolicy, scoring_temperature
 from agent_rl.policies.logprobs import picked_logprobs, picked_logprobs_and_entropy
 from agent_rl.policies.models import (
@@ -84,7 +78,6 @@ from agent_rl.run.contract import EnvSection, ExperimentContract
 from agent_rl.run.devices import as_dtype, autocast, resolve_device
 from agent_rl.run.distributed import (
     Backend,
-    TorchBackend,
     adamw,
     check_world_size,
     launched_world_size,
@@ -134,22 +127,9 @@ RECOMPUTE = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=F
 # what a token keeps for backward under bf16 autocast, as a share of what it keeps in float32
 # (``recompute_layers``): the products' inputs are kept in bf16, the residual stream and the
 # norms' inputs in float32. Measured (saved-tensor bytes a token): 0.71 on SmolLM2-135M's
-# Relay-v0 step (30.4 against 42.7 KB a layer), 0.69 on the tests' tiny Llama
+# Relay-v0 step (30.4 against 42.7 KB a layer), 0.69 on the tests' tiny Llama; where the
+# CPU accelerator's kernels run, the share it reports (``accel.step``'s handle)
 HALF_ACTIVATIONS = 0.72
-# the same where the trainer's kernels run (``half_activations``): the norms write the
-# projections' bf16 input once (autocast kept a cast per projection) and blocked attention's
-# kernel its bf16 output (float32 before, and its cast). Measured: 0.53 on SmolLM2-135M's
-# Relay-v0 step (18.9 against 35.4 KB a layer)
-HALF_ACTIVATIONS_KERNELS = 0.56
-# the output head's deferred weight gradient (``HeadGrads``) is computed once this many bytes
-# of the head's output gradients are held
-HEAD_GRAD_BYTES = 256 << 20
-# ``HeadGrads``' buffers, kept from step to step per head weight: the bf16 cast, the
-# gradients' rows and their product. Fresh tensors of this size (100+ MB) come from new pages
-# every step, each page faulted in: a bf16 Relay-v0 step's gathering of the rows took ~0.14 s
-# into fresh pages, 5 ms into kept ones, its product ~0.07 s more (ad hoc). Keyed by the
-# weight's id, dropped when the weight is
-HEAD_BUFFERS: dict[int, dict[str, torch.Tensor]] = {}
 
 
 @dataclass
@@ -520,16 +500,17 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     passes = -(-len(micro) // backend.world_size)  # every rank's count, padding included
     device, dtype = next(model.parameters()).device, contract.model.dtype
     layers = len(checkpointing_layers(model))  # decoder layers, for train/recomputed_frac
-    half = half_activations(backend, model)  # what a bf16 token keeps, of a float32 one's
-    # the same gradient, fewer [V, H] temporaries, one bf16 cast of each weight a step;
-    # attention only where the packed mask allows; RMSNorms, SwiGLU and RoPE one pass each way
-    with trainer_step(backend, model, dtype) as head:  # head: its weight gradient once a step
+    # the CPU accelerator for this step's passes (agent_rl.accel; None off the CPU): passed,
+    # unopened, to the functions that score the trained tokens
+    with accel.step(backend, model, as_dtype(dtype)) as fast:
+        # what a bf16 token keeps for backward, of a float32 token's: less where its kernels run
+        half = HALF_ACTIVATIONS if fast is None or fast.half_activations is None else fast.half_activations
         for k in range(passes):
             if k >= len(mine):  # padding: a zero-weight pass, so every rank runs as many
                 batch = device_batch(micro[0], rendered, pad_id, device)
                 recompute_layers(model, batch, micro_tokens, contract.optim.activation_checkpointing, dtype, half)
                 with autocast(device, dtype):
-                    logits = trained_token_logits(model, batch)  # [N, V]
+                    logits = trained_token_logits(model, batch, fast)  # [N, V]
                 backend.backward(logits.sum() * 0.0)
                 continue
             index = mine[k]
@@ -543,13 +524,12 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
             sums["layer_tokens/recomputed"] += recomputed * batch["input_ids"].numel()
             sums["layer_tokens/computed"] += layers * batch["input_ids"].numel()
             with autocast(device, dtype):
-                logits = trained_token_logits(model, batch, head)  # [N, V]
-            logprobs, entropy = picked_logprobs_and_entropy(  # [N], [N]
-                logits, batch["target"], temperature, grad_into=None if head is None else head.grad_rows)
+                logits = trained_token_logits(model, batch, fast)  # [N, V]
+            logprobs, entropy = trained_logprobs(logits, batch["target"], temperature, fast)  # [N], [N]
             ref_logprobs = None
             if contract.loss.kl.beta > 0:
                 with torch.no_grad(), autocast(device, dtype):
-                    ref_logprobs = picked_logprobs(reference_logits(model, reference, batch),
+                    ref_logprobs = picked_logprobs(reference_logits(model, reference, batch, fast),
                                                    batch["target"], temperature)  # [N]
             first_pass = index not in prox
             if first_pass:
@@ -601,8 +581,8 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
         # rank 0 trained, so rank 0 holds its pre-update log-probs, and its value is everyone's
         started = time.perf_counter()
         index = kl_micro_batch(micro, rendered, backend.world_size)
-        with trainer_forward(backend, model):  # prox's numerics
-            kl = update_kl(model, micro[index], rendered, pad_id, temperature, prox.get(index), dtype)
+        with accel.step(backend, model, as_dtype(dtype)) as fast:  # prox's numerics
+            kl = update_kl(model, micro[index], rendered, pad_id, temperature, prox.get(index), dtype, fast)
         sums["kl/update"] = backend.all_gather_object(kl)[0]
         sums["train/kl_seconds"] = time.perf_counter() - started
     return {**dict(sums), "loss/policy": loss_sum, "tokens": total_tokens,
@@ -628,7 +608,7 @@ def sum_over_ranks(parts: list[tuple[float, dict[str, float]]]) -> tuple[float, 
 
 @torch.no_grad()
 def update_kl(model, bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,
-              temperature: float, old: torch.Tensor | None, dtype: str = "float32") -> float:
+              temperature: float, old: torch.Tensor | None, dtype: str = "float32", fast=None) -> float:
     """How far the update moved the policy on (a micro-batch of) its own batch: the k3
     estimate of KL(pi_old || pi_new) averaged over trained tokens, k3 = exp(d) - 1 - d,
     d = new - old (the tokens are the old policy's samples: ``grpo`` module docstring), where
@@ -636,17 +616,17 @@ def update_kl(model, bins: list[list[SharedRow]], rendered: list[Rendered], pad_
     batch (``prox``), not the rollout's: a rollout/trainer mismatch
     (``rollout/logprob_diff_*``) is no movement of the policy. One forward pass over one
     micro-batch (``kl_micro_batch``) keeps it cheap; its log-probs by prox's rule
-    (``picked_logprobs_and_entropy``: our kernel on the CPU, where the tensor ops' float32
-    log-softmax took ~0.13 s a Relay-v0 step). (``kl/approx`` is measured before the
+    (``trained_logprobs`` with ``fast``, the accelerator's handle: our kernel on the CPU, where
+    the tensor ops' float32 log-softmax took ~0.13 s a Relay-v0 step). (``kl/approx`` is measured before the
     step, so it is ~0 whenever the batch is fresh.) ``old`` None (a rank that did not train
     this micro-batch): the forward runs, for the collectives, and the result is NaN."""
     device = next(model.parameters()).device
     batch = device_batch(bins, rendered, pad_id, device)
     with autocast(device, dtype):
-        logits = trained_token_logits(model, batch)  # [N, V]
+        logits = trained_token_logits(model, batch, fast)  # [N, V]
     if old is None:
         return math.nan
-    new, _ = picked_logprobs_and_entropy(logits, batch["target"], temperature)  # [N], as prox's
+    new, _ = trained_logprobs(logits, batch["target"], temperature, fast)  # [N], as prox's
     return float(KL_ESTIMATORS["k3"](new - old).mean())
 
 
@@ -664,421 +644,32 @@ def kl_micro_batch(micro: list[list[list[SharedRow]]], rendered: list[Rendered],
 
 
 
-@contextlib.contextmanager
-def sparse_tied_lookup(backend: Backend, model):
-    """While inside, the input embedding's backward gives a sparse gradient when it is tied to
-    the output embedding (SmolLM2) in a world of one.
-
-    The lookup's dense gradient is a ``[V, H]`` tensor of zeros but for the looked-up rows
-    (113 MB for SmolLM2), made afresh in every micro-batch and then added to the head's
-    gradient into another fresh ``[V, H]`` tensor: two passes over fresh memory, each page a
-    fault. Sparse, its rows are added into the head's dense gradient in place by autograd
-    before the weight's gradient is accumulated: the same sum, still dense for the optimizer
-    and the clip. Untied weights (a sparse ``.grad`` would reach the optimizer), several
-    processes (DDP/ZeRO hooks) or a frozen embedding: nothing changes."""
-    lookup, head = model.get_input_embeddings(), model.get_output_embeddings()
-    applies = (backend.world_size == 1 and isinstance(backend, TorchBackend)
-               and isinstance(lookup, torch.nn.Embedding) and lookup.max_norm is None
-               and head is not None and head.weight is lookup.weight and lookup.weight.requires_grad)
-    if not applies:
-        yield
-        return
-    was = lookup.sparse
-    lookup.sparse = True
-    try:
-        yield
-    finally:
-        lookup.sparse = was
-
-
-@contextlib.contextmanager
-def trainer_step(backend: Backend, model, dtype: str):
-    """One optimizer step's micro-batches, forward and backward, inside: the tied embedding's
-    sparse gradient (``sparse_tied_lookup``), each weight cast once a step (``step_cast_cache``,
-    ``linear_casts``), the trainer's forward (``trainer_forward``). Yields the step's
-    ``HeadGrads`` (None where it does not apply), for ``trained_token_logits``; its product is
-    added into the head's gradient on the way out, before the optimizer step.
-    ``policy_update`` and ``sft.sft_update`` run their micro-batches inside it."""
-    head = HeadGrads.of(backend, model, dtype)
-    with (sparse_tied_lookup(backend, model), step_cast_cache(backend, dtype),
-          trainer_forward(backend, model), linear_casts(backend, model, dtype)):
-        yield head
-    if head is not None:
-        head.flush()
-
-
-@contextlib.contextmanager
-def step_cast_cache(backend: Backend, dtype: str):
-    """While inside, bf16 autocast keeps its cast of each trainable fp32 weight from the first
-    forward pass on, for every micro-batch of the step and the layers recomputed in backward,
-    instead of casting it again in each (autocast drops its cache when the outermost autocast
-    context exits: a nesting level held open here keeps it, autocast itself stays off between
-    the forward passes, so backward runs as before). The weights do not change until the
-    optimizer step, which comes after; the cache is dropped on the way out. The same casts,
-    so the same gradients (a cached cast passes its gradient back through the same node in
-    every backward). Measured on SmolLM2's Relay step (profile, bf16): the [V, H] head's cast
-    alone took 32 ms a micro-batch. float32, or several processes (ZeRO gathers and releases
-    parameters between passes): nothing changes."""
-    if as_dtype(dtype) == torch.float32 or not isinstance(backend, TorchBackend):
-        yield
-        return
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-
-
-@contextlib.contextmanager
-def linear_casts(backend: Backend, model, dtype: str):
-    """While inside, under bf16 the trainable float32 weight of each ``nn.Linear`` (but the
-    output head: ``HeadGrads``) is cast once a step (``StepCast``), and each backward adds its
-    bf16 gradient straight into the weight's float32 ``.grad`` (one pass) instead of casting
-    it to a float32 temporary and adding that. The same sums in the same order: the same
-    gradient, to the bit (tested). Measured (profile, SmolLM2's bf16 Relay-v0 step, 11
-    micro-batches): the casts back took 0.39 s. Only in one process (``TorchBackend``, world
-    of one: no hook waits for a gradient) and for modules whose forward nothing else wrapped;
-    float32: nothing changes."""
-    head = model.get_output_embeddings()
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
-               and m.weight.requires_grad and m.weight.dtype == torch.float32
-               and "forward" not in vars(m)]
-    if (as_dtype(dtype) == torch.float32 or not isinstance(backend, TorchBackend)
-            or backend.world_size != 1 or not linears):
-        yield
-        return
-    try:
-        with instance_forwards(linears, _cast_once_forward):
-            yield
-    finally:
-        for m in linears:
-            m.__dict__.pop("_step_cast", None)
-
-
-def _cast_once_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear_casts``' forward: under autocast, with gradients, the step's one cast of the
-    weight; otherwise the module's own forward."""
-    dtype = torch.get_autocast_dtype(x.device.type)
-    if not torch.is_autocast_enabled(x.device.type) or dtype == torch.float32 or not torch.is_grad_enabled():
-        return type(linear).forward(linear, x)
-    cast = linear.__dict__.get("_step_cast")
-    if cast is None or cast.dtype != dtype:
-        cast = linear.__dict__["_step_cast"] = StepCast.apply(linear.weight, dtype)
-    return torch.nn.functional.linear(x, cast, linear.bias)
-
-
-class StepCast(torch.autograd.Function):
-    """``weight.to(dtype)`` whose backward adds the gradient into ``weight.grad`` in place
-    (float32 += bf16, one pass) and passes nothing on (``linear_casts``)."""
-
-    @staticmethod
-    def forward(ctx, weight, dtype):
-        ctx.weight = weight
-        return weight.detach().to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        weight = ctx.weight
-        if weight.grad is None:
-            weight.grad = grad.to(weight.dtype)
-        else:
-            kernels.add_into(weight.grad, grad)
-        return None, None
-
-
-@contextlib.contextmanager
-def trainer_forward(backend: Backend, model):
-    """The trainer's forward pass: attention only where the packed mask allows
-    (``attention.blocked``), RMSNorms, SwiGLU's middle and the rotary embedding as our kernels
-    on the CPU. ``policy_update``'s passes and ``update_kl``'s run alike inside it."""
-    with blocked(model), kernel_norms(backend, model), kernel_mlps(backend, model), kernel_rotary(backend, model):
-        yield
-
-
-@contextlib.contextmanager
-def kernel_norms(backend: Backend, model):
-    """While inside, the Llama-style RMSNorms of ``model`` (a ``variance_epsilon`` and a
-    ``[H]`` weight: Llama, Qwen2 and their kin; ``decode`` runs the same ones as its kernel)
-    compute float32 rows on the CPU as our kernel, forward and backward one pass each
-    (``kernels.RMSNorm``; ~0.6 against ~3.1 ms for 1000 x 576 rows, forward + backward); any
-    other input (bf16 rows, another device) goes through the module's own forward. The same
-    values but for float summation order (tested). Under bf16 autocast the result is bf16,
-    rounded once: the value autocast's cast before each projection would give, written and
-    kept once instead of once per projection (q, k and v: three casts, three bf16 copies kept);
-    the projections' input gradients then add up in bf16, as the model's own bf16 tensors'
-    would, where autocast's casts added them in float32. Not on another device, without the
-    kernel, or under another backend than ``TorchBackend`` (DeepSpeed's ZeRO-3 manages the
-    weights inside forward): nothing changes. A norm whose forward something else already
-    wrapped (accelerate's hooks set their own on the instance) keeps it."""
-    norms = [m for m in model.modules() if getattr(m, "variance_epsilon", None) is not None
-             and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.dim() == 1
-             and m.weight.device.type == "cpu" and "forward" not in vars(m)]
-    if not norms or not isinstance(backend, TorchBackend) or not kernels.load():
-        yield
-        return
-    with instance_forwards(norms, _kernel_norm_forward):
-        yield
-
-
-@contextlib.contextmanager
-def kernel_mlps(backend: Backend, model):
-    """While inside, the SwiGLU MLPs of ``model`` (``down(silu(gate(x)) * up(x))``: Llama,
-    Qwen2 and their kin) run their middle as our kernel, forward and backward one pass each
-    (``kernels.SiluMul``: float32 or bf16 rows on the CPU; anything else as the module's
-    act_fn and product). The same values to float rounding (float32; bf16: rounded once
-    instead of twice). Measured (profile, SmolLM2's bf16 Relay-v0 step): silu, its backward
-    and their products took ~0.35 s. Without the kernel, or under another backend than
-    ``TorchBackend``: nothing changes; a module whose forward something else wrapped keeps it."""
-    mlps = [m for m in model.modules() if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and type(getattr(m, "act_fn", None)).__name__ in SILU and "forward" not in vars(m)]
-    if not mlps or not isinstance(backend, TorchBackend) or not kernels.load():
-        yield
-        return
-    with instance_forwards(mlps, _kernel_mlp_forward):
-        yield
-
-
-def _kernel_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``kernel_mlps``' forward of one MLP: its projections, the middle as our kernel where it
-    fits."""
-    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-    if not kernels.fits_silu_mul(gate, up):
-        return mlp.down_proj(mlp.act_fn(gate) * up)
-    middle = kernels.SiluMul.apply(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]))
-    return mlp.down_proj(middle.view(gate.shape))
-
-
-@contextlib.contextmanager
-def kernel_rotary(backend: Backend, model):
-    """While inside, the rotary embedding of ``model``'s attention (the ``apply_rotary_pos_emb``
-    of the modules that define its attention classes: Llama, Qwen2 and their kin) runs as our
-    kernel where it fits (``kernels.Rotary``: q and k ``[R, H, T, D]``, float32 angles), one
-    pass each way; anything else goes to the model's own function. Under bf16 autocast, where
-    blocked attention's kernel takes q and k (``kernels.fits_chunks``; it would round them to
-    bf16 itself), they come out in bf16, rounded once as that cast would; otherwise in the
-    dtype the tensor ops give. The same values to float rounding (tested). Measured ad hoc
-    (956 positions x 9 heads, forward and backward): 0.33 against 1.17 ms. Without the kernel,
-    or under another backend than ``TorchBackend``: nothing changes."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules()
-               if hasattr(m, "q_proj") and hasattr(m, "k_proj")}
-    modules = [mod for mod in modules if callable(getattr(mod, "apply_rotary_pos_emb", None))]
-    if not modules or not isinstance(backend, TorchBackend) or not kernels.load():
-        yield
-        return
-    originals = {mod: mod.apply_rotary_pos_emb for mod in modules}
-    for mod, original in originals.items():
-        mod.apply_rotary_pos_emb = functools.partial(_kernel_rotary, original)
-    try:
-        yield
-    finally:
-        for mod, original in originals.items():
-            mod.apply_rotary_pos_emb = original
-
-
-def _kernel_rotary(original, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernel_rotary``'s ``apply_rotary_pos_emb``: q and k through our kernel where it fits,
-    else ``original``."""
-    if (args or kwargs.get("unsqueeze_dim", 1) != 1 or set(kwargs) - {"unsqueeze_dim"}
-            or sin.dtype != cos.dtype or sin.shape != cos.shape
-            or not kernels.fits_rotary(q, cos) or not kernels.fits_rotary(k, cos)):
-        return original(q, k, cos, sin, *args, **kwargs)
-    dtype = torch.promote_types(q.dtype, cos.dtype)
-    if (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-            and kernels.fits_chunks(q.shape[-1])):
-        dtype = torch.bfloat16
-    cos, sin = cos.contiguous(), sin.contiguous()
-    return kernels.Rotary.apply(q, cos, sin, dtype), kernels.Rotary.apply(k, cos, sin, dtype)
-
-
-@contextlib.contextmanager
-def instance_forwards(modules: list[torch.nn.Module], forward):
-    """While inside, each of ``modules`` runs ``forward(module, *args)`` instead of its
-    class's forward; afterwards they are as they were."""
-    for m in modules:
-        m.forward = types.MethodType(forward, m)
-    try:
-        yield
-    finally:
-        for m in modules:
-            del m.forward
-
-
-def _kernel_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``kernel_norms``' forward of one norm module: float32 rows and weight as our kernel
-    (its result in bf16 under bf16 autocast: what the projections after it read), anything
-    else as the module's own forward."""
-    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        half = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        return kernels.RMSNorm.apply(x, norm.weight, norm.variance_epsilon,
-                                     torch.bfloat16 if half else torch.float32)
-    return type(norm).forward(norm, x)
-
-
-def trained_token_logits(model, batch: dict[str, torch.Tensor], head: HeadGrads | None = None) -> torch.Tensor:
+def trained_token_logits(model, batch: dict[str, torch.Tensor], fast=None) -> torch.Tensor:
     """The logits that predict every trained token of a shared batch: ``[N, V]``. The decoder
     runs over the rows; the vocabulary projection only at the predicting positions (the same
     hidden states and head as the model's own forward, whatever the transformers version).
-    Inside ``attention.blocked(model)`` attention runs only where the mask allows. With
-    ``head`` the projection's weight gradient is deferred to ``head.flush()``."""
+    ``fast``: what ``accel.step`` yielded (None: the plain forward); its hooks add the decoder's
+    keywords (blocked attention's plan) and project the head (its weight gradient deferred)."""
     R, T = batch["input_ids"].shape
     flat = batch["row"] * T + batch["predictor"]  # [N]
-    blocks = ({"attention_blocks": plan_blocks(batch["attention_mask"])}
-              if getattr(model.config, "_attn_implementation", None) == BLOCKED else {})
+    extra = {} if fast is None else fast.decoder_kwargs(model, batch)
     hidden = model.get_decoder()(input_ids=batch["input_ids"],
                                  attention_mask=batch["attention_mask"],
                                  position_ids=batch["position_ids"],
-                                 use_cache=False, **blocks).last_hidden_state  # [R, T, H]
+                                 use_cache=False, **extra).last_hidden_state  # [R, T, H]
     picked = hidden.reshape(R * T, -1)[flat]  # [N, H]
-    if head is not None:
-        return DeferredHead.apply(picked, head.weight, head)  # [N, V]
+    if fast is not None:
+        return fast.head_logits(model, picked)  # [N, V]
     return model.get_output_embeddings()(picked)  # [N, V]
 
 
-class HeadGrads:
-    """The output head's weight gradient of one optimizer step, computed once instead of once
-    per micro-batch. Each micro-batch's backward (``DeferredHead``) keeps its ``[N, V]``
-    gradient of the logits and the ``[N, H]`` hidden states it multiplied; ``flush()`` (before
-    the optimizer step; also whenever ``HEAD_GRAD_BYTES`` are held) adds their product, one
-    ``[V, N_total] x [N_total, H]`` product, into the weight's gradient. The same sum: under
-    bf16 autocast the per-micro-batch ``[V, H]`` bf16 products were each cast to float32 and
-    added into the gradient, ~160 MB written and read twice per micro-batch for SmolLM2's tied
-    head; deferred, the product is rounded to bf16 once. Measured (ad hoc, SmolLM2's head, 9
-    micro-batches of 125 trained tokens, bf16): 0.28 against 0.65 s a step. The weight's
-    gradient is made dense (zeros) first, so that a tied embedding's sparse rows
-    (``sparse_tied_lookup``) are added into it. ``of`` says where it applies: one process
-    (``TorchBackend``, world of one: no hook waits for the gradient), a trainable bias-free
-    ``nn.Linear`` head; elsewhere None and the head runs as before. Its tensors of the head's
-    size live on from step to step (``HEAD_BUFFERS``), for their memory between steps
-    (SmolLM2, bf16: ~230 MB): their pages are not faulted in again every step (whole bf16
-    Relay-v0 steps 6.35 against 6.44 s, alternated)."""
-
-    def __init__(self, weight: torch.nn.Parameter, dtype: torch.dtype):
-        self.weight = weight
-        self.dtype = dtype  # the products' dtype: bf16 under autocast
-        # [V, H] once a step: the weights hold still until it ends
-        self.cast = (weight.detach() if dtype == weight.dtype
-                     else self.buffer("cast", weight.shape[0]).copy_(weight.detach()))
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([N, V], [N, H]) per backward
-        self.held = 0  # bytes of the parts
-        self.placed = 0  # the leading parts written in place into the kept "rows" buffer (``grad_rows``)
-        self.placed_rows = 0  # and their rows
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-
-    @classmethod
-    def of(cls, backend: Backend, model, dtype: str) -> HeadGrads | None:
-        head = model.get_output_embeddings()
-        if (not isinstance(backend, TorchBackend) or backend.world_size != 1
-                or not isinstance(head, torch.nn.Linear) or head.bias is not None
-                or not head.weight.requires_grad or "forward" in vars(head)):
-            return None
-        return cls(head.weight, as_dtype(dtype))
-
-    def add(self, grad: torch.Tensor, hidden: torch.Tensor) -> None:
-        """One backward's ``[N, V]`` logits gradient and ``[N, H]`` hidden states."""
-        there = self.grad_rows(grad.shape[0])
-        if there is not None and grad.is_contiguous() and grad.dtype == there.dtype and grad.data_ptr() == there.data_ptr():
-            self.placed, self.placed_rows = self.placed + 1, self.placed_rows + grad.shape[0]  # written in place
-        self.parts.append((grad, hidden))
-        self.held += grad.numel() * grad.element_size()
-        if self.held >= HEAD_GRAD_BYTES:
-            self.flush()
-
-    def grad_rows(self, rows: int) -> torch.Tensor | None:
-        """Where the next backward may write its ``[rows, V]`` logits gradient
-        (``kernels.TokenLogprobs``' ``grad_into``): the kept "rows" buffer's rows after those
-        held, while every part held lies there in order and it has room (it grows to a step's
-        rows at ``flush``); else None, a new tensor. In place, ``flush`` multiplies them where
-        they lie, where a new ``[N, V]`` tensor a micro-batch had its pages faulted in on the
-        first write (profile, SmolLM2's bf16 Relay-v0 step: the kernel's backward took
-        ~25 ms for 180 rows into new memory, ~1 ms into kept) and ``flush`` copied them all
-        into the buffer. Whole bf16 steps alternated (8 each): 6.80 against 7.17 s, medians."""
-        return self._next_rows(rows) if self.placed == len(self.parts) else None
-
-    def _next_rows(self, rows: int) -> torch.Tensor | None:
-        kept = self._kept("rows", self.placed_rows + rows, self.weight.shape[0])
-        return None if kept is None else kept[self.placed_rows:self.placed_rows + rows]
-
-    def flush(self) -> None:
-        """Add the held parts' product into the weight's gradient."""
-        if not self.parts:
-            return
-        grads, hidden = zip(*self.parts, strict=True)
-        placed, start = self.placed, self.placed_rows
-        self.parts, self.held, self.placed, self.placed_rows = [], 0, 0, 0
-        n = sum(g.shape[0] for g in grads)
-        rows = self._kept("rows", n, grads[0].shape[1])
-        if rows is None:  # a new, larger tensor where n rows don't fit: nothing lies in it yet
-            rows, placed, start = self.buffer("rows", n, grads[0].shape[1]), 0, 0
-        with torch.no_grad():
-            if placed < len(grads):  # the rest after those in place
-                torch.cat(grads[placed:], out=rows[start:n])
-            product = torch.mm(rows[:n].t(), torch.cat(hidden), out=self.buffer("product", self.weight.shape[0]))
-            kernels.add_into(self.weight.grad, product)  # [V, H]
-
-    def logits(self, rows: int) -> torch.Tensor:
-        """Where a forward's ``[rows, V]`` logits go: one of two kept buffers that nothing else
-        holds (a micro-batch's logits are done with once its backward ran, but a caller's
-        variable may hold them until the next micro-batch's come back), else a new tensor.
-        Written into fresh pages, the head's forward product ran at ~320 GFLOP/s in a bf16
-        Relay-v0 step (profile, SmolLM2: [~125, 576] x [576, 49152]), into kept ones at ~760."""
-        for name in ("logits", "logits 2"):
-            buf = self.buffer(name, rows, self.weight.shape[0])
-            if not _held_elsewhere(buf):
-                return buf[:rows]
-        return torch.empty(rows, self.weight.shape[0], dtype=self.dtype, device=self.weight.device)
-
-    def buffer(self, name: str, rows: int, cols: int | None = None) -> torch.Tensor:
-        """The kept buffer ``name`` (``HEAD_BUFFERS``) in ``self.dtype``: at least ``rows`` x
-        ``cols`` (the head's width by default), grown when a step needs more rows."""
-        cols = self.weight.shape[1] if cols is None else cols
-        buf = self._kept(name, rows, cols)
-        if buf is None:
-            kept = HEAD_BUFFERS.get(id(self.weight))
-            if kept is None:
-                kept = HEAD_BUFFERS[id(self.weight)] = {}
-                weakref.finalize(self.weight, HEAD_BUFFERS.pop, id(self.weight), None)
-            buf = kept[name] = torch.empty(rows, cols, dtype=self.dtype, device=self.weight.device)
-        return buf
-
-    def _kept(self, name: str, rows: int, cols: int) -> torch.Tensor | None:
-        """The kept buffer ``name`` where it holds ``rows`` x ``cols`` in ``self.dtype``, else None."""
-        buf = HEAD_BUFFERS.get(id(self.weight), {}).get(name)
-        fits = buf is not None and buf.dtype == self.dtype and buf.shape[0] >= rows and buf.shape[1] == cols
-        return buf if fits else None
-
-
-def _held_elsewhere(buf: torch.Tensor) -> bool:
-    """Does any tensor but ``buf`` itself (a view of it, one autograd saved) use its memory?
-    True where torch cannot say."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return True
-    storage = buf.untyped_storage()  # a reference of its own while it lives
-    return use_count(storage._cdata) > 2
-
-
-class DeferredHead(torch.autograd.Function):
-    """``hidden [N, H] @ weight^T`` in ``head.dtype`` (``HeadGrads``): the gradient of
-    ``hidden`` at once, the weight's left to ``head`` (``apply(hidden, weight, head)``)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, head):
-        x = hidden.detach().to(head.dtype)  # [N, H]
-        ctx.save_for_backward(x)
-        ctx.head, ctx.hidden_dtype = head, hidden.dtype
-        with torch.autocast(hidden.device.type, enabled=False):
-            return torch.mm(x, head.cast.t(), out=head.logits(x.shape[0]))  # [N, V]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        head = ctx.head
-        grad = grad.to(head.dtype)  # [N, V]
-        head.add(grad, x)
-        return (grad @ head.cast).to(ctx.hidden_dtype), None, None
+def trained_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     fast=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``policies.logprobs.picked_logprobs_and_entropy`` of the trained tokens' logits ``[N, V]``: ``[N]``
+    log-probs and ``[N]`` entropies (without gradient); through ``fast`` (what ``accel.step``
+    yielded) where its kernel takes them, the same values but for float summation order."""
+    scored = None if fast is None else fast.token_logprobs(logits, targets, temperature)
+    return scored if scored is not None else picked_logprobs_and_entropy(logits, targets, temperature)
 
 
 def recompute_layers(model, batch: dict[str, torch.Tensor], micro_tokens: int,
@@ -1089,7 +680,8 @@ def recompute_layers(model, batch: dict[str, torch.Tensor], micro_tokens: int,
     the activations kept are those of ``micro_tokens`` tokens in float32: for a micro-batch of
     T > B tokens (padding included), ceil(L (1 - B / T)) of its L layers, where B is
     ``micro_tokens`` in float32 and ``micro_tokens / half`` under half-precision autocast
-    (``dtype``), whose tokens keep less (``half_activations``). Returns how many."""
+    (``dtype``), whose tokens keep less (``half``: ``HALF_ACTIVATIONS``, or the share the CPU
+    accelerator's handle reports where its kernels run). Returns how many."""
     layers = checkpointing_layers(model)
     tokens = batch["input_ids"].numel()
     budget = micro_tokens if as_dtype(dtype) == torch.float32 else micro_tokens / half
@@ -1098,19 +690,6 @@ def recompute_layers(model, batch: dict[str, torch.Tensor], micro_tokens: int,
         layer._gradient_checkpointing_func = RECOMPUTE
         layer.gradient_checkpointing = i < count
     return count
-
-
-def half_activations(backend: Backend, model) -> float:
-    """What a token keeps for backward under bf16 autocast, as a share of a float32 token's:
-    ``HALF_ACTIVATIONS_KERNELS`` where ``trainer_forward``'s kernels run (one process,
-    ``TorchBackend``, on the CPU, blocked attention's bf16 kernel taking the model's heads),
-    else ``HALF_ACTIVATIONS``."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    fits = (isinstance(backend, TorchBackend) and next(model.parameters()).device.type == "cpu"
-            and getattr(config, "_attn_implementation", None) in (BLOCKED, "sdpa")
-            and kernels.fits_chunks(head_dim))
-    return HALF_ACTIVATIONS_KERNELS if fits else HALF_ACTIVATIONS
 
 
 def checkpointing_layers(model) -> list[GradientCheckpointingLayer]:
@@ -1256,12 +835,12 @@ def load_reference(contract: ExperimentContract, model, device: torch.device):
     return reference
 
 
-def reference_logits(model, reference, batch) -> torch.Tensor:
+def reference_logits(model, reference, batch, fast=None) -> torch.Tensor:
     """The fixed reference's logits at the trained tokens of a shared batch: ``[N, V]``."""
     if reference == "adapter-disabled":
         with model.disable_adapter():
-            return trained_token_logits(model, batch)
-    return trained_token_logits(reference, batch)
+            return trained_token_logits(model, batch, fast)
+    return trained_token_logits(reference, batch, fast)
 
 
 

@@ -1,4 +1,4 @@
-"""agent_rl.attention: chunk plans by hand, blocked attention equal to SDPA (values and
+"""agent_rl.accel.attention: chunk plans by hand, blocked attention equal to SDPA (values and
 gradients), and the switch the trainer uses."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent_rl import attention
-from agent_rl.attention import BLOCKED, blocked, blocked_attention_forward, plan_blocks
+from agent_rl.accel import attention, trainer
+from agent_rl.accel.attention import BLOCKED, blocked, blocked_attention_forward, plan_blocks
 from agent_rl.policies.models import tiny_model
 from agent_rl.policies.render import packed_attention_mask
+from agent_rl.run.distributed import TorchBackend
 from agent_rl.training import train
 
 
@@ -143,9 +144,9 @@ def test_half_precision_chunks_run_in_float32_and_return_the_sdpa_dtype(autocast
 
 
 def test_the_trainer_forward_runs_blocked_chunks_with_the_same_logits_and_gradients(monkeypatch):
-    """trained_token_logits inside blocked(model): SDPA is called on chunks (queries shorter
-    than the row), the logits and every gradient equal the dense forward's; outside, the
-    model is SDPA again."""
+    """trained_token_logits inside blocked(model), with the accelerator's handle (which plans
+    the blocks): SDPA is called on chunks (queries shorter than the row), the logits and every
+    gradient equal the dense forward's; outside, the model is SDPA again."""
     model, _ = tiny_model(0)
     assert model.config._attn_implementation == "sdpa"
     gen = torch.Generator().manual_seed(1)
@@ -164,12 +165,14 @@ def test_the_trainer_forward_runs_blocked_chunks_with_the_same_logits_and_gradie
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     # a row this short is one chunk at the default call cost: chunk it at every segment
-    monkeypatch.setattr(train, "plan_blocks", functools.partial(plan_blocks, call_pairs=0))
+    monkeypatch.setattr(trainer, "plan_blocks", functools.partial(plan_blocks, call_pairs=0))
 
-    def run():
+    def run(fast=None):
         model.zero_grad()
-        logits = train.trained_token_logits(model, batch)  # [5, V]
+        logits = train.trained_token_logits(model, batch, fast)  # [5, V]
         logits.logsumexp(-1).sum().backward()
+        if fast is not None:
+            fast.flush()  # the head's deferred weight gradient
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     dense_logits, dense_grads = run()
@@ -177,7 +180,8 @@ def test_the_trainer_forward_runs_blocked_chunks_with_the_same_logits_and_gradie
     queries.clear()
     with blocked(model) as on:
         assert on and model.config._attn_implementation == BLOCKED
-        logits, grads = run()
+        backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        logits, grads = run(trainer.Step(backend, model, torch.float32))
     assert model.config._attn_implementation == "sdpa"
     assert queries and max(queries) < 24 and len(queries) % model.config.num_hidden_layers == 0
     torch.testing.assert_close(logits, dense_logits, rtol=1e-5, atol=1e-5)
@@ -228,7 +232,7 @@ def test_bf16_chunks_run_in_our_kernel_where_it_fits(autocast, monkeypatch):
     """Heads of 32 in bf16 (or under bf16 autocast) on this CPU (AVX-512 BF16): one kernel
     call (``kernels.ChunkAttention``), values and gradients as float32 SDPA's within bf16
     rounding; where the kernel does not fit, the float32 chunks as before."""
-    from agent_rl import kernels
+    from agent_rl.accel import kernels
 
     if not kernels.fits_chunks(32):
         pytest.skip("this CPU has no AVX-512 BF16: the float32 chunks run (tested above)")

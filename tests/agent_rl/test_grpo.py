@@ -329,18 +329,12 @@ def test_token_entropy_alignment():
     assert close(token_entropy(_logits()), expected)
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_picked_logprobs_and_entropy_by_hand(monkeypatch, kernel):
+def test_picked_logprobs_and_entropy_by_hand():
     """logits [0, ln 3] -> probabilities [1/4, 3/4]: target 1 has ln 0.75 = -0.2877, the
     entropy is -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623; at temperature 2 the logits halve,
-    [0, ln sqrt 3] -> [0.3660, 0.6340]. The same numbers as picked_logprobs (the tensor ops:
-    the same to the bit; our kernel: to float rounding), and the entropy carries no
-    gradient; a temperature of 0 is refused either way."""
-    from agent_rl import kernels
-
-    assert kernels.fits_logprobs(torch.zeros(2, 2)), "the kernel must build on this machine"
-    if not kernel:
-        monkeypatch.setattr(kernels, "fits_logprobs", lambda logits: False)
+    [0, ln sqrt 3] -> [0.3660, 0.6340]. The same numbers as picked_logprobs to the bit, and the
+    entropy carries no gradient; a temperature of 0 is refused. (Our kernel's version, the
+    CPU accelerator's: tests/agent_rl/test_kernels.py.)"""
     logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]], requires_grad=True)
     targets = torch.tensor([1, 0])
     logp, entropy = picked_logprobs_and_entropy(logits, targets)
@@ -351,10 +345,7 @@ def test_picked_logprobs_and_entropy_by_hand(monkeypatch, kernel):
     logp2, entropy2 = picked_logprobs_and_entropy(logits, targets, temperature=2.0)
     assert close(logp2, [math.log(1 - p), math.log(p)])
     assert close(entropy2, [-(p * math.log(p) + (1 - p) * math.log(1 - p))] * 2)
-    if kernel:
-        torch.testing.assert_close(logp2, picked_logprobs(logits, targets, 2.0), rtol=0, atol=1e-6)
-    else:
-        assert torch.equal(logp2, picked_logprobs(logits, targets, 2.0))
+    assert torch.equal(logp2, picked_logprobs(logits, targets, 2.0))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         picked_logprobs_and_entropy(logits, targets, temperature=0.0)
 

@@ -1,4 +1,4 @@
-"""agent_rl.kernels: the CPU kernels (built here: this machine has a compiler). blocked_linear
+"""agent_rl.accel.kernels: the CPU kernels (built here: this machine has a compiler). blocked_linear
 against hand-computed products and F.linear, its panel layout, and decode.PackedGroup;
 rms_norm (and its training form, RMSNorm) and sample against hand-computed numbers and the
 tensor ops they replace."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent_rl import kernels
+from agent_rl.accel import kernels
 from agent_rl.policies import decode
 
 
@@ -540,7 +540,7 @@ def test_chunk_attention_matches_float32_sdpa(d):
     """Two rows of shared prompts and samples (render's layout), 6 query heads on 2 kv heads,
     the plan's chunks: values, lse and gradients as float32 SDPA on the same bf16 inputs,
     within bf16's rounding of the probabilities (and their gradients): ~2^-9 relative."""
-    from agent_rl.attention import plan_blocks
+    from agent_rl.accel.attention import plan_blocks
     from agent_rl.policies.render import packed_attention_mask
 
     gen = torch.Generator().manual_seed(0)
@@ -656,6 +656,35 @@ def test_token_logprobs_by_hand(dtype):
         want = torch.tensor([[-p_zero] * 18 + [0.0, 1 - p_one], [1 - p_zero] + [-p_zero] * 17 + [0.0, -p_one]]) / t
         tol = 1e-6 if dtype == torch.float32 else 4e-3  # bf16's rounding of the gradient
         torch.testing.assert_close(grad.float(), want, rtol=0, atol=tol)
+
+
+def test_the_trainers_token_logprobs_by_hand():
+    """accel.trainer.token_logprobs (what the accelerator's handle scores trained tokens with):
+    logits [0, ln 3] -> probabilities [1/4, 3/4]: target 1 has ln 0.75 = -0.2877, the entropy
+    is -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623; at temperature 2 the logits halve, [0, ln
+    sqrt 3] -> [0.3660, 0.6340]. logprobs.picked_logprobs_and_entropy's numbers to float rounding,
+    the entropy carries no gradient, and a temperature of 0 is refused."""
+    from agent_rl.accel.trainer import token_logprobs
+    from agent_rl.policies.logprobs import picked_logprobs, picked_logprobs_and_entropy
+
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]], requires_grad=True)
+    targets = torch.tensor([1, 0])
+    logp, entropy = token_logprobs(logits, targets)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(logp, torch.tensor([math.log(0.75), math.log(0.25)]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, torch.tensor([h, h]), rtol=0, atol=1e-6)
+    assert logp.requires_grad and not entropy.requires_grad
+    assert "TokenLogprobs" in logp.grad_fn.name()  # our kernel, not the tensor ops
+    p = 1 / (1 + math.sqrt(3.0))  # softmax([0, ln sqrt 3])[0]
+    logp2, entropy2 = token_logprobs(logits, targets, temperature=2.0)
+    h2 = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    torch.testing.assert_close(logp2, torch.tensor([math.log(1 - p), math.log(p)]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy2, torch.tensor([h2, h2]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logp2, picked_logprobs(logits, targets, 2.0), rtol=0, atol=1e-6)
+    theirs = picked_logprobs_and_entropy(logits, targets, 2.0)
+    torch.testing.assert_close(entropy2, theirs[1], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        token_logprobs(logits, targets, temperature=0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

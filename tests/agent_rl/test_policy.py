@@ -400,7 +400,7 @@ def tiny_qwen2(seed=0):
 
 def tiny_llama_d64(seed=0, bias=3.0):
     """A random 2-layer Llama shaped like SmolLM2's attention (heads of 64, 3 query heads per
-    KV head: what ``kernels.decode_attention`` takes), biased toward <|im_end|> (greedy, 2.0
+    KV head: what ``accel.decode_attention`` takes), biased toward <|im_end|> (greedy, 2.0
     ends rows after 2 and 7 tokens; sampled, 3.0 ends some before 12)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -434,15 +434,15 @@ def test_static_cache_decoding_equals_the_models_own_forward(kind, temperature, 
     of four sharing a prompt and one row each, with the prompts' keys and values held once
     per prompt (share) or per row, rows ending at different steps (a biased end-of-turn
     token) and leaving the batch: the same tokens, log-probs within 1e-5. Heads of 64
-    (llama-d64) attend through our kernel (``kernels.decode_attention``), heads of 16 through
+    (llama-d64) attend through our kernel (``accel.decode_attention``), heads of 16 through
     tensor ops."""
-    from agent_rl import kernels
+    from agent_rl import accel
     from agent_rl.policies import decode
 
     monkeypatch.setattr(decode, "SHARED_MIN_BYTES", 0 if share else 1 << 60)
     calls = []
-    fused = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(1) or fused(*a))
+    fused = accel.decode_attention
+    monkeypatch.setattr(accel, "decode_attention", lambda *a: calls.append(1) or fused(*a))
     model, tok = {"llama": lambda: stop_biased(bias=3.0), "qwen2": tiny_qwen2,
                   "llama-d64": lambda: tiny_llama_d64(bias=2.0 if temperature == 0 else 3.0)}[kind]()
     policy = HFPolicy(model, tok)
@@ -531,7 +531,7 @@ def test_a_packed_smollm2_shaped_copy_decodes_through_our_kernels(monkeypatch):
     embedding with the cache write, the attention, the MLP's silu(gate) * up) and samples
     the tokens of transformers' own forward and cache, log-probs within 1e-4, with prompts
     held once per group and per row."""
-    from agent_rl import kernels
+    from agent_rl import accel
     from agent_rl.policies import decode
     from agent_rl.policies.models import rollout_copy
 
@@ -545,7 +545,7 @@ def test_a_packed_smollm2_shaped_copy_decodes_through_our_kernels(monkeypatch):
         return counted
 
     for name in ("rotary_write", "decode_attention", "silu_mul"):
-        monkeypatch.setattr(kernels, name, counting(name, getattr(kernels, name)))
+        monkeypatch.setattr(accel, name, counting(name, getattr(accel, name)))
     model, tok = tiny_llama_d64(bias=3.0)
     packed = HFPolicy(rollout_copy(model), tok, pack_weights=True)
     reference = HFPolicy(model, tok)
@@ -604,9 +604,9 @@ def test_prefill_equals_each_prompts_forward(kind, monkeypatch):
     """decode.prefill: the logits after each prompt's last token and its keys and values are
     those of the model's forward over that prompt alone (float summation order: 1e-5), for
     prompts sharing prefixes, one a prefix of another and one sharing nothing, whether they
-    share one tree or a row each. SDPA models attend through agent_rl.attention's blocks
+    share one tree or a row each. SDPA models attend through agent_rl.accel's blocked attention
     (``llama-chunked``: a chunk at every branch and every 4 nodes, no merging)."""
-    from agent_rl.attention import plan_blocks
+    from agent_rl.accel import plan_blocks
 
     model, tok = tiny_qwen2() if kind == "qwen2" else tiny_model(seed=0)
     if kind == "llama-eager":

@@ -80,12 +80,12 @@ def test_sft_update_is_the_mean_nll_of_the_trained_tokens():
     assert m["tokens"] == count
     assert m["loss/sft"] == pytest.approx(nll / count, rel=1e-5)
     # bf16 autocast: the same loss to bf16's rounding; from the second step on, the logits'
-    # gradients go straight into the head's kept rows (train.HeadGrads.grad_rows)
-    from agent_rl.training import train
+    # gradients go straight into the head's kept rows (accel's HeadGrads.grad_rows)
+    from agent_rl.accel import head as accel_head
 
-    placed, flush = [], train.HeadGrads.flush
+    placed, flush = [], accel_head.HeadGrads.flush
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train.HeadGrads, "flush", lambda self: placed.append((self.placed, len(self.parts))) or flush(self))
+        mp.setattr(accel_head.HeadGrads, "flush", lambda self: placed.append((self.placed, len(self.parts))) or flush(self))
         for _ in range(2):
             m = sft.sft_update(backend, batch, 0, 700, torch.device("cpu"), "bfloat16")
             assert m["loss/sft"] == pytest.approx(nll / count, rel=2e-2)

@@ -27,6 +27,10 @@ import safetensors.torch
 import torch
 
 import envs
+from agent_rl import accel
+from agent_rl.accel import casts as accel_casts
+from agent_rl.accel import head as accel_head
+from agent_rl.accel import patches, trainer
 from agent_rl.policies.models import tiny_model
 from agent_rl.run import checkpoint
 from agent_rl.run.contract import ExperimentContract
@@ -419,7 +423,7 @@ def test_nonfinite_loss_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_entropy_collapse_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "picked_logprobs_and_entropy", lambda logits, targets, temperature, grad_into=None: (
+    monkeypatch.setattr(train, "trained_logprobs", lambda logits, targets, temperature, fast=None: (
         train.picked_logprobs(logits, targets, temperature), torch.zeros(logits.shape[:1])))
     result = train.run(make_contract(tmp_path / "run"), progress=False)
     assert result.stopped is not None and result.stopped.rule == "entropy_collapse"
@@ -1020,7 +1024,7 @@ def test_recompute_layers_under_bf16_allows_the_tokens_that_keep_as_much_as_floa
             return t
 
         ids = batch(tokens)["input_ids"]
-        with train.step_cast_cache(backend, dtype), train.kernel_norms(backend, model), \
+        with accel_casts.step_cast_cache(backend, getattr(torch, dtype)), patches.kernel_norms(backend, model), \
                 train.autocast(torch.device("cpu"), dtype):
             model.model(input_ids=ids, use_cache=False)  # the weights' casts, made and cached
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
@@ -1041,12 +1045,13 @@ def test_half_activations_inside_the_trainers_kernels():
     HALF_ACTIVATIONS."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from agent_rl import kernels
+    from agent_rl.accel import kernels
     from agent_rl.policies.render import packed_attention_mask
 
     small, _ = tiny_model(seed=0)
     backend = TorchBackend(small, torch.optim.SGD(small.parameters(), lr=0.0))
-    assert train.half_activations(backend, small) == train.HALF_ACTIVATIONS
+    with accel.step(backend, small, torch.bfloat16) as fast:
+        assert fast.half_activations is None  # autocast's own share: train.HALF_ACTIVATIONS
     if not kernels.fits_chunks(32):
         pytest.skip("this CPU has no AVX-512 BF16: the kernels' share does not apply")
     config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
@@ -1056,7 +1061,8 @@ def test_half_activations_inside_the_trainers_kernels():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).train()
     backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    assert train.half_activations(backend, model) == train.HALF_ACTIVATIONS_KERNELS
+    with accel.step(backend, model, torch.bfloat16) as fast:
+        assert fast.half_activations == trainer.HALF_ACTIVATIONS_KERNELS
 
     def kept_bytes(dtype, tokens):
         gen = torch.Generator().manual_seed(1)
@@ -1072,19 +1078,17 @@ def test_half_activations_inside_the_trainers_kernels():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with contextlib.ExitStack() as stack:
-            for context in (train.step_cast_cache(backend, dtype), train.trainer_forward(backend, model),
-                            train.linear_casts(backend, model, dtype), train.autocast(torch.device("cpu"), dtype)):
-                stack.enter_context(context)
-            train.trained_token_logits(model, batch)  # the weights' casts, made and cached
+        with accel.step(backend, model, getattr(torch, dtype)) as fast, \
+                train.autocast(torch.device("cpu"), dtype):
+            train.trained_token_logits(model, batch, fast)  # the weights' casts, made and cached
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                train.trained_token_logits(model, batch)
+                train.trained_token_logits(model, batch, fast)
         return sum(storages.values())
 
     per_token = {dtype: (kept_bytes(dtype, 512) - kept_bytes(dtype, 256)) / 256
                  for dtype in ("float32", "bfloat16")}
     assert per_token["float32"] > 0
-    assert per_token["bfloat16"] <= train.HALF_ACTIVATIONS_KERNELS * per_token["float32"]
+    assert per_token["bfloat16"] <= trainer.HALF_ACTIVATIONS_KERNELS * per_token["float32"]
 
 
 def graded_sequences(model, tokenizer) -> list:
@@ -1118,7 +1122,7 @@ def step_grads(model, sequences, contract) -> dict[str, torch.Tensor]:
 
 
 def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary(tmp_path, monkeypatch):
-    """train.sparse_tied_lookup: with the tiny model's tied embeddings, policy_update's summed
+    """accel.sparse_tied_lookup: with the tiny model's tied embeddings, policy_update's summed
     gradient is the same (to float rounding) as with the dense lookup gradient, and it stays
     dense for the clip and the optimizer; the lookup is dense again afterwards, and untied
     weights are left alone."""
@@ -1138,7 +1142,7 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     sparse = grads()
     assert len(modes) > 2 and all(modes[:-1]) and not lookup.sparse  # the last: update_kl's
     with monkeypatch.context() as m:  # what the lookup did before: a dense [V, H] gradient
-        m.setattr(train, "sparse_tied_lookup", lambda backend, model: contextlib.nullcontext())
+        m.setattr(trainer, "sparse_tied_lookup", lambda backend, model: contextlib.nullcontext())
         modes.clear()
         dense = grads()
     assert len(modes) > 2 and not any(modes)
@@ -1147,17 +1151,17 @@ def test_a_tied_lookup_gives_the_same_dense_gradient_without_its_dense_temporary
     for key in dense:
         torch.testing.assert_close(sparse[key], dense[key], rtol=1e-5, atol=1e-7)
     seen = []
-    with train.sparse_tied_lookup(TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0)), model):
+    with accel_head.sparse_tied_lookup(TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0)), model):
         seen.append(lookup.sparse)
     model.lm_head.weight = torch.nn.Parameter(lookup.weight.detach().clone())  # untied
-    with train.sparse_tied_lookup(TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0)), model):
+    with accel_head.sparse_tied_lookup(TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0)), model):
         seen.append(lookup.sparse)
     assert seen == [True, False]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatch, dtype):
-    """train.HeadGrads: policy_update's summed gradient with the tied head's weight gradient
+    """accel_head.HeadGrads: policy_update's summed gradient with the tied head's weight gradient
     computed once a step equals the per-micro-batch one (float32: to float rounding; bf16: the
     head's products rounded once instead of per micro-batch, every other gradient as before),
     and is dense; a small HEAD_GRAD_BYTES flushes after every micro-batch, the same sum."""
@@ -1165,8 +1169,8 @@ def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatc
     model, tokenizer = tiny_model(0)
     sequences = graded_sequences(model, tokenizer)
     products = []
-    flush = train.HeadGrads.flush
-    monkeypatch.setattr(train.HeadGrads, "flush",
+    flush = accel_head.HeadGrads.flush
+    monkeypatch.setattr(accel_head.HeadGrads, "flush",
                         lambda self: products.append(len(self.parts)) or flush(self))
 
     grads = functools.partial(step_grads, model, sequences, contract)
@@ -1175,17 +1179,17 @@ def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatc
     assert len(products) == 1 and products[0] > 1  # all micro-batches' parts in one product
     placed = []
     with monkeypatch.context() as m:  # the next step writes the logits' gradients in place
-        m.setattr(train.HeadGrads, "flush", lambda self: placed.append((self.placed, len(self.parts))) or flush(self))
+        m.setattr(accel_head.HeadGrads, "flush", lambda self: placed.append((self.placed, len(self.parts))) or flush(self))
         again = grads()
     assert len(placed) == 1 and placed[0][0] == placed[0][1] > 1  # every part in place
     for key in once:
         assert torch.equal(again[key], once[key]), key
     products.clear()
-    monkeypatch.setattr(train, "HEAD_GRAD_BYTES", 1)
+    monkeypatch.setattr(accel_head, "HEAD_GRAD_BYTES", 1)
     each = grads()
     assert len(products) > 1 and set(products[:-1]) == {1} and products[-1] == 0  # the last: empty
     with monkeypatch.context() as m:
-        m.setattr(train.HeadGrads, "of", classmethod(lambda cls, backend, model, dtype: None))
+        m.setattr(accel_head.HeadGrads, "of", classmethod(lambda cls, backend, model, dtype: None))
         products.clear()
         plain = grads()
     assert not products
@@ -1199,7 +1203,7 @@ def test_the_head_gradient_once_a_step_is_the_same_gradient(tmp_path, monkeypatc
 
 
 def test_linear_casts_give_the_same_gradient_to_the_bit(tmp_path, monkeypatch):
-    """train.linear_casts: under bf16, policy_update's summed gradient with each linear weight
+    """accel.linear_casts: under bf16, policy_update's summed gradient with each linear weight
     cast once a step and its gradient added in place is the same to the bit as autocast's
     cast (its float32 gradient cast back, then added); every layer's linears take the new
     path, and afterwards the modules are as they were."""
@@ -1207,8 +1211,8 @@ def test_linear_casts_give_the_same_gradient_to_the_bit(tmp_path, monkeypatch):
     model, tokenizer = tiny_model(0)
     sequences = graded_sequences(model, tokenizer)
     casts = []
-    apply = train.StepCast.apply
-    monkeypatch.setattr(train.StepCast, "apply", lambda *a: casts.append(a[0]) or apply(*a))
+    apply = accel_casts.StepCast.apply
+    monkeypatch.setattr(accel_casts.StepCast, "apply", lambda *a: casts.append(a[0]) or apply(*a))
 
     grads = functools.partial(step_grads, model, sequences, contract)
 
@@ -1217,7 +1221,7 @@ def test_linear_casts_give_the_same_gradient_to_the_bit(tmp_path, monkeypatch):
     assert {id(w) for w in casts} == {id(m.weight) for m in linears} and len(casts) == len(linears)
     assert all("forward" not in vars(m) and "_step_cast" not in vars(m) for m in linears)
     with monkeypatch.context() as m:
-        m.setattr(train, "linear_casts", lambda *a: contextlib.nullcontext())
+        m.setattr(trainer, "linear_casts", lambda *a: contextlib.nullcontext())
         casts.clear()
         plain = grads()
     assert not casts
@@ -1231,14 +1235,14 @@ def test_the_head_gradient_is_deferred_only_where_nothing_waits_for_it():
 
     model, _ = tiny_model(0)
     backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    head = train.HeadGrads.of(backend, model, "bfloat16")
+    head = accel_head.HeadGrads.of(backend, model, torch.bfloat16)
     assert head is not None and head.cast.dtype == torch.bfloat16
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() == 0
     model.lm_head.weight.requires_grad_(False)  # a frozen head (LoRA)
-    assert train.HeadGrads.of(backend, model, "float32") is None
+    assert accel_head.HeadGrads.of(backend, model, torch.float32) is None
     model.lm_head.weight.requires_grad_(True)
     backend.world_size = 2  # another process's hooks wait for each gradient
-    assert train.HeadGrads.of(backend, model, "float32") is None
+    assert accel_head.HeadGrads.of(backend, model, torch.float32) is None
 
 
 def _head_only(weight: list[list[float]]):
@@ -1263,7 +1267,7 @@ def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
     import gc
 
     model, head, backend = _head_only([[1.0, 2.0], [3.0, 4.0]])
-    first = train.HeadGrads.of(backend, model, "bfloat16")
+    first = accel_head.HeadGrads.of(backend, model, torch.bfloat16)
     assert torch.equal(first.cast, head.weight.detach().bfloat16())
     # grads [N, V] and hidden [N, H]: rows 1 then 2; the product G^T X
     first.add(torch.tensor([[1.0, 0.0]]).bfloat16(), torch.tensor([[1.0, 1.0]]).bfloat16())
@@ -1271,25 +1275,25 @@ def test_head_buffers_live_on_from_step_to_step_and_go_with_the_weight():
     first.flush()
     # G^T X = [[1 + 0 + 6, 1 + 0 + 0], [0 + 1 + 3, 0 + 2 + 0]] = [[7, 1], [4, 2]]
     assert head.weight.grad.tolist() == [[7.0, 1.0], [4.0, 2.0]]
-    kept = {name: t.data_ptr() for name, t in train.HEAD_BUFFERS[id(head.weight)].items()}
+    kept = {name: t.data_ptr() for name, t in accel_head.HEAD_BUFFERS[id(head.weight)].items()}
     assert set(kept) == {"cast", "rows", "product"}  # no forward: no logits buffers
     with torch.no_grad():
         head.weight.mul_(2.0)
-    second = train.HeadGrads.of(backend, model, "bfloat16")
+    second = accel_head.HeadGrads.of(backend, model, torch.bfloat16)
     assert torch.equal(second.cast, head.weight.detach().bfloat16())  # this step's weights
     second.add(torch.tensor([[1.0, 1.0]] * 2).bfloat16(), torch.tensor([[1.0, 0.0]] * 2).bfloat16())
     second.flush()
     assert head.weight.grad.tolist() == [[9.0, 1.0], [6.0, 2.0]]  # + [[2, 0], [2, 0]]
-    now = train.HEAD_BUFFERS[id(head.weight)]
+    now = accel_head.HEAD_BUFFERS[id(head.weight)]
     assert {name: t.data_ptr() for name, t in now.items()} == kept  # the same memory
-    third = train.HeadGrads.of(backend, model, "bfloat16")
+    third = accel_head.HeadGrads.of(backend, model, torch.bfloat16)
     third.add(torch.ones(5, 2).bfloat16(), torch.ones(5, 2).bfloat16())  # more rows: grown
     third.flush()
-    assert train.HEAD_BUFFERS[id(head.weight)]["rows"].shape[0] == 5
+    assert accel_head.HEAD_BUFFERS[id(head.weight)]["rows"].shape[0] == 5
     key = id(head.weight)
     del first, second, third, head, model, backend, now
     gc.collect()
-    assert key not in train.HEAD_BUFFERS
+    assert key not in accel_head.HEAD_BUFFERS
 
 
 def test_head_gradient_rows_are_written_in_place_while_they_fit():
@@ -1297,14 +1301,14 @@ def test_head_gradient_rows_are_written_in_place_while_they_fit():
     in order and there is room; flush multiplies them where they lie (no copy: the same
     memory) and copies only the rest after them. By hand: V=2, H=2, the product G^T X."""
     model, head, backend = _head_only([[1.0, 2.0], [3.0, 4.0]])
-    first = train.HeadGrads.of(backend, model, "bfloat16")
+    first = accel_head.HeadGrads.of(backend, model, torch.bfloat16)
     assert first.grad_rows(1) is None  # no rows buffer yet: a new tensor
     first.add(torch.ones(3, 2).bfloat16(), torch.zeros(3, 2).bfloat16())
     first.flush()  # the buffer: 3 rows
-    rows = train.HEAD_BUFFERS[id(head.weight)]["rows"]
+    rows = accel_head.HEAD_BUFFERS[id(head.weight)]["rows"]
     assert rows.shape == (3, 2)
 
-    second = train.HeadGrads.of(backend, model, "bfloat16")
+    second = accel_head.HeadGrads.of(backend, model, torch.bfloat16)
     a = second.grad_rows(2)
     assert a.data_ptr() == rows.data_ptr() and a.shape == (2, 2)
     a.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
@@ -1319,9 +1323,9 @@ def test_head_gradient_rows_are_written_in_place_while_they_fit():
     second.flush()
     # G = [[1, 0], [0, 1], [2, 1]], X = [[1, 1], [1, 2], [3, 0]]: G^T X = [[7, 1], [4, 2]]
     assert (head.weight.grad - grad0).tolist() == [[7.0, 1.0], [4.0, 2.0]]
-    assert train.HEAD_BUFFERS[id(head.weight)]["rows"] is rows and second.placed == 0
+    assert accel_head.HEAD_BUFFERS[id(head.weight)]["rows"] is rows and second.placed == 0
 
-    third = train.HeadGrads.of(backend, model, "bfloat16")  # in place, then a new tensor
+    third = accel_head.HeadGrads.of(backend, model, torch.bfloat16)  # in place, then a new tensor
     c = third.grad_rows(1)
     c.copy_(torch.tensor([[1.0, 0.0]]))
     third.add(c, torch.tensor([[1.0, 1.0]]).bfloat16())
@@ -1331,7 +1335,7 @@ def test_head_gradient_rows_are_written_in_place_while_they_fit():
     third.flush()
     assert (head.weight.grad - grad0).tolist() == [[7.0, 1.0], [4.0, 2.0]]
 
-    fourth = train.HeadGrads.of(backend, model, "bfloat16")  # more rows than the buffer: grown
+    fourth = accel_head.HeadGrads.of(backend, model, torch.bfloat16)  # more rows than the buffer: grown
     d = fourth.grad_rows(3)
     d.copy_(torch.ones(3, 2))
     fourth.add(d, torch.ones(3, 2).bfloat16())
@@ -1340,7 +1344,7 @@ def test_head_gradient_rows_are_written_in_place_while_they_fit():
     grad0 = head.weight.grad.clone()
     fourth.flush()
     assert (head.weight.grad - grad0).tolist() == [[4.0, 4.0], [4.0, 4.0]]
-    assert train.HEAD_BUFFERS[id(head.weight)]["rows"].shape[0] == 4
+    assert accel_head.HEAD_BUFFERS[id(head.weight)]["rows"].shape[0] == 4
 
 
 def test_head_logits_go_into_kept_buffers_only_when_nothing_holds_them():
@@ -1348,16 +1352,16 @@ def test_head_logits_go_into_kept_buffers_only_when_nothing_holds_them():
     logits buffers that no other tensor uses (the same memory the next micro-batch), and into a
     new tensor while a caller still holds both; never over logits someone holds."""
     model, head, backend = _head_only([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    grads = train.HeadGrads.of(backend, model, "bfloat16")
+    grads = accel_head.HeadGrads.of(backend, model, torch.bfloat16)
 
     def logits(rows):
-        return train.DeferredHead.apply(torch.tensor(rows), head.weight, grads)
+        return accel_head.DeferredHead.apply(torch.tensor(rows), head.weight, grads)
 
     first = logits([[1.0, 2.0], [0.0, 4.0]])
     assert first.tolist() == [[1.0, 2.0, 3.0], [0.0, 4.0, 4.0]] and first.dtype == torch.bfloat16
     second = logits([[2.0, 0.0]])  # the first is held: the other buffer
     third = logits([[3.0, 3.0]])  # both held: a new tensor
-    kept = {name: t.data_ptr() for name, t in train.HEAD_BUFFERS[id(head.weight)].items()
+    kept = {name: t.data_ptr() for name, t in accel_head.HEAD_BUFFERS[id(head.weight)].items()
             if name.startswith("logits")}
     assert set(kept) == {"logits", "logits 2"}
     assert first.tolist() == [[1.0, 2.0, 3.0], [0.0, 4.0, 4.0]] and second.tolist() == [[2.0, 0.0, 2.0]]
@@ -1373,11 +1377,11 @@ def test_head_logits_go_into_kept_buffers_only_when_nothing_holds_them():
 
 
 def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch):
-    """train.kernel_norms: policy_update runs the tiny model's RMSNorms as our kernel (every
+    """accel.kernel_norms: policy_update runs the tiny model's RMSNorms as our kernel (every
     norm, forward and backward) with the gradients of their own forward to float rounding;
     afterwards the modules run their own forward again; rows it does not take (bf16) go
     through the module's forward; a norm whose instance already has a forward keeps it."""
-    from agent_rl import kernels
+    from agent_rl.accel import kernels
 
     contract = make_contract(tmp_path / "r")
     model, tokenizer = tiny_model(0)
@@ -1395,13 +1399,13 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
     assert all("forward" not in vars(m) for m in norms)  # the modules' own forward again
     calls.clear()
     with monkeypatch.context() as m:
-        m.setattr(train, "kernel_norms", lambda backend, model: contextlib.nullcontext())
+        m.setattr(patches, "kernel_norms", lambda backend, model: contextlib.nullcontext())
         theirs = grads()
     assert not calls
     for key in theirs:
         torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6)
     x = torch.randn(3, norms[0].weight.shape[0]).bfloat16()
-    torch.testing.assert_close(train._kernel_norm_forward(norms[0], x), norms[0](x), rtol=0, atol=0)
+    torch.testing.assert_close(patches._kernel_norm_forward(norms[0], x), norms[0](x), rtol=0, atol=0)
     assert not calls
     # a forward something else set on the instance (accelerate's hooks do) is left in place
     wrapped = []
@@ -1412,11 +1416,11 @@ def test_kernel_norms_give_the_modules_gradients_and_leave_them_as_they_were(tmp
 
 
 def assert_the_same_without(monkeypatch, context: str, grads, mine: dict, calls: list, dtype: str) -> None:
-    """The step's gradient with ``train.<context>`` switched off is ``mine`` to float rounding
+    """The step's gradient with ``accel.patches.<context>`` switched off is ``mine`` to float rounding
     (bf16: to its rounding), and the kernel (its calls in ``calls``) was not called."""
     calls.clear()
     with monkeypatch.context() as m:
-        m.setattr(train, context, lambda backend, model: contextlib.nullcontext())
+        m.setattr(patches, context, lambda backend, model: contextlib.nullcontext())
         theirs = grads()
     assert not calls
     tol = {"rtol": 1e-4, "atol": 1e-6} if dtype == "float32" else {"rtol": 0.05, "atol": 1e-3}
@@ -1426,10 +1430,10 @@ def assert_the_same_without(monkeypatch, context: str, grads, mine: dict, calls:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_mlps_give_the_modules_gradients_and_leave_them_as_they_were(tmp_path, monkeypatch, dtype):
-    """train.kernel_mlps: policy_update runs every SwiGLU middle of the tiny model as our
+    """accel.kernel_mlps: policy_update runs every SwiGLU middle of the tiny model as our
     kernel (recomputed layers included) with the gradients of the modules' own forward (to
     float rounding; bf16: to its rounding); afterwards the modules run their own forward."""
-    from agent_rl import kernels
+    from agent_rl.accel import kernels
 
     contract = make_contract(tmp_path / "r", f"model.dtype={dtype}")
     model, tokenizer = tiny_model(0)
@@ -1448,13 +1452,13 @@ def test_kernel_mlps_give_the_modules_gradients_and_leave_them_as_they_were(tmp_
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_rotary_gives_the_models_gradients_and_puts_its_function_back(tmp_path, monkeypatch, dtype):
-    """train.kernel_rotary: policy_update runs every layer's rotary embedding of q and k as our
+    """accel.kernel_rotary: policy_update runs every layer's rotary embedding of q and k as our
     kernel with the gradients of transformers' own function (to float rounding; bf16: to its
     rounding); afterwards the module's function is its own again, and a call the kernel does
     not take (another unsqueeze_dim) goes to it."""
     from transformers.models.llama import modeling_llama
 
-    from agent_rl import kernels
+    from agent_rl.accel import kernels
 
     contract = make_contract(tmp_path / "r", f"model.dtype={dtype}")
     model, tokenizer = tiny_model(0)
@@ -1471,12 +1475,12 @@ def test_kernel_rotary_gives_the_models_gradients_and_puts_its_function_back(tmp
     assert_the_same_without(monkeypatch, "kernel_rotary", grads, mine, calls, dtype)
     q, cos = torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4)
     seen = []
-    out = train._kernel_rotary(lambda *a, **k: seen.append(k) or ("theirs", None), q, q, cos, cos, unsqueeze_dim=2)
+    out = patches._kernel_rotary(lambda *a, **k: seen.append(k) or ("theirs", None), q, q, cos, cos, unsqueeze_dim=2)
     assert out[0] == "theirs" and seen == [{"unsqueeze_dim": 2}] and not calls
 
 
 def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monkeypatch):
-    """train.step_cast_cache: under bf16 autocast each trainable weight is cast once for the
+    """accel.step_cast_cache: under bf16 autocast each trainable weight is cast once for the
     whole step (micro-batches and recomputed layers), not in every forward pass, and the
     gradients are bit for bit those of casting it every time; the cache is gone afterwards.
     With linear_casts and HeadGrads (which cast their weights themselves) still once a step."""
@@ -1509,11 +1513,11 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
     _, ours, m = step()  # with linear_casts and HeadGrads, which make their own casts once
     assert m["train/recomputed_frac"] > 0  # some layers were recomputed in backward
     assert set(ours.values()) == {2}
-    monkeypatch.setattr(train, "linear_casts", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(train.HeadGrads, "of", classmethod(lambda cls, *a: None))
+    monkeypatch.setattr(trainer, "linear_casts", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(accel_head.HeadGrads, "of", classmethod(lambda cls, *a: None))
     cached, cached_casts, _ = step()
     with monkeypatch.context() as mp:  # what autocast did before: a cast in every pass
-        mp.setattr(train, "step_cast_cache", lambda backend, dtype: contextlib.nullcontext())
+        mp.setattr(trainer, "step_cast_cache", lambda backend, dtype: contextlib.nullcontext())
         every, every_casts, _ = step()
     # every trainable weight (the head is tied to the embedding, named by it): cast in each
     # forward pass, recomputed layers and update_kl's (after the optimizer step) included,
@@ -1522,3 +1526,49 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
     assert min(every_casts.values()) >= 3 and set(cached_casts.values()) == {2}
     for key in every:
         assert torch.equal(cached[key], every[key]), key
+
+
+# tolerances of the accelerator's equivalence (measured on the tiny model, two updates: float32
+# at most 5e-7 relative on every metric and weight; bf16 1.2e-4 on the losses, 1.4e-3 on the
+# gradient norm, 2.5e-3 on kl/update and on the weights, from bf16's roundings taken elsewhere:
+# the head's product once a step, float32 attention chunks, kernels rounding once)
+ACCEL_TOLERANCE = {"float32": {"loss": 1e-5, "grad_norm": 1e-5, "kl": 1e-5, "weights": 1e-5},
+                   "bfloat16": {"loss": 1e-3, "grad_norm": 1e-2, "kl": 2e-2, "weights": 1e-2}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_loop_gives_the_same_losses_with_the_cpu_accelerator_off(tmp_path, monkeypatch, dtype):
+    """Two policy_update steps (SGD, lr 0.5: the second step's ratios move) on a rolled-out
+    batch in micro-batches of 16 tokens, with agent_rl.accel on (its kernels, patches, casts
+    and head buffers) and off (accel.disabled(): the trainer's plain tensor ops): the same
+    losses, gradient norms, kl/update and trained weights, relative to ACCEL_TOLERANCE."""
+    contract = make_contract(tmp_path / "r", f"model.dtype={dtype}")
+    sequences = graded_sequences(*tiny_model(0))
+    scored = []
+    token_logprobs = trainer.Step.token_logprobs
+    monkeypatch.setattr(trainer.Step, "token_logprobs",
+                        lambda self, *a: scored.append(1) or token_logprobs(self, *a))
+
+    def two_steps(context):
+        model, _ = tiny_model(0)
+        backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.5), grad_clip=1.0)
+        prox = {}
+        with context:
+            metrics = [train.policy_update(backend, None, sequences, contract, pad_id=0, prox=prox,
+                                           micro_tokens=16) for _ in range(2)]
+        return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    on, on_weights = two_steps(contextlib.nullcontext())
+    assert scored  # the accelerator scored the tokens
+    scored.clear()
+    off, off_weights = two_steps(accel.disabled())
+    assert not scored
+    tol = ACCEL_TOLERANCE[dtype]
+    for mine, theirs in zip(on, off, strict=True):
+        assert mine["loss/policy"] == pytest.approx(theirs["loss/policy"], rel=tol["loss"])
+        assert mine["optim/grad_norm"] == pytest.approx(theirs["optim/grad_norm"], rel=tol["grad_norm"])
+        assert mine["kl/update"] == pytest.approx(theirs["kl/update"], rel=tol["kl"])
+        assert mine["optim/skipped"] == theirs["optim/skipped"] == 0.0
+    assert on[1]["loss/policy"] != pytest.approx(on[0]["loss/policy"], rel=1e-2)  # it trained
+    for name, weight in off_weights.items():
+        assert float((on_weights[name] - weight).abs().max()) <= tol["weights"] * float(weight.abs().max()), name

@@ -141,9 +141,8 @@ SUBPACKAGE_IMPORTS = {
     "cli": {"run", "policies", "training"},
 }
 TOP_LEVEL_IMPORTS = {"run", "policies", "training"}  # agent_rl/__init__.py: the public API
-# the CPU accelerator's modules still at the top of agent_rl/ until they move into accel/:
-# ruled as accel (imported by policies/ and training/ only)
-ACCEL_MODULES = {"kernels", "attention"}
+# modules at the top of agent_rl/ ruled as accel (none: the accelerator is agent_rl/accel/)
+ACCEL_MODULES: set[str] = set()
 
 
 def agent_rl_imports(source: str, root: Path, filename: str = "<src>") -> list[tuple[str, int]]:
@@ -283,3 +282,87 @@ def test_import_agent_rl_is_light_and_its_public_names_resolve():
         "session_advantages": "agent_rl.training.rollout", "train": "agent_rl.training.api",
     }
     assert not cli_imported
+
+
+# --- agent_rl.accel: entered through its package, and by the trainer through accel.step only --
+
+ACCEL = ROOT / "agent_rl" / "accel"
+TRAINERS = ("train.py", "sft.py")  # wherever the layout puts them under agent_rl/
+
+
+def accel_submodules(folder: Path = ACCEL) -> set[str]:
+    """The names of the modules and folders inside agent_rl/accel (its package surface aside)."""
+    return {p.stem for p in folder.iterdir()
+            if (p.suffix == ".py" or p.is_dir()) and not p.name.startswith("__")}
+
+
+def accel_internal_imports(source: str, submodules: set[str]) -> list[int]:
+    """Line numbers of the imports in ``source`` that reach inside agent_rl.accel: ``import
+    agent_rl.accel.X``, ``from agent_rl.accel.X import ...``, ``from agent_rl.accel import X``
+    for a submodule X, ``import_module("agent_rl.accel.X")``."""
+    inside = "agent_rl.accel."
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            hit = any(alias.name.startswith(inside) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            hit = (node.module or "").startswith(inside) or (
+                node.module == "agent_rl.accel" and any(a.name in submodules for a in node.names))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            hit = name in {"import_module", "__import__"} and str(node.args[0].value).startswith(inside)
+        else:
+            continue
+        if hit:
+            lines.append(node.lineno)
+    return lines
+
+
+def accel_names_used(source: str) -> set[str]:
+    """What ``source`` names from the accelerator: ``accel.X`` attributes, names imported from
+    any agent_rl.accel module, and accel modules imported whole."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "accel":
+            names.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("agent_rl.accel"):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("agent_rl.accel"))
+    return names
+
+
+def test_the_accelerator_is_imported_only_through_its_package():
+    assert {"kernels", "attention", "patches", "head", "csrc"} <= accel_submodules()
+    files = [p for p in package_files("agent_rl") if ACCEL not in p.parents]
+    bad = [f"{p.relative_to(ROOT)}:{line}" for p in files
+           for line in accel_internal_imports(p.read_text(), accel_submodules())]
+    assert bad == []
+
+
+def test_the_trainer_names_nothing_from_the_accelerator_but_its_entry_point():
+    trainers = [p for p in package_files("agent_rl") if p.name in TRAINERS and ACCEL not in p.parents]
+    assert sorted(p.name for p in trainers) == sorted(TRAINERS)
+    for path in trainers:
+        assert accel_names_used(path.read_text()) == {"step"}, path
+
+
+def test_the_accel_checkers_catch_every_form():
+    source = textwrap.dedent(
+        """
+        import agent_rl.accel.kernels
+        from agent_rl.accel.head import HeadGrads
+        from agent_rl.accel import kernels, step
+        from agent_rl import accel
+
+        def late():
+            import importlib
+            importlib.import_module("agent_rl.accel.patches")
+            return accel.step, accel.blocked_attention
+        """
+    )
+    assert accel_internal_imports(source, {"kernels", "head", "patches"}) == [2, 3, 4, 9]
+    assert accel_names_used(source) == {"agent_rl.accel.kernels", "HeadGrads", "kernels", "step",
+                                        "blocked_attention"}
+    assert accel_names_used("from agent_rl import accel\nwith accel.step(b, m, d) as fast:\n    pass\n") == {"step"}

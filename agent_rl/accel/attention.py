@@ -71,7 +71,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from agent_rl import kernels
+from agent_rl.accel import kernels
 
 BLOCKED = "agent_rl_blocked"  # the attention implementation's name in transformers' registry
 SPLIT = 128  # queries per piece of a long segment

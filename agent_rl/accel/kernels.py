@@ -1,4 +1,4 @@
-"""Our compiled CPU kernels (``agent_rl/csrc/kernels.cpp``): ``blocked_linear``, ``y = x W^T +
+"""Our compiled CPU kernels (``agent_rl/accel/csrc/kernels.cpp``): ``blocked_linear``, ``y = x W^T +
 b`` for a frozen weight held in panels of 32 output columns, ``[P, K, 32]``; ``rms_norm``, a
 decode step's RMSNorm as one pass (``F.rms_norm`` runs as five ops on the CPU), and
 ``RMSNorm``, the trainer's, forward and backward one pass each; ``sample``, a
@@ -48,6 +48,8 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 PANEL = 32  # output columns per panel (the kernel's kPanel)
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# activation modules that are SiLU (``silu_mul`` runs them with their product), by class name
+SILU = ("SiLU", "SiLUActivation")
 
 
 def _cpu_flags() -> str:
@@ -75,18 +77,18 @@ def load() -> bool:
     """Build (once per machine) and load the kernel into ``torch.ops.agent_rl_kernels``; False,
     with one warning saying why, where it cannot be built here."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
-        warnings.warn(f"agent_rl.kernels: no build for {sys.platform}/{platform.machine()}; "
+        warnings.warn(f"agent_rl.accel: no build for {sys.platform}/{platform.machine()}; "
                       "rollout copies keep plain weights", RuntimeWarning, stacklevel=2)
         return False
     from torch.utils.cpp_extension import load as build
 
     try:
-        print("agent_rl.kernels: loading our CPU kernels (built once per machine, a few seconds)",
+        print("agent_rl.accel: loading our CPU kernels (built once per machine, a few seconds)",
               file=sys.stderr, flush=True)
         build(build_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: plain weights
-        warnings.warn(f"agent_rl.kernels: could not build {SOURCE.name} ({type(exc).__name__}: "
+        warnings.warn(f"agent_rl.accel: could not build {SOURCE.name} ({type(exc).__name__}: "
                       f"{_first_error(str(exc))}); rollout copies keep plain weights",
                       RuntimeWarning, stacklevel=2)
         return False
@@ -149,7 +151,7 @@ class RMSNorm(torch.autograd.Function):
     as one pass over the rows (``dx = r (dn - n mean(dn n))`` with ``n = x r``, ``dn = grad *
     weight``; the weight's gradient summed over the rows; a float32 or bfloat16 gradient,
     widened). Saves ``x`` and ``[M]`` roots, where the tensor ops keep ``x`` and the
-    normalized rows. ``train.kernel_norms`` switches a model's norms to it for a step."""
+    normalized rows. ``accel.patches.kernel_norms`` switches a model's norms to it for a step."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -319,7 +321,7 @@ class TokenLogprobs(torch.autograd.Function):
     of ``targets`` under ``softmax(logits / temperature)`` and their rows' entropies (no
     gradient). The gradient comes back in the logits' dtype, written where
     ``grad_into(N)`` says when it gives a contiguous ``[N, V]`` tensor of that dtype (memory
-    the caller keeps: ``train.HeadGrads.grad_rows``), else into a new tensor; ``grad_into``
+    the caller keeps: ``accel.head.HeadGrads.grad_rows``), else into a new tensor; ``grad_into``
     None: a new tensor. Two reads of the logits forward and one backward, where log-softmax,
     the entropy's exp, product and sum write three ``[N, V]`` float32 tensors (and a bf16 row
     is cast to float32 first)."""
