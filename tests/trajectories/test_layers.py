@@ -141,8 +141,6 @@ SUBPACKAGE_IMPORTS = {
     "cli": {"run", "policies", "training"},
 }
 TOP_LEVEL_IMPORTS = {"run", "policies", "training"}  # agent_rl/__init__.py: the public API
-# modules at the top of agent_rl/ ruled as accel (none: the accelerator is agent_rl/accel/)
-ACCEL_MODULES: set[str] = set()
 
 
 def agent_rl_imports(source: str, root: Path, filename: str = "<src>") -> list[tuple[str, int]]:
@@ -178,12 +176,9 @@ def agent_rl_imports(source: str, root: Path, filename: str = "<src>") -> list[t
 
 
 def room_of(parts: tuple[str, ...]) -> str | None:
-    """The subpackage a module path below agent_rl/ belongs to (accel for the accelerator's
-    top-level modules), None for agent_rl/__init__.py."""
-    if len(parts) > 1:
-        return parts[0]
-    stem = parts[0].removesuffix(".py")
-    return "accel" if stem in ACCEL_MODULES else None
+    """The subpackage a module path below agent_rl/ belongs to, None for a top-level module
+    (agent_rl/__init__.py)."""
+    return parts[0] if len(parts) > 1 else None
 
 
 def subpackage_violations(files: list[Path], root: Path = AGENT_RL) -> list[str]:
@@ -195,7 +190,7 @@ def subpackage_violations(files: list[Path], root: Path = AGENT_RL) -> list[str]
             parts = tuple(module.split(".")[1:])
             if not parts:
                 continue  # `import agent_rl`: the public API
-            there = "accel" if parts[0] in ACCEL_MODULES else parts[0]
+            there = parts[0]
             where = f"{path.relative_to(root.parent)}:{line} imports {module}"
             if there == here:
                 continue
@@ -216,7 +211,7 @@ def test_agent_rl_subpackages_import_in_one_direction():
 
 def test_every_agent_rl_module_sits_in_a_subpackage():
     flat = {p.stem for p in AGENT_RL.glob("*.py")} - {"__init__"}
-    assert flat <= ACCEL_MODULES, f"agent_rl/{sorted(flat - ACCEL_MODULES)}: put it in a subpackage"
+    assert not flat, f"agent_rl/{sorted(flat)}: put it in a subpackage"
     folders = {p.name for p in AGENT_RL.iterdir() if (p / "__init__.py").is_file()}
     assert folders <= set(SUBPACKAGE_IMPORTS), f"{sorted(folders - set(SUBPACKAGE_IMPORTS))}: " \
                                                 "add it to SUBPACKAGE_IMPORTS and docs/layout.md"
@@ -228,12 +223,11 @@ def test_subpackage_checker_catches_each_rule(tmp_path):
         (root / folder).mkdir(parents=True)
         (root / folder / "__init__.py").write_text("")
     (root / "accel" / "kernels.py").write_text("")
-    (root / "kernels.py").write_text("")  # an accelerator module not yet in accel/
     sources = {
         "run/bad.py": "from agent_rl.policies import hf\nimport agent_rl.training.train\n",
         "policies/bad.py": ("from agent_rl.training.grpo import policy_loss\n"
                             "from agent_rl import accel\nfrom agent_rl.accel import step\n"
-                            "from agent_rl.accel import kernels\nfrom agent_rl import kernels\n"),
+                            "from agent_rl.accel import kernels\n"),
         "training/bad.py": ("import agent_rl.cli\nfrom agent_rl.run import checkpoint\n"
                             "from agent_rl.policies.hf import HFPolicy\n"
                             "import importlib\nimportlib.import_module('agent_rl.accel.kernels')\n"),
@@ -287,7 +281,7 @@ def test_import_agent_rl_is_light_and_its_public_names_resolve():
 # --- agent_rl.accel: entered through its package, and by the trainer through accel.step only --
 
 ACCEL = ROOT / "agent_rl" / "accel"
-TRAINERS = ("train.py", "sft.py")  # wherever the layout puts them under agent_rl/
+TRAINERS = ("training/train.py", "training/sft.py")  # under agent_rl/
 
 
 def accel_submodules(folder: Path = ACCEL) -> set[str]:
@@ -342,8 +336,8 @@ def test_the_accelerator_is_imported_only_through_its_package():
 
 
 def test_the_trainer_names_nothing_from_the_accelerator_but_its_entry_point():
-    trainers = [p for p in package_files("agent_rl") if p.name in TRAINERS and ACCEL not in p.parents]
-    assert sorted(p.name for p in trainers) == sorted(TRAINERS)
+    trainers = [ROOT / "agent_rl" / name for name in TRAINERS]
+    assert all(p.is_file() for p in trainers)
     for path in trainers:
         assert accel_names_used(path.read_text()) == {"step"}, path
 
