@@ -380,7 +380,7 @@ def test_a_launched_rank_ends_without_the_interpreter_teardown(leave_fails):
     unflushed output written, the run's code returned, nothing after it run, not even the
     script's own atexit check. A group that fails to leave is said and fails the rank."""
     script = ("import atexit, sys, torch.distributed as dist\n"
-              "from agent_rl import distributed\n"
+              "from agent_rl.run import distributed\n"
               "atexit.register(lambda: print('teardown ran'))\n"
               "distributed.init_distributed()\n"
               "kept = dist.group.WORLD  # referenced, as ZeRO-3's parameters keep theirs\n"

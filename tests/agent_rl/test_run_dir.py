@@ -300,7 +300,7 @@ def test_the_lock_is_released_on_any_exit_and_held_by_rank_0_only(tmp_path, monk
         with runlock.hold_run_dir(run_dir):  # nested: the CLI's hold, then train.run's
             pass
         assert lock.exists()
-        other = subprocess.run([sys.executable, "-c", "import sys; from agent_rl import runlock\n"
+        other = subprocess.run([sys.executable, "-c", "import sys; from agent_rl.run import runlock\n"
                                 f"with runlock.hold_run_dir({str(run_dir)!r}): pass"],
                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                                capture_output=True, text=True, timeout=120)
@@ -316,7 +316,7 @@ def test_the_lock_is_released_on_any_exit_and_held_by_rank_0_only(tmp_path, monk
     # a holder killed while a process it forked lives on: the lock is still held, and the
     # message says by whom
     forked = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
-                               "from agent_rl import runlock\n"
+                               "from agent_rl.run import runlock\n"
                                f"with runlock.hold_run_dir({str(run_dir)!r}):\n"
                                "    if os.fork() == 0:\n"
                                "        print(os.getpid(), flush=True); time.sleep(120)\n"
