@@ -49,9 +49,11 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(STAMP)
 	LD_PRELOAD=$(TCMALLOC) $(VENV)/bin/agent-rl train examples/smollm2_relay.yaml --set run_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+# The whole suite with the services its tests need started (and stopped) by
+# scripts/run_tests.sh: bubblewrap, a Docker engine, the sandbox image; a loud summary names
+# anything that could not be started and the tests that skipped for it.
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q
-	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_policy.py
+	PY=$(PY) VLLM_PY=$(VLLM_PY) scripts/run_tests.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

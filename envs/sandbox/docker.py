@@ -195,7 +195,7 @@ def run_docker(code: str, files: dict[str, bytes], limits: Limits) -> SandboxRes
             sock = container.attach_socket(params={"stdout": 1, "stderr": 1, "stream": 1})
         except docker.errors.ImageNotFound:
             return failed("docker", f"image {image_tag()} missing: run envs.sandbox.build_image() "
-                                     "or .ci/sandbox_image.sh")
+                                     "or scripts/sandbox_image.sh")
         except errors as exc:
             return failed("docker", f"could not create the container: {exc}")
 
