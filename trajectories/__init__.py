@@ -11,6 +11,7 @@ from trajectories.assign import (
     register_assigner,
     session_weights,
 )
+from trajectories.calls import CallTree, ModelCall, StatedPlace, sessions_from_calls
 from trajectories.models import (
     Boundary,
     Episode,
@@ -27,13 +28,16 @@ __all__ = [
     "ASSIGNERS",
     "SESSION_WEIGHTINGS",
     "Boundary",
+    "CallTree",
     "Credit",
     "Episode",
+    "ModelCall",
     "Outcome",
     "RewardBreakdown",
     "RolloutStore",
     "Session",
     "SessionTree",
+    "StatedPlace",
     "StoreError",
     "Turn",
     "VerifyReport",
@@ -41,4 +45,5 @@ __all__ = [
     "messages_hash",
     "register_assigner",
     "session_weights",
+    "sessions_from_calls",
 ]
