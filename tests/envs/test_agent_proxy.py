@@ -390,3 +390,105 @@ def test_a_failing_policy_is_a_500_and_the_server_goes_on(tiny):
             client(link).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         reply = client(link).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         assert reply.choices[0].message.content == "ok"
+
+
+# --- whole episodes of an agent function (envs.agents) ------------------------------------------
+
+from envs.agents import AgentFault, AgentFaultWarning, run_agent_episodes  # noqa: E402
+from envs.datasets import DatasetEnv  # noqa: E402
+from trajectories import Outcome  # noqa: E402
+
+
+@pytest.fixture
+def adding_tasks(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"id": "t1", "prompt": "What is 12 + 30 + 8?", "answer": "50"}) + "\n"
+                    + json.dumps({"id": "t2", "prompt": "What is 12 + 30 + 8 again?",
+                                  "answer": "51"}) + "\n")
+    return DatasetEnv(path=path, reward="numeric", task_id="id")
+
+
+def run_tool_agent(task, base_url, api_key):
+    from types import SimpleNamespace
+    return tool_agent(SimpleNamespace(base_url=base_url, api_key=api_key))
+
+
+def test_agent_episodes_are_scored_trees(tiny, adding_tasks):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, tool_script)
+    episodes = run_agent_episodes(run_tool_agent, adding_tasks.tasks, policy, adding_tasks,
+                                  Sampling(temperature=TEMPERATURE), samples_per_task=2, seed=5,
+                                  group_prefix="g/")
+    assert [(e.task_id, e.sample_id) for e in episodes] == [("t1", 0), ("t1", 1), ("t2", 0), ("t2", 1)]
+    assert [e.reward.outcome for e in episodes] == [Outcome.correct] * 2 + [Outcome.wrong] * 2
+    assert [e.reward.total for e in episodes] == [1.0, 1.0, 0.0, 0.0]
+    assert max(policy.batches) > 1  # four agents at once: their calls were batched
+    for e in episodes:
+        assert e.env_id == "agent_rl/Agent-v0" and e.group_id == f"g/{e.task_id}"
+        assert e.episode_id.startswith(f"g/{e.task_id}#{e.sample_id}@")
+        (session,) = e.sessions
+        assert session.used_by_final is True and e.final_session_id == session.session_id
+        assert e.generation["temperature"] == TEMPERATURE
+        assert e.reward.audit["assistant_turns"] == 3 and e.hash_ok()
+        assert sum(len(t.token_ids or []) for t in session.turns) > 0
+
+
+def test_agent_faults_are_infrastructure_faults(tiny, adding_tasks):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, lambda m: "50")
+    release = threading.Event()
+
+    def raises(task, base_url, api_key):
+        openai.OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": task["prompt"]}])
+        raise KeyError("my bug")
+
+    def hangs(task, base_url, api_key):
+        release.wait(30)
+        return "50"
+
+    def silent(task, base_url, api_key):
+        return "50"
+
+    async def returns_int(task, base_url, api_key):
+        return 50
+
+    task = adding_tasks.tasks[0]
+    expected = {raises: AgentFault.raised, hangs: AgentFault.timeout,
+                silent: AgentFault.no_model_call, returns_int: AgentFault.bad_return}
+    for agent, fault in expected.items():
+        with pytest.warns(AgentFaultWarning, match="task t1"):
+            (episode,) = run_agent_episodes(agent, [task], policy, adding_tasks, timeout_s=5.0)
+        assert episode.reward.outcome == Outcome.sandbox_error and episode.reward.total == 0.0
+        assert episode.reward.audit["agent_fault"] == fault.value
+        assert episode.reward.audit["task_id"] == "t1"
+        assert episode.final_session_id is None and episode.hash_ok()
+        if agent is raises:  # its one call is recorded; the reason names the agent's error
+            assert episode.reward.audit["agent_error"] == "KeyError: 'my bug'"
+            assert episode.sessions[0].metrics["model_calls"] == 1
+    release.set()
+
+
+async def async_agent(task, base_url, api_key):
+    api = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["prompt"]}])
+    return reply.choices[0].message.content
+
+
+def test_async_agents_and_agents_named_by_file(tiny, adding_tasks, tmp_path):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, lambda m: "It is 50.")
+    (episode,) = run_agent_episodes(async_agent, adding_tasks.tasks[:1], policy, adding_tasks)
+    assert episode.reward.outcome == Outcome.correct
+    agent_file = tmp_path / "my_agent.py"
+    agent_file.write_text("import json, urllib.request\n"
+                          "def run(task, base_url, api_key):\n"
+                          "    body = json.dumps({'model': 'm', 'messages': [{'role': 'user', "
+                          "'content': task['prompt']}]}).encode()\n"
+                          "    req = urllib.request.Request(base_url + '/chat/completions', body,"
+                          " {'Content-Type': 'application/json'})\n"
+                          "    reply = json.load(urllib.request.urlopen(req))\n"
+                          "    return reply['choices'][0]['message']['content']\n")
+    (episode,) = run_agent_episodes(f"{agent_file}:run", adding_tasks.tasks[:1], policy, adding_tasks)
+    assert episode.reward.outcome == Outcome.correct and len(episode.sessions) == 1
