@@ -86,8 +86,10 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled reply: text, the sampled token ids, their log-probs, why it stopped, and
-    the revision (number of optimizer steps) of the weights that sampled it."""
+    """One sampled reply: text, the sampled token ids, their log-probs, why it stopped, the
+    revision (number of optimizer steps) of the weights that sampled it, and the prompt ids it
+    was sampled after (empty where the policy does not report them: an OpenAI-compatible
+    endpoint, a scripted policy)."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -95,6 +97,7 @@ class Completion:
     finish_reason: str = "stop"  # stop | length | prompt_too_long
     prompt_tokens: int = 0
     policy_revision: int | None = None
+    prompt_ids: list[int] = field(default_factory=list)
 
     def action(self) -> dict[str, Any]:
         """The env action carrying the generated tokens into the episode record (and the

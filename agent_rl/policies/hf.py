@@ -154,7 +154,7 @@ def chat_prompts(tokenizer: Any, batch: Sequence[list[dict[str, Any]]], sampling
     fits = [(limit is None or len(p) <= limit) and (max_len is None or len(p) < max_len)
             for p in prompts]
     too_long = {b: Completion("", finish_reason=PROMPT_TOO_LONG, prompt_tokens=len(prompts[b]),
-                              policy_revision=revision)
+                              policy_revision=revision, prompt_ids=list(prompts[b]))
                 for b, ok in enumerate(fits) if not ok}
     return prompts, [b for b, ok in enumerate(fits) if ok], too_long, base
 
@@ -289,6 +289,7 @@ class HFPolicy:
                 finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length",
                 prompt_tokens=len(prompt),
                 policy_revision=self.revision,
+                prompt_ids=list(prompt),
             )
             for ids, lps, prompt in zip(tokens, logprobs, prompts, strict=True)
         ]

@@ -286,7 +286,8 @@ class VLLMPolicy:
             budget = min(sampling.max_new_tokens, self.max_model_len - len(prompts[b]))
             if budget <= 0:  # nothing to sample (max_new_tokens 0), as HFPolicy
                 completions[b] = Completion("", finish_reason="length", prompt_tokens=len(prompts[b]),
-                                            policy_revision=self.revision)
+                                            policy_revision=self.revision,
+                                            prompt_ids=list(prompts[b]))
                 continue
             requests.append((b, {"prompt_token_ids": prompts[b]}))
             params.append(SamplingParams(
@@ -296,10 +297,10 @@ class VLLMPolicy:
         if requests:
             outputs = self.llm.generate([r for _, r in requests], params, use_tqdm=False)
             for (b, _), output in zip(requests, outputs, strict=True):
-                completions[b] = self._completion(output.outputs[0], len(prompts[b]))
+                completions[b] = self._completion(output.outputs[0], prompts[b])
         return [completions[b] for b in range(len(batch))]
 
-    def _completion(self, out: Any, prompt_tokens: int) -> Completion:
+    def _completion(self, out: Any, prompt: list[int]) -> Completion:
         ids = [int(t) for t in out.token_ids]
         logprobs = [float(step[t].logprob) for step, t in zip(out.logprobs, ids, strict=True)]
         return Completion(
@@ -307,8 +308,9 @@ class VLLMPolicy:
             token_ids=ids,
             logprobs=logprobs,
             finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length",
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=len(prompt),
             policy_revision=self.revision,
+            prompt_ids=list(prompt),
         )
 
     # --- weight sync ---------------------------------------------------------------------

@@ -1,0 +1,494 @@
+"""The policy server (envs.agent_proxy) with real agents written with the `openai` package,
+served by the tiny model: tool calls over several turns, a compression the agent does itself,
+sub-agents (two in parallel threads), the inferred session tree, and token ids and log-probs
+equal to what the trainer scores (render_session + the model's log-probs); bad requests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from agent_rl.policies.hf import HFPolicy, sequence_logprobs  # noqa: E402
+from agent_rl.policies.models import tiny_model  # noqa: E402
+from agent_rl.policies.render import conversation_ids, end_of_turn_id, render_session  # noqa: E402
+from envs.agent_proxy import PolicyServer  # noqa: E402
+from envs.runner import Completion, Sampling  # noqa: E402
+from trajectories import sessions_from_calls  # noqa: E402
+
+TEMPERATURE = 0.7
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "a + b",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(seed=0)
+
+
+class ScriptedModel:
+    """A Policy whose replies are scripted text, with the ids the tokenizer gives them plus
+    <|im_end|>, scored by the tiny model (teacher forcing): the log-probs the model gives those
+    tokens after the prompt, as a sampling policy reports them."""
+
+    def __init__(self, model, tok, script, revision=3):
+        self.model, self.tok, self.script, self.revision = model, tok, script, revision
+        self.batches: list[int] = []
+
+    def generate(self, batch, sampling):
+        self.batches.append(len(batch))
+        out = []
+        for messages in batch:
+            prompt = conversation_ids(self.tok, messages)
+            text = self.script(messages)
+            ids = self.tok.encode(text, add_special_tokens=False) + [end_of_turn_id(self.tok)]
+            with torch.no_grad():
+                lp = sequence_logprobs(self.model, torch.tensor([prompt + ids]),
+                                       temperature=sampling.temperature)[0, len(prompt):]
+            out.append(Completion(self.tok.decode(ids, skip_special_tokens=True), ids,
+                                  lp.tolist(), "stop", len(prompt), self.revision, prompt))
+        return out
+
+
+def scored_difference(model, tok, tree, calls) -> float:
+    """Check that every session renders to its calls' prompt + completion ids, and return the
+    largest |log-prob the trainer computes - log-prob recorded| over the trained tokens."""
+    worst = 0.0
+    for session in tree.sessions:
+        rendered = render_session(tok, session)
+        ids = rendered.input_ids.tolist()
+        own = [c for c in calls if tree.session_of[c.index] == session.session_id]
+        assert own
+        for call in own:
+            assert ids[:len(call.context_ids)] == call.context_ids, session.session_id
+        trained = rendered.input_ids[rendered.loss_mask].tolist()
+        assert trained == [t for c in own for t in c.completion_ids]
+        with torch.no_grad():
+            lp = sequence_logprobs(model, rendered.input_ids[None], temperature=TEMPERATURE)[0]
+        recorded = torch.tensor([x for c in own for x in c.logprobs])
+        assert torch.equal(rendered.old_logprobs[rendered.loss_mask], recorded)
+        worst = max(worst, float((lp[rendered.loss_mask] - recorded).abs().max()))
+    return worst
+
+
+def client(link):
+    return openai.OpenAI(base_url=link.base_url, api_key=link.api_key, max_retries=0)
+
+
+# --- agents: ordinary code over the openai client ----------------------------------------------
+
+
+def tool_agent(link, stream=False) -> str:
+    """Adds three numbers with the add tool, one call per turn."""
+    api = client(link)
+    messages = [{"role": "system", "content": "You add numbers with tools."},
+                {"role": "user", "content": "What is 12 + 30 + 8?"}]
+    for _ in range(6):
+        if stream:
+            content, calls = "", {}
+            for chunk in api.chat.completions.create(model="m", messages=messages, tools=[ADD],
+                                                     temperature=TEMPERATURE, stream=True):
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for c in delta.tool_calls or []:
+                    calls[c.index] = {"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name,
+                                                   "arguments": c.function.arguments}}
+            message = {"role": "assistant", "content": content or None}
+            if calls:
+                message["tool_calls"] = [calls[k] for k in sorted(calls)]
+        else:
+            reply = api.chat.completions.create(model="m", messages=messages, tools=[ADD],
+                                                temperature=TEMPERATURE)
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+        messages.append(message)
+        if not message.get("tool_calls"):
+            return message["content"]
+        for call in message["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": call["id"],
+                             "content": str(args["a"] + args["b"])})
+    raise AssertionError("the agent did not finish")
+
+
+def tool_script(messages):
+    last = messages[-1]
+    if last["role"] == "user":
+        return '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+    if last["content"] == "42":
+        return 'Next: <tool_call>{"name": "add", "arguments": {"a": 42, "b": 8}}</tool_call>'
+    return f"The answer is {last['content']}."
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_calls_over_several_turns(tiny, stream):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, tool_script)
+    with PolicyServer(policy, Sampling(temperature=TEMPERATURE)) as server:
+        link = server.open_episode()
+        assert tool_agent(link, stream=stream) == "The answer is 50."
+        calls = link.calls()
+    assert [c.index for c in calls] == [0, 1, 2]
+    # the policy was shown the tools as Hermes instructions in the system message
+    assert "add" in calls[0].messages[0]["content"] and "<tool_call>" in calls[0].messages[0]["content"]
+    # the reply is recorded as the policy's own text, tool-call block included
+    assert calls[1].reply["content"].startswith("Next: <tool_call>")
+    assert [m["role"] for m in calls[2].messages] == ["system", "user", "assistant", "tool",
+                                                      "assistant", "tool"]
+    assert calls[2].messages[3] == {"role": "tool", "content": "42", "name": "add"}
+    assert all(c.revision == 3 for c in calls)
+    tree = sessions_from_calls(calls, "ep")
+    assert len(tree.sessions) == 1 and tree.sessions[0].origin == "root"
+    assert scored_difference(model, tok, tree, calls) < 1e-5
+
+
+def compression_agent(link) -> str:
+    """Answers, asks itself for a summary, and starts a new message list from it."""
+    api = client(link)
+    task = "Remember: the code is 7. Then say the code."
+    messages = [{"role": "user", "content": task}]
+    first = api.chat.completions.create(model="m", messages=messages).choices[0].message
+    messages += [{"role": "assistant", "content": first.content},
+                 {"role": "user", "content": "Summarize what you know."}]
+    summary = api.chat.completions.create(model="m", messages=messages).choices[0].message.content
+    fresh = [{"role": "user", "content": f"{task}\nNotes: {summary}"}]
+    return api.chat.completions.create(model="m", messages=fresh).choices[0].message.content
+
+
+def compression_script(messages):
+    last = messages[-1]["content"]
+    if last.startswith("Summarize"):
+        return "Notes: code 7."
+    if "Notes:" in last:
+        return "7"
+    return "I will remember."
+
+
+def test_compression_the_agent_does_itself(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, compression_script),
+                      Sampling(temperature=TEMPERATURE)) as server:
+        link = server.open_episode()
+        assert compression_agent(link) == "7"
+        calls = link.calls()
+    tree = sessions_from_calls(calls, "ep")
+    root, child = tree.sessions
+    assert tree.session_of == {0: root.session_id, 1: root.session_id, 2: child.session_id}
+    assert (child.parent_id, child.origin) == (root.session_id, "compression")
+    assert child.boundary.summary == "Notes: code 7."
+    assert child.boundary.before[-1]["content"] == "Notes: code 7."
+    assert child.boundary.after == calls[2].messages
+    assert scored_difference(model, tok, tree, calls) < 1e-5
+
+
+def subagent_agent(link, parallel: bool) -> str:
+    """Plans, runs two sub-agents (each its own message list; in threads when ``parallel``),
+    then answers from their results."""
+    api = client(link)
+    messages = [{"role": "user", "content": "Find the two halves."}]
+    plan = api.chat.completions.create(model="m", messages=messages).choices[0].message
+    messages.append({"role": "assistant", "content": plan.content})
+    results = {}
+
+    def sub(name):
+        own = [{"role": "user", "content": f"Sub-task: find half {name}."}]
+        first = api.chat.completions.create(model="m", messages=own).choices[0].message
+        own += [{"role": "assistant", "content": first.content},
+                {"role": "user", "content": "Now return it."}]
+        results[name] = api.chat.completions.create(model="m", messages=own).choices[0].message.content
+
+    if parallel:
+        threads = [threading.Thread(target=sub, args=(n,)) for n in ("A", "B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        sub("A")
+        sub("B")
+    messages.append({"role": "user", "content": f"Results: {results['A']} {results['B']}"})
+    return api.chat.completions.create(model="m", messages=messages).choices[0].message.content
+
+
+def subagent_script(messages):
+    last = messages[-1]["content"]
+    if last.startswith("Sub-task"):
+        return "Looking."
+    if last == "Now return it.":
+        return "half-" + messages[0]["content"][-2]
+    if last.startswith("Results"):
+        return "Both: " + last[len("Results: "):]
+    return "I will ask two helpers."
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+def test_subagents_with_their_own_message_lists(tiny, parallel):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, subagent_script)
+    with PolicyServer(policy, Sampling(temperature=TEMPERATURE), window_s=0.2) as server:
+        link = server.open_episode()
+        assert subagent_agent(link, parallel) == "Both: half-A half-B"
+        calls = link.calls()
+        batches = server.batches
+    tree = sessions_from_calls(calls, "ep")
+    root, *subs = tree.sessions
+    assert len(subs) == 2 and root.origin == "root"
+    assert all((s.parent_id, s.origin) == (root.session_id, "branch") for s in subs)
+    assert sorted(s.boundary.returned for s in subs) == ["half-A", "half-B"]
+    assert all(len(s.turns) == 4 and s.metrics["model_calls"] == 2 for s in subs)
+    assert root.metrics["model_calls"] == 2
+    if parallel:  # the sub-agents' calls met in the batching window: two per generate
+        assert max(batches) == 2 and max(policy.batches) == 2
+    assert scored_difference(model, tok, tree, calls) < 1e-5
+
+
+def test_stated_place_wins_over_inference(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: "ok")) as server:
+        link = server.open_episode()
+        api = client(link)
+        api.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        api.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}],
+                                    extra_body={"agent_rl": {"session": "helper",
+                                                             "origin": "branch"}})
+        calls = link.calls()
+    tree = sessions_from_calls(calls, "ep")
+    # without the statement the root never calls again: a compression
+    assert [(s.session_id, s.origin) for s in tree.sessions] == [("ep/s0", "root"),
+                                                                ("helper", "branch")]
+
+
+def test_sampled_replies_are_never_retokenized(tiny):
+    """The real HFPolicy sampling at T=0.7 over four turns: every later prompt carries the
+    sampled ids, so rendering the session gives the prompts the policy saw, and the trainer's
+    log-probs equal the recorded ones to float noise."""
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    with PolicyServer(policy, Sampling(temperature=TEMPERATURE, max_new_tokens=12, seed=0)) as server:
+        link = server.open_episode()
+        api = client(link)
+        messages = [{"role": "user", "content": "Talk to me."}]
+        for turn in range(4):
+            reply = api.chat.completions.create(model="m", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": f"Go on ({turn})."}]
+        calls = link.calls()
+    tree = sessions_from_calls(calls, "ep")
+    assert len(tree.sessions) == 1 and tree.sessions[0].metrics["model_calls"] == 4
+    assert all(c.revision == 0 and len(c.completion_ids) >= 1 for c in calls)
+    assert scored_difference(model, tok, tree, calls) < 1e-4
+
+
+# --- bad requests, unknown episodes, faults -----------------------------------------------------
+
+
+def post(link, body: bytes, path="/chat/completions"):
+    host, port = "127.0.0.1", int(link.base_url.split(":")[2].split("/")[0])
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    prefix = link.base_url.split(f":{port}", 1)[1]
+    conn.request("POST", prefix + path, body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "stop"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "agent_rl": {"origin": "root"}}, "agent_rl"),
+])
+def test_bad_requests_get_a_400_naming_the_field(tiny, body, param):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, lambda m: "ok")
+    with PolicyServer(policy) as server:
+        link = server.open_episode()
+        status, error = post(link, json.dumps(body).encode())
+        assert status == 400 and error["error"]["param"] == param, error
+        assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"]
+        # the server still serves, and nothing was generated or recorded
+        reply = client(link).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}])
+        assert reply.choices[0].message.content == "ok"
+    assert policy.batches == [1] and len(link.calls()) == 1
+
+
+def test_bad_json_and_the_openai_client_error(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: "ok")) as server:
+        link = server.open_episode()
+        for raw in (b"{not json", b"[1, 2]", "\"\udc80\"".encode("utf-8", "surrogatepass")):
+            status, error = post(link, raw)
+            assert status == 400 and "error" in error
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(link).chat.completions.create(model="m", n=3,
+                                                 messages=[{"role": "user", "content": "x"}])
+        assert caught.value.body["param"] == "n"
+
+
+def test_episode_urls_are_per_episode_and_end(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: "ok")) as server:
+        one, two = server.open_episode(), server.open_episode()
+        assert one.base_url != two.base_url and len(one.token) >= 32
+        assert [m.id for m in client(one).models.list()] == ["agent-rl-policy"]
+        one.close()
+        with pytest.raises(openai.NotFoundError) as caught:
+            client(one).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert caught.value.body["code"] == "episode_not_found"
+        status, error = post(two, b"{}", path="/../../e/guess/v1/chat/completions")
+        assert status == 404
+        client(two).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert len(two.calls()) == 1 and one.calls() == []
+
+
+def test_a_prompt_over_the_limit_is_a_400_the_agent_can_react_to(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    with PolicyServer(policy, Sampling(max_new_tokens=4, max_prompt_tokens=40)) as server:
+        link = server.open_episode()
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(link).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "long " * 100}])
+        assert caught.value.body["code"] == "context_length_exceeded"
+        assert caught.value.body["param"] == "messages"
+        client(link).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert [r["reason"] for r in link.refused] == ["prompt_too_long"]
+    assert link.refused[0]["prompt_tokens"] > 40 and len(link.calls()) == 1
+
+
+def test_a_failing_policy_is_a_500_and_the_server_goes_on(tiny):
+    model, tok = tiny
+    state = {"fail": True}
+
+    def script(messages):
+        if state.pop("fail", False):
+            raise RuntimeError("boom")
+        return "ok"
+
+    with PolicyServer(ScriptedModel(model, tok, script)) as server:
+        link = server.open_episode()
+        with pytest.raises(openai.InternalServerError):
+            client(link).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        reply = client(link).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert reply.choices[0].message.content == "ok"
+
+
+# --- whole episodes of an agent function (envs.agents) ------------------------------------------
+
+from envs.agents import AgentFault, AgentFaultWarning, run_agent_episodes  # noqa: E402
+from envs.datasets import DatasetEnv  # noqa: E402
+from trajectories import Outcome  # noqa: E402
+
+
+@pytest.fixture
+def adding_tasks(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"id": "t1", "prompt": "What is 12 + 30 + 8?", "answer": "50"}) + "\n"
+                    + json.dumps({"id": "t2", "prompt": "What is 12 + 30 + 8 again?",
+                                  "answer": "51"}) + "\n")
+    return DatasetEnv(path=path, reward="numeric", task_id="id")
+
+
+def run_tool_agent(task, base_url, api_key):
+    from types import SimpleNamespace
+    return tool_agent(SimpleNamespace(base_url=base_url, api_key=api_key))
+
+
+def test_agent_episodes_are_scored_trees(tiny, adding_tasks):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, tool_script)
+    episodes = run_agent_episodes(run_tool_agent, adding_tasks.tasks, policy, adding_tasks,
+                                  Sampling(temperature=TEMPERATURE), samples_per_task=2, seed=5,
+                                  group_prefix="g/")
+    assert [(e.task_id, e.sample_id) for e in episodes] == [("t1", 0), ("t1", 1), ("t2", 0), ("t2", 1)]
+    assert [e.reward.outcome for e in episodes] == [Outcome.correct] * 2 + [Outcome.wrong] * 2
+    assert [e.reward.total for e in episodes] == [1.0, 1.0, 0.0, 0.0]
+    assert max(policy.batches) > 1  # four agents at once: their calls were batched
+    for e in episodes:
+        assert e.env_id == "agent_rl/Agent-v0" and e.group_id == f"g/{e.task_id}"
+        assert e.episode_id.startswith(f"g/{e.task_id}#{e.sample_id}@")
+        (session,) = e.sessions
+        assert session.used_by_final is True and e.final_session_id == session.session_id
+        assert e.generation["temperature"] == TEMPERATURE
+        assert e.reward.audit["assistant_turns"] == 3 and e.hash_ok()
+        assert sum(len(t.token_ids or []) for t in session.turns) > 0
+
+
+def test_agent_faults_are_infrastructure_faults(tiny, adding_tasks):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, lambda m: "50")
+    release = threading.Event()
+
+    def raises(task, base_url, api_key):
+        openai.OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": task["prompt"]}])
+        raise KeyError("my bug")
+
+    def hangs(task, base_url, api_key):
+        release.wait(30)
+        return "50"
+
+    def silent(task, base_url, api_key):
+        return "50"
+
+    async def returns_int(task, base_url, api_key):
+        return 50
+
+    task = adding_tasks.tasks[0]
+    expected = {raises: AgentFault.raised, hangs: AgentFault.timeout,
+                silent: AgentFault.no_model_call, returns_int: AgentFault.bad_return}
+    for agent, fault in expected.items():
+        with pytest.warns(AgentFaultWarning, match="task t1"):
+            (episode,) = run_agent_episodes(agent, [task], policy, adding_tasks, timeout_s=5.0)
+        assert episode.reward.outcome == Outcome.sandbox_error and episode.reward.total == 0.0
+        assert episode.reward.audit["agent_fault"] == fault.value
+        assert episode.reward.audit["task_id"] == "t1"
+        assert episode.final_session_id is None and episode.hash_ok()
+        if agent is raises:  # its one call is recorded; the reason names the agent's error
+            assert episode.reward.audit["agent_error"] == "KeyError: 'my bug'"
+            assert episode.sessions[0].metrics["model_calls"] == 1
+    release.set()
+
+
+async def async_agent(task, base_url, api_key):
+    api = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["prompt"]}])
+    return reply.choices[0].message.content
+
+
+def test_async_agents_and_agents_named_by_file(tiny, adding_tasks, tmp_path):
+    model, tok = tiny
+    policy = ScriptedModel(model, tok, lambda m: "It is 50.")
+    (episode,) = run_agent_episodes(async_agent, adding_tasks.tasks[:1], policy, adding_tasks)
+    assert episode.reward.outcome == Outcome.correct
+    agent_file = tmp_path / "my_agent.py"
+    agent_file.write_text("import json, urllib.request\n"
+                          "def run(task, base_url, api_key):\n"
+                          "    body = json.dumps({'model': 'm', 'messages': [{'role': 'user', "
+                          "'content': task['prompt']}]}).encode()\n"
+                          "    req = urllib.request.Request(base_url + '/chat/completions', body,"
+                          " {'Content-Type': 'application/json'})\n"
+                          "    reply = json.load(urllib.request.urlopen(req))\n"
+                          "    return reply['choices'][0]['message']['content']\n")
+    (episode,) = run_agent_episodes(f"{agent_file}:run", adding_tasks.tasks[:1], policy, adding_tasks)
+    assert episode.reward.outcome == Outcome.correct and len(episode.sessions) == 1
