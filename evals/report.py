@@ -55,6 +55,7 @@ SLICE_NUMBERS = ("n", "n_tasks", "n_infra_faults", "reward/mean", "reward/lo", "
 WORST_SLICES = 3  # slices linked to their transcripts, lowest reward/mean first
 WORST_EPISODES = 4  # episodes listed (and transcribed) per linked slice, lowest reward first
 TURN_CHARS = 4000  # a turn's text is cut after this many characters (the store keeps it whole)
+TICK_CHARS = 8  # a tick label longer than this in fixed notation is written as 1.5e-09
 CHAR_PX = 6.6  # width of a character of the charts' 11px font, generously (labels are sized by it)
 LABEL_CHARS = 56  # a bar label wraps after this many characters
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
@@ -76,8 +77,9 @@ def _fmt(value: Any) -> str:
 def _ticks(lo: float, hi: float, n: int = 6, integer: bool = False) -> list[tuple[float, str]]:
     """About ``n`` round ticks (1, 2 or 5 times a power of ten apart) inside [lo, hi], each
     with its label: as many decimals as the spacing needs, so neighbours never read alike
-    (6.4502, 6.4504, ... not 6.45 on every tick), and no offset to add. ``integer``: whole
-    numbers only (steps), at least 1 apart."""
+    (6.4502, 6.4504, ... not 6.45 on every tick), and no offset to add; a label longer than
+    ``TICK_CHARS`` in fixed notation in scientific notation with as many digits. ``integer``:
+    whole numbers only (steps), at least 1 apart."""
     raw = (hi - lo) / (n - 1)
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
@@ -86,7 +88,12 @@ def _ticks(lo: float, hi: float, n: int = 6, integer: bool = False) -> list[tupl
     decimals = max(0, -math.floor(math.log10(step) + 1e-9))
     first = math.ceil(lo / step - 1e-9) * step
     values = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-    return [(v, f"{round(v, decimals) + 0.0:.{decimals}f}") for v in values]  # + 0.0: no "-0"
+    labels = [f"{round(v, decimals) + 0.0:.{decimals}f}" for v in values]  # + 0.0: no "-0"
+    if max(map(len, labels), default=0) > TICK_CHARS:  # 0.000000001: as 1e-09, digits kept
+        top = max(abs(v) for v in values) or step
+        digits = max(0, math.floor(math.log10(top)) - math.floor(math.log10(step) + 1e-9))
+        labels = [f"{v:.{digits}e}" if abs(v) > step / 2 else "0" for v in values]
+    return list(zip(values, labels, strict=True))
 
 
 def _span(values: Sequence[float]) -> tuple[float, float]:

@@ -245,6 +245,9 @@ def test_a_narrow_range_gets_distinct_tick_labels():
     assert len(y) >= 3 and len(set(y)) == len(y), y
     assert all(float(a) < float(b) for a, b in zip(y, y[1:], strict=False)), y  # full values
     assert {"6.4466", "6.4468"} <= set(y), y
+    # values near 1e-9 (kl/approx of an unchanged policy): short labels, still distinct
+    y, _ = tick_labels(line_chart("kl", {"k": [(1, -1.2e-9, None, None), (2, 2.3e-9, None, None)]}))
+    assert y == ["-1e-09", "0", "1e-09", "2e-09"], y
 
 
 def test_step_ticks_are_whole_numbers():
