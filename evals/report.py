@@ -40,12 +40,24 @@ CURVES = [("reward/mean", "reward/mean"), ("holdout/reward", "holdout/reward"),
           ("loss/policy", "loss/policy"), ("KL of each update", "kl/update"),
           ("KL to the reference", "kl/ref"), ("kl/approx (before the update)", "kl/approx"),
           ("response/length_mean", "response/length_mean"), ("entropy", "policy/entropy")]
+# (title, metrics key) of the session and note curves, shown for runs whose episodes had more
+# than one session (a compression writes a note that the next session starts from).
+SESSION_CURVES = [("sessions per episode", "sessions/per_episode"),
+                  ("notes per episode (compressions)", "sessions/compressions_per_episode"),
+                  ("tokens per note", "sessions/summary_tokens"),
+                  ("share of notes the final answer used", "sessions/summary_used_frac"),
+                  ("branches per step", "sessions/branches")]
+# eval.jsonl's note columns (the held-out episodes' notes), shown when any is non-zero
+EVAL_NOTES = ("compressions_per_episode", "summary_tokens", "summary_used_frac")
 # slice_summary columns that are numbers, not slice keys.
 SLICE_NUMBERS = ("n", "n_tasks", "n_infra_faults", "reward/mean", "reward/lo", "reward/hi",
                  "success/k", "success/rate", "success/lo", "success/hi")
 WORST_SLICES = 3  # slices linked to their transcripts, lowest reward/mean first
 WORST_EPISODES = 4  # episodes listed (and transcribed) per linked slice, lowest reward first
 TURN_CHARS = 4000  # a turn's text is cut after this many characters (the store keeps it whole)
+TICK_CHARS = 8  # a tick label longer than this in fixed notation is written as 1.5e-09
+CHAR_PX = 6.6  # width of a character of the charts' 11px font, generously (labels are sized by it)
+LABEL_CHARS = 56  # a bar label wraps after this many characters
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 STATUS_COLORS = {"pass": "#2ca02c", "fail": "#d62728", "inconclusive": "#ff7f0e"}
 
@@ -62,13 +74,26 @@ def _fmt(value: Any) -> str:
     return "–" if x is None else f"{x:.4g}"
 
 
-def _ticks(lo: float, hi: float, n: int = 6) -> list[float]:
-    """About ``n`` round tick values (1, 2 or 5 times a power of ten apart) inside [lo, hi]."""
+def _ticks(lo: float, hi: float, n: int = 6, integer: bool = False) -> list[tuple[float, str]]:
+    """About ``n`` round ticks (1, 2 or 5 times a power of ten apart) inside [lo, hi], each
+    with its label: as many decimals as the spacing needs, so neighbours never read alike
+    (6.4502, 6.4504, ... not 6.45 on every tick), and no offset to add; a label longer than
+    ``TICK_CHARS`` in fixed notation in scientific notation with as many digits. ``integer``:
+    whole numbers only (steps), at least 1 apart."""
     raw = (hi - lo) / (n - 1)
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    if integer:
+        step = max(round(step), 1)
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    first = math.ceil(lo / step - 1e-9) * step
+    values = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    labels = [f"{round(v, decimals) + 0.0:.{decimals}f}" for v in values]  # + 0.0: no "-0"
+    if max(map(len, labels), default=0) > TICK_CHARS:  # 0.000000001: as 1e-09, digits kept
+        top = max(abs(v) for v in values) or step
+        digits = max(0, math.floor(math.log10(top)) - math.floor(math.log10(step) + 1e-9))
+        labels = [f"{v:.{digits}e}" if abs(v) > step / 2 else "0" for v in values]
+    return list(zip(values, labels, strict=True))
 
 
 def _span(values: Sequence[float]) -> tuple[float, float]:
@@ -91,7 +116,7 @@ def line_chart(title: str, series: Mapping[str, Sequence[tuple[Any, Any, Any, An
                width: int = 460, height: int = 240) -> str:
     """Curves as SVG: ``series`` maps a name to points ``(x, y, lo, hi)`` (lo/hi may be None:
     no error bar). Non-finite points are skipped and break the line."""
-    left, right, top, bottom = 56, 12, 26, 36
+    left, right, top, bottom = 64, 12, 26, 36
     pts = {name: [(_num(x), _num(y), _num(lo), _num(hi)) for x, y, lo, hi in points]
            for name, points in series.items()}
     finite = [(x, y, lo, hi) for p in pts.values() for x, y, lo, hi in p
@@ -105,13 +130,14 @@ def line_chart(title: str, series: Mapping[str, Sequence[tuple[Any, Any, Any, An
     sy = lambda y: height - bottom - (y - y0) / (y1 - y0) * (height - top - bottom)  # noqa: E731
     body = [f'<rect x="{left}" y="{top}" width="{width - left - right}" '
             f'height="{height - top - bottom}" class="frame"/>']
-    for y in _ticks(y0, y1):
+    for y, label in _ticks(y0, y1):
         body.append(f'<line x1="{left}" x2="{width - right}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
                     f'class="grid"/><text x="{left - 4}" y="{sy(y) + 4:.1f}" '
-                    f'text-anchor="end">{y:.3g}</text>')
-    for x in _ticks(x0, x1):
+                    f'text-anchor="end">{label}</text>')
+    whole = all(p[0] == int(p[0]) for p in finite)  # steps: integer ticks
+    for x, label in _ticks(x0, x1, integer=whole):
         body.append(f'<text x="{sx(x):.1f}" y="{height - bottom + 14}" '
-                    f'text-anchor="middle">{x:.3g}</text>')
+                    f'text-anchor="middle">{label}</text>')
     body.append(f'<text x="{(left + width - right) / 2}" y="{height - 4}" '
                 f'text-anchor="middle">step</text>')
     for i, (name, points) in enumerate(pts.items()):
@@ -139,12 +165,32 @@ def line_chart(title: str, series: Mapping[str, Sequence[tuple[Any, Any, Any, An
     return _svg(width, height, title, body)
 
 
+def label_lines(label: str, chars: int = LABEL_CHARS) -> list[str]:
+    """A bar label in lines of at most ``chars`` characters, broken between its ``" · "``
+    parts (``structure=a · entity_group=b``), then at spaces, a longer word cut."""
+    import textwrap
+
+    lines: list[str] = []
+    for part in label.split(" · "):
+        pieces = textwrap.wrap(part, chars, break_on_hyphens=False) or [""]
+        if lines and len(lines[-1]) + 3 + len(pieces[0]) <= chars:
+            lines[-1] += " · " + pieces.pop(0)
+        lines += pieces
+    return lines
+
+
 def bar_chart(title: str, rows: Sequence[tuple[str, Any, Any, Any, Any]],
-              colors: Sequence[str] | None = None, width: int = 640) -> str:
+              colors: Sequence[str] | None = None, plot_width: int = 290) -> str:
     """Horizontal bars as SVG, one per ``(label, value, lo, hi, n)`` row, with an interval
-    whisker from lo to hi and an ``n=`` label; a row without a finite value shows ``n/a``."""
-    label_w, right, top, row_h = 240, 110, 26, 22
-    height = top + row_h * max(len(rows), 1) + 24
+    whisker from lo to hi and an ``n=`` label; a row without a finite value shows ``n/a``.
+    Labels are never clipped: long ones wrap (``label_lines``), the label column is as wide
+    as its longest line (``CHAR_PX`` a character) and a row as tall as its label."""
+    labels = [label_lines(str(label)) for label, *_ in rows]
+    longest = max((len(line) for lines in labels for line in lines), default=0)
+    label_w, right, top, line_h = max(60, math.ceil(longest * CHAR_PX) + 12), 110, 26, 13
+    width = label_w + plot_width + right
+    heights = [22 + line_h * (len(lines) - 1) for lines in labels]
+    height = top + sum(heights or [22]) + 24
     vals = [v for _, *nums, _ in rows for v in map(_num, nums) if v is not None]
     if not vals:
         return _svg(width, 60, title, [f'<text x="{width / 2}" y="44" text-anchor="middle">'
@@ -153,18 +199,20 @@ def bar_chart(title: str, rows: Sequence[tuple[str, Any, Any, Any, Any]],
     x0 = min(x0, 0.0)
     sx = lambda x: label_w + (x - x0) / (x1 - x0) * (width - label_w - right)  # noqa: E731
     body = [f'<line x1="{sx(0):.1f}" x2="{sx(0):.1f}" y1="{top}" y2="{height - 24}" class="axis"/>']
-    for x in _ticks(x0, x1):
-        body.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle">{x:.3g}</text>')
-    for i, (label, value, lo, hi, n) in enumerate(rows):
-        y = top + row_h * i
+    for x, tick in _ticks(x0, x1):
+        body.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle">{tick}</text>')
+    y = top
+    for i, ((_, value, lo, hi, n), lines, row_h) in enumerate(zip(rows, labels, heights, strict=True)):
         color = (colors or COLORS)[i % len(colors or COLORS)]
         v, lo, hi = _num(value), _num(lo), _num(hi)
-        body.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">'
-                    f'{escape(str(label))}</text>')
+        body.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">' + "".join(
+            f'<tspan x="{label_w - 6}" dy="{0 if k == 0 else line_h}">{escape(line)}</tspan>'
+            for k, line in enumerate(lines)) + "</text>")
+        y += row_h - 22  # the bar sits beside the label's last line
         if v is not None:
             a, b = sorted((sx(0), sx(v)))
             body.append(f'<rect x="{a:.1f}" y="{y + 4}" width="{max(b - a, 1):.1f}" '
-                        f'height="{row_h - 8}" fill="{color}" opacity="0.75"/>')
+                        f'height="14" fill="{color}" opacity="0.75"/>')
         if lo is not None and hi is not None:
             body.append(f'<line x1="{sx(lo):.1f}" x2="{sx(hi):.1f}" y1="{y + 11}" y2="{y + 11}" '
                         f'class="whisker"/>' + "".join(
@@ -172,6 +220,7 @@ def bar_chart(title: str, rows: Sequence[tuple[str, Any, Any, Any, Any]],
                             f'y2="{y + 16}" class="whisker"/>' for e in (lo, hi)))
         note = f"{_fmt(v) if v is not None else 'n/a'}  n={_fmt(n)}"
         body.append(f'<text x="{width - right + 4}" y="{y + 15}">{note}</text>')
+        y += 22
     return _svg(width, height, title, body)
 
 
@@ -194,11 +243,16 @@ def _slice_label(row: Mapping[str, Any]) -> str:
     return " · ".join(f"{k}={row[k]}" for k in keys) or "all"
 
 
-def _metrics_section(metrics: Sequence[Mapping[str, Any]]) -> str:
+def multi_session(metrics: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any step's episodes had more than one session (``sessions/per_episode``)."""
+    return any((_num(m.get("sessions/per_episode")) or 0) > 1 for m in metrics)
+
+
+def _metrics_section(metrics: Sequence[Mapping[str, Any]], curves=CURVES) -> str:
     if not metrics:
         return "<p>No training metrics.</p>"
     charts, summary = [], []
-    for title, key in CURVES:
+    for title, key in curves:
         if all(m.get(key) is None for m in metrics):  # never logged, or not measured (None)
             continue
         # steps without the key (holdout/reward is logged on eval steps only) are left out;
@@ -225,6 +279,8 @@ def _evals_section(evals: Sequence[Mapping[str, Any]]) -> str:
     chart = line_chart("held-out reward (95% interval)", {"holdout": points})
     columns = ["step", "tag", "reward_mean", "reward_lo", "reward_hi", "success", "success_lo",
                "success_hi", "n"]
+    if any(_num(e.get(k)) for e in evals for k in EVAL_NOTES):  # the held-out episodes' notes
+        columns += EVAL_NOTES
     return f'<div class="charts">{chart}</div>' + _table(columns, evals)
 
 
@@ -360,6 +416,11 @@ def _worst_sections(slices: Sequence[Mapping[str, Any]], evaluation: EvalRun,
             ("Transcripts", transcripts or "<p>No transcripts stored for these episodes.</p>")]
 
 
+def _details_section(details: Mapping[str, str]) -> str:
+    rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in details.items())
+    return f'<table class="details">{rows}</table>'
+
+
 def _decision_section(decision: Decision | Mapping[str, Any]) -> str:
     d = decision.model_dump() if isinstance(decision, Decision) else dict(decision)
     status = str(d.get("status", "?"))
@@ -384,6 +445,7 @@ table{border-collapse:collapse;margin:12px 0;font-size:12px}
 td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#f4f4f4}
 .status{display:inline-block;color:#fff;padding:4px 12px;font-weight:700;border-radius:4px}
 td code{font-size:11px;white-space:nowrap}
+.details th,.details td{text-align:left}
 .transcript{border:1px solid #ddd;margin:12px 0;padding:4px 12px}.fault{color:#d62728}
 .session{margin:8px 0 8px 12px}.turn{margin:6px 0}
 .turn pre,.session pre{white-space:pre-wrap;background:#f7f7f7;padding:6px;margin:2px 0}
@@ -401,17 +463,25 @@ def write_report(
     decision: Decision | Mapping[str, Any] | None = None,
     evaluation: EvalRun | None = None,
     episodes_path: str | Path | None = None,
+    details: Mapping[str, str] | None = None,
 ) -> Path:
     """Write the HTML report to ``path`` (parents created); returns the path. ``evaluation``
     (the records and episodes behind ``slices``) adds the worst slices' transcripts;
-    ``episodes_path`` (where its episodes are stored) the commands that show them."""
-    sections = [("Training curves", _metrics_section(metrics or [])),
-                ("Held-out evaluation", _evals_section(evals or [])),
-                ("Slices", _slices_section(slices or []))]
+    ``episodes_path`` (where its episodes are stored) the commands that show them; ``details``
+    (name -> text: ``run_details``) a table at the top. Metrics of multi-session episodes
+    (``multi_session``) add the session and note curves (``SESSION_CURVES``)."""
+    metrics = metrics or []
+    sections = [("Training curves", _metrics_section(metrics))]
+    if multi_session(metrics):
+        sections.append(("Sessions and notes", _metrics_section(metrics, SESSION_CURVES)))
+    sections += [("Held-out evaluation", _evals_section(evals or [])),
+                 ("Slices", _slices_section(slices or []))]
     if evaluation is not None and slices:
         sections += _worst_sections(slices, evaluation, episodes_path)
     if decision is not None:
         sections.insert(0, ("Decision", _decision_section(decision)))
+    if details:
+        sections.insert(0, ("Run", _details_section(details)))
     html = ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
             f"<h1>{escape(title)}</h1>"
@@ -442,13 +512,110 @@ def write_run_report(run_dir: str | Path, path: str | Path | None = None, *,
     if slices is None:
         slices = _before_after_slices(run_dir / "evals")
     episodes_path = run_dir / "evals" / "episodes" / "after.jsonl"
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
     return write_report(path or run_dir / "report.html", title=f"agent-rl run {run_dir.name}",
-                        metrics=_read_jsonl(run_dir / "metrics.jsonl"),
-                        evals=_read_jsonl(run_dir / "eval.jsonl"), slices=slices,
+                        metrics=metrics, evals=_read_jsonl(run_dir / "eval.jsonl"), slices=slices,
                         decision=decision,
                         evaluation=_stored_evaluation(run_dir / "evals" / "after.jsonl",
                                                       episodes_path),
-                        episodes_path=episodes_path)
+                        episodes_path=episodes_path, details=run_details(run_dir, metrics))
+
+
+def run_details(run_dir: Path, metrics: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """What a run was, from its folder: model, environment, assigner (from ``contract.yaml``),
+    steps and the time they took (``metrics.jsonl``: the sum of ``step/seconds``; held-out
+    evaluations and loading are not in it), the contract hash, the result (``result.json``)
+    or the guard that stopped it (``guard.json``), and the code that wrote the report
+    (``code_version``). A file that is missing or unreadable leaves its lines out."""
+    import yaml
+
+    try:
+        contract = yaml.safe_load((run_dir / "contract.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        contract = {}
+    contract = contract if isinstance(contract, dict) else {}
+
+    def section(name: str) -> dict[str, Any]:
+        value = contract.get(name)
+        return value if isinstance(value, dict) else {}
+
+    model, env, credit, optim = (section(k) for k in ("model", "env", "credit", "optim"))
+    out: dict[str, str] = {}
+    if model.get("id") is not None:
+        adapter = (f", LoRA rank {model.get('lora_rank')}" if model.get("adapter") == "lora"
+                   else "")
+        out["model"] = f"{model['id']} ({model.get('dtype', '?')}{adapter})"
+    if env.get("id") is not None:
+        out["environment"] = f"{env['id']} (trained on split {env.get('split', 'train')})"
+    if credit.get("assigner") is not None:
+        params = credit.get("params") or {}
+        shown = f" {json.dumps(params, sort_keys=True)}" if params else ""
+        out["assigner"] = (f"{credit['assigner']}{shown}, session weighting "
+                           f"{credit.get('session_weighting', '?')}")
+    steps = [m["step"] for m in metrics if isinstance(m.get("step"), int)]
+    if steps or optim.get("max_steps") is not None:
+        out["steps"] = f"{max(steps, default=0)} of optim.max_steps {optim.get('max_steps', '?')}"
+    seconds = [v for m in metrics if (v := _num(m.get("step/seconds"))) is not None]
+    if seconds:
+        out["duration"] = (f"{_duration(sum(seconds))} in {len(seconds)} training steps "
+                           "(held-out evaluations and loading not included)")
+    if (run_dir / "contract.sha256").is_file():
+        out["contract sha256"] = (run_dir / "contract.sha256").read_text().strip()[:12]
+    result = _read_json(run_dir / "result.json")
+    comparison = result.get("comparison") if isinstance(result.get("comparison"), dict) else {}
+    if {"reward_diff", "lo", "hi", "n"} <= comparison.keys():
+        before, after = result.get("before") or {}, result.get("after") or {}
+        out["held-out result"] = (
+            f"{before.get('reward_mean', math.nan):.3f} -> {after.get('reward_mean', math.nan):.3f}, paired "
+            f"{comparison['reward_diff']:+.3f} [{comparison['lo']:.3f}, {comparison['hi']:.3f}] "
+            f"(n={comparison['n']})")
+    guard = _read_json(run_dir / "guard.json")
+    if guard.get("rule"):
+        out["stopped by guard"] = f"{guard['rule']} ({guard.get('action', '?')}): {guard.get('message', '')}"
+    out["code"] = code_version()
+    return out
+
+
+def code_version() -> str:
+    """The agent-rl version and, where this code is a git checkout, its commit (``+ local
+    changes`` when the work tree differs from it), as the report is written."""
+    import importlib.metadata
+    import subprocess
+
+    try:
+        version = f"agent-rl {importlib.metadata.version('agent-rl')}"
+    except importlib.metadata.PackageNotFoundError:
+        version = "agent-rl (not installed)"
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(here), *args], capture_output=True,
+                                  text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if commit is None:
+        return version
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"{version}, git {commit}{' + local changes' if dirty else ''} (when this report was written)"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; {} when it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _stored_evaluation(records_path: Path, episodes_path: Path) -> EvalRun | None:

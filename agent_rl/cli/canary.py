@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from agent_rl.cli.common import CLIError, command, console, echo
+from agent_rl.cli.common import CLIError, command, console, print_lines
 from agent_rl.cli.evaluate import eval_tasks
 from agent_rl.policies.load import default_device, load_bundle_policy, response_limit
 
@@ -71,14 +71,17 @@ def canary(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
     result = release.run(bundle_candidate(cand), bundle_candidate(base), plan)
-    from trajectories.display import terminal_text
-
-    out = console()
-    for stage in result.stages:
-        out.print(f"[bold]{stage.stage}[/bold]: {stage.status.upper()}")
-        for reason in stage.reasons:  # they quote task ids and slice names
-            out.print(terminal_text(f"  {reason}"))
-    echo(f"result: {result.status} at {result.stage}; serving {result.serving[:12]}")
-    if result.rollback is not None:
-        echo(f"rollback: live store restored to {result.rollback.store_hash[:12]}")
+    print_lines(console(), verdict_lines(result))  # the reasons quote task ids and slice names
     return 0 if result.status == "promoted" else 1
+
+
+def verdict_lines(result) -> list[str]:
+    """A ``CanaryResult`` as lines: each stage's status and its reasons, then the result (and
+    the rollback, if one ran)."""
+    lines = [line for stage in result.stages
+             for line in (f"{stage.stage}: {stage.status.upper()}",
+                          *(f"  {reason}" for reason in stage.reasons))]
+    lines.append(f"result: {result.status} at {result.stage}; serving {result.serving[:12]}")
+    if result.rollback is not None:
+        lines.append(f"rollback: live store restored to {result.rollback.store_hash[:12]}")
+    return lines

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 import warnings
@@ -65,6 +66,56 @@ def console():
     from rich.console import Console
 
     return Console()
+
+
+PLAIN_WIDTH = 80  # plain lines are wrapped at most this wide when stdout is no terminal (a log)
+# a word, or a bracketed interval with its inner spaces ("[0.121, 0.272]"): never split apart
+_WORD = re.compile(r"[^\s\[]*\[[^\]]*\]\S*|\S+")
+
+
+def wrap_line(line: str, width: int) -> list[str]:
+    """``line`` cut at spaces into lines of at most ``width`` columns, each continuation
+    indented four columns past the line's own indent (at most half the width); a bracketed interval stays whole, and
+    only a single word wider than a line is cut inside."""
+    indent = " " * (len(line) - len(line.lstrip(" ")))
+    hanging = (indent + "    ")[:width // 2]  # a narrow width keeps room for the words
+    lines, current = [], indent
+    for word in _WORD.findall(line):
+        gap = "" if current.strip() == "" else " "
+        if current.strip() and len(current) + len(gap) + len(word) > width:
+            lines.append(current)
+            current, gap = hanging, ""
+        room = max(width - len(current) - len(gap), 1)
+        while len(word) > room and current.strip() == "":  # one word wider than a line
+            lines.append(current + word[:room])
+            word = word[room:]
+        current += gap + word
+    return [*lines, current] if current.strip() or not lines else lines
+
+
+def show(out, table, lines: list[str]) -> None:
+    """Print a result on console ``out``: the rich ``table`` on a terminal at least as wide as
+    the table needs, else ``lines`` (the same numbers as plain text: ``print_lines``): a narrow
+    terminal or a log gets every digit, never a column cut to ``…``."""
+    unbounded = out.options.update_width(10**6)  # what the table needs, not what it gets
+    if out.is_terminal and out.measure(table, options=unbounded).maximum <= out.width:
+        out.print(table)
+    else:
+        print_lines(out, lines)
+
+
+def print_lines(out, lines: list[str]) -> None:
+    """Plain ``lines`` on console ``out``, escaped (they may quote task or agent text), each
+    wrapped (``wrap_line``) at the terminal's width or, when stdout is no terminal, at most
+    ``PLAIN_WIDTH``."""
+    from rich.text import Text
+
+    from trajectories.display import escape_terminal
+
+    width = out.width if out.is_terminal else min(out.width, PLAIN_WIDTH)
+    for line in lines:
+        for part in wrap_line(escape_terminal(line), width):
+            out.print(Text(part), soft_wrap=True)
 
 
 def echo(text: str, file=None) -> None:

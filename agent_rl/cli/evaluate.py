@@ -16,6 +16,7 @@ from agent_rl.cli.common import (
     echo,
     interval,
     number,
+    show,
 )
 from agent_rl.policies.load import DEFAULT_MODEL, default_device, load_policy, response_limit
 
@@ -80,18 +81,35 @@ def slice_rows(records) -> list[dict[str, Any]]:
             for row in slice_summary(records, by, n_boot=2000)]
 
 
+def slice_label(row: dict[str, Any]) -> str:
+    """A slice row's keys as ``structure=chain entity_group=people``; ``all`` for the overall row."""
+    from evals.report import SLICE_NUMBERS
+
+    return " ".join(f"{k}={row[k]}" for k in row if k not in SLICE_NUMBERS) or "all"
+
+
+def slice_lines(rows: list[dict[str, Any]], title: str) -> list[str]:
+    """``slice_table`` as plain lines (a log, a narrow terminal: ``common.show``): per slice its
+    label and ``n``, then its reward mean and success rate with their 95% intervals."""
+    lines = [title, "per slice: reward mean (95% interval), success rate (95% Wilson)"]
+    for row in rows:
+        lines += [f"{slice_label(row)} (n={row['n']})",
+                  f"  reward {number(row['reward/mean'])} {interval(row['reward/lo'], row['reward/hi'])}"
+                  f", success {number(row['success/rate'])} "
+                  f"{interval(row['success/lo'], row['success/hi'])}"]
+    return lines
+
+
 def slice_table(rows: list[dict[str, Any]], title: str):
     from rich.table import Table
 
-    from evals.report import SLICE_NUMBERS
     from trajectories.display import terminal_text
 
     table = Table(title=terminal_text(title))
     for column in ("slice", "n", "reward mean", "95% interval", "success", "95% Wilson"):
         table.add_column(column, justify="left" if column == "slice" else "right", overflow="fold")
     for row in rows:
-        label = " ".join(f"{k}={row[k]}" for k in row if k not in SLICE_NUMBERS) or "all"
-        table.add_row(terminal_text(label), str(row["n"]), number(row["reward/mean"]),
+        table.add_row(terminal_text(slice_label(row)), str(row["n"]), number(row["reward/mean"]),
                       interval(row["reward/lo"], row["reward/hi"]), number(row["success/rate"]),
                       interval(row["success/lo"], row["success/hi"]))
     return table
@@ -131,7 +149,7 @@ def eval_(args: argparse.Namespace) -> int:
     title = f"{loaded.name} on {env_id} {args.split} (n={len(run.records)})"
     report = write_report(out / "report.html", title=title, slices=rows, evaluation=run,
                           episodes_path=episodes)
-    console().print(slice_table(rows, title))
+    show(console(), slice_table(rows, title), slice_lines(rows, title))
     faults = sum(r.infra_fault for r in run.records)
     echo(f"records: {records}\nepisodes: {episodes} ({len(run.episodes)} episodes, {faults} "
          f"infrastructure faults)\nreport: {report} (the worst slices' transcripts)\n"

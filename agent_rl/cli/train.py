@@ -19,6 +19,8 @@ from agent_rl.cli.common import (
     no_space,
     number,
     plain_warnings,
+    print_lines,
+    show,
 )
 from agent_rl.policies.load import load_base_model
 
@@ -30,6 +32,16 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in run_dir from its newest complete checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _split(summary: dict, name: str) -> dict | None:
+    """The held-out summary (or paired comparison) of split ``name``; ``all``: the overall one."""
+    return summary if name == "all" else (summary.get("splits") or {}).get(name)
+
+
+def _splits(result) -> list[str]:
+    before, after = result.before or {}, result.after or {}
+    return ["all", *(before.get("splits") or after.get("splits") or {})]
 
 
 def before_after_table(result):
@@ -44,9 +56,7 @@ def before_after_table(result):
     for column in ("split", "policy", "reward mean", "95% interval", "n", "success",
                    "95% Wilson", "notes/ep", "note tok", "notes used"):
         table.add_column(column, justify="left" if column in ("split", "policy") else "right")
-    before, after, comparison = result.before or {}, result.after or {}, result.comparison or {}
-    def pick(summary: dict, name: str) -> dict | None:
-        return summary if name == "all" else (summary.get("splits") or {}).get(name)
+    comparison = result.comparison or {}
 
     def notes(summary: dict) -> list[str]:  # single-session episodes wrote no notes
         if not summary.get("compressions_per_episode"):
@@ -54,19 +64,58 @@ def before_after_table(result):
         return [number(summary[k]) for k in ("compressions_per_episode", "summary_tokens",
                                              "summary_used_frac")]
 
-    for name in ["all", *(before.get("splits") or after.get("splits") or {})]:
-        for tag, summary in (("before", pick(before, name)), ("after", pick(after, name))):
+    for name in _splits(result):
+        for tag, summary in (("before", _split(result.before or {}, name)),
+                             ("after", _split(result.after or {}, name))):
             if summary:
                 table.add_row(terminal_text(name), tag, number(summary["reward_mean"]),
                               interval(summary["reward_lo"], summary["reward_hi"]),
                               str(summary["n"]), number(summary["success"]),
                               interval(summary["success_lo"], summary["success_hi"]),
                               *notes(summary))
-        c = pick(comparison, name) if comparison else None
+        c = _split(comparison, name) if comparison else None
         if c:
             table.add_row(terminal_text(name), "paired diff", f"{c['reward_diff']:+.3f}",
                           interval(c["lo"], c["hi"]), str(c["n"]), "", "", "", "", "")
     return table
+
+
+def before_after_lines(result) -> list[str]:
+    """``before_after_table`` as plain lines (a log, a narrow terminal: ``common.show``): per
+    split, overall first, the key line ``held-out all: 0.371 -> 0.565, paired +0.194 [0.121,
+    0.272] (n=96)``, then each policy's reward and success with 95% intervals and, where
+    episodes wrote notes, notes per episode, tokens per note and the share used."""
+    comparison = result.comparison or {}
+    lines = ["held-out reward before -> after (greedy, hint-free; 95% intervals)"]
+    for name in _splits(result):
+        sides = [(tag, s) for tag, s in (("before", _split(result.before or {}, name)),
+                                         ("after", _split(result.after or {}, name))) if s]
+        if not sides:
+            continue
+        c = _split(comparison, name) if comparison else None
+        if c and len(sides) == 2:
+            key = (f"{number(sides[0][1]['reward_mean'])} -> {number(sides[1][1]['reward_mean'])}, "
+                   f"paired {c['reward_diff']:+.3f} {interval(c['lo'], c['hi'])} (n={c['n']})")
+        else:  # one side only: a run stopped by a guard was not evaluated after
+            key = ", ".join(f"{tag} {number(s['reward_mean'])} (n={s['n']})" for tag, s in sides)
+        lines.append(f"held-out {name}: {key}")
+        lines.append("  reward: " + ", ".join(
+            f"{tag} {number(s['reward_mean'])} {interval(s['reward_lo'], s['reward_hi'])} "
+            f"n={s['n']}" for tag, s in sides))
+        lines.append("  success: " + ", ".join(
+            f"{tag} {number(s['success'])} {interval(s['success_lo'], s['success_hi'])}"
+            for tag, s in sides) + " (Wilson)")
+        if any(s.get("compressions_per_episode") for _, s in sides):
+            summaries = [s for _, s in sides]
+            lines.append(f"  notes: {_arrow(summaries, 'compressions_per_episode', '.2f')} per "
+                         f"episode, {_arrow(summaries, 'summary_tokens', '.1f')} tokens each, "
+                         f"{_arrow(summaries, 'summary_used_frac', '.0%')} used")
+    return lines
+
+
+def _arrow(summaries: list[dict], key: str, form: str) -> str:
+    """``key`` of each summary in ``form``, joined ``before -> after``."""
+    return " -> ".join(format(s.get(key) or 0.0, form) for s in summaries)
 
 
 @command("train", "run GRPO training from an experiment contract", _train_arguments)
@@ -119,7 +168,7 @@ def train_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
         return stopped_code(result.stopped)
     report = write_run_report(run_dir)
     if result.before or result.after:
-        out.print(before_after_table(result))
+        show(out, before_after_table(result), before_after_lines(result))
     echo(f"report: {report}\nrun dir: {run_dir}")
     if result.stopped is not None:
         trip = result.stopped
@@ -189,12 +238,14 @@ def sft_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
         raise CLIError(str(exc)) from exc
     data = result.data
-    echo(f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
-         f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}, sessions "
-         f"skipped {data.get('skipped_sessions') or 'none'}), "
-         f"{result.steps} steps, loss {result.losses[0] if result.losses else float('nan'):.4f}"
-         f" -> {result.losses[-1] if result.losses else float('nan'):.4f}")
-    console().print(before_after_table(result))
+    out = console()
+    losses = result.losses or [float("nan")]
+    print_lines(out, [
+        f"trained on {data['sessions']} sessions of {data['episodes_kept']} episodes "
+        f"({data['episodes_read']} read, dropped {data['dropped'] or 'none'}, sessions skipped "
+        f"{data.get('skipped_sessions') or 'none'}), {result.steps} steps, loss "
+        f"{losses[0]:.4f} -> {losses[-1]:.4f}"])
+    show(out, before_after_table(result), before_after_lines(result))
     echo(f"bundle: {result.bundle} (sha256 {result.bundle_hash[:12]})\n"  # whole, to be copied
          f"start RL from it: agent-rl train CONFIG --set model.init={result.bundle}")
     return 0

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import resource
+import time
 import warnings
 from collections import Counter
 from typing import Any
@@ -253,46 +254,87 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def train_status(m: dict[str, Any]) -> str:
-    return (f"reward {m['reward/mean']:.3f}  loss {m['loss/policy']:+.4f}  "
-            f"kept {m['train/sequences']} seqs")
+def train_status(m: dict[str, Any], held_out: tuple[int, float] | None = None) -> str:
+    """A training step's status: its reward, the latest held-out reward ``held_out`` (``(step,
+    reward)``, step 0 the starting policy's) and the generation speed (``rollout/tokens_per_s``)."""
+    held = ("" if held_out is None else
+            f"  held-out {held_out[1]:.3f} ({'before' if held_out[0] == 0 else f'step {held_out[0]}'})")
+    return (f"reward {m['reward/mean']:.3f}{held}  "
+            f"{m.get('rollout/tokens_per_s') or 0.0:.0f} tok/s")
 
+
+class TrainStatus:
+    """``train_status`` of each step for ``progress_bar``, with the last held-out reward: the
+    starting policy's (``before``, an evaluation summary, or None) until an evaluation in the
+    loop logs ``holdout/reward``."""
+
+    def __init__(self, before: dict[str, Any] | None):
+        self.held_out = None if before is None else (0, before["reward_mean"])
+
+    def __call__(self, m: dict[str, Any]) -> str:
+        if m.get("holdout/reward") is not None:
+            self.held_out = (m["step"], m["holdout/reward"])
+        return train_status(m, self.held_out)
+
+
+def clock(seconds: float) -> str:
+    """``seconds`` as ``M:SS`` or ``H:MM:SS``."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+PLAIN_LINES = 20  # a log gets about this many progress lines per run (and the first and last)
+WIDE = 100  # a terminal at least this wide shows the bar beside the status
 
 
 class progress_bar:
-    """A rich progress bar over steps showing ``status(latest metrics)`` (the training
-    reward and loss by default), or nothing when not ``enabled``. The status line is shown
-    as text, never markup, its control characters escaped: a caller's status may quote what
-    a step saw (a task id, a reply)."""
+    """Progress over steps: ``status(latest metrics)`` (``train_status`` by default) after the
+    step count and, from the steps taken so far, the time left (``ETA``); nothing when not
+    ``enabled``. On a terminal one line redrawn in place (with a bar where it is at least
+    ``WIDE`` columns); otherwise (a log, a pipe: ``plain`` None decides by stdout) plain lines
+    ``LABEL step N/TOTAL  STATUS  ETA M:SS`` on the first and last step and every
+    ``total / PLAIN_LINES`` steps between, no control codes. The status is shown as text, never markup, its control characters
+    escaped: a caller's status may quote what a step saw (a task id, a reply)."""
 
     def __init__(self, enabled: bool, total: int, completed: int, label: str = "train",
-                 status=train_status):
+                 status=train_status, plain: bool | None = None):
         self.enabled, self.total, self.completed = enabled, total, completed
-        self.label, self.status = label, status
+        self.label, self.status, self.plain = label, status, plain
 
     def __enter__(self):
         if not self.enabled:
             return lambda metrics: None
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich.console import Console
 
-        self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("{task.fields[status]}", markup=False))
-        self.progress.start()
-        task = self.progress.add_task(self.label, total=self.total, completed=self.completed,
-                                      status="")
+        terminal = Console()
+        plain = not terminal.is_terminal if self.plain is None else self.plain
+        start, first, done = time.perf_counter(), self.completed, self.completed
+        every = max(1, -(-(self.total - first) // PLAIN_LINES))
+        if not plain:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            bar = [BarColumn(bar_width=20)] if terminal.width >= WIDE else []  # room for the status
+            self.progress = Progress(TextColumn(f"[bold]{self.label}"), *bar, MofNCompleteColumn(),
+                                     TextColumn("{task.fields[status]}", markup=False))
+            self.progress.start()
+            task = self.progress.add_task(self.label, total=self.total, completed=self.completed,
+                                          status="")
 
         def advance(m: dict[str, Any]) -> None:
-            self.progress.update(task, advance=1, status=escape_terminal(self.status(m)))
+            nonlocal done
+            done += 1
+            elapsed = time.perf_counter() - start
+            eta = clock(elapsed / (done - first) * max(self.total - done, 0))
+            status = escape_terminal(self.status(m))
+            if not plain:
+                self.progress.update(task, advance=1, status=f"{status}  ETA {eta}")
+            elif done in (first + 1, self.total) or (done - first) % every == 0:
+                print(f"{self.label} step {done}/{self.total}  {status}  ETA {eta}", flush=True)
 
+        self.plain_mode = plain
         return advance
 
     def __exit__(self, *exc) -> None:
-        if self.enabled:
+        if self.enabled and not self.plain_mode:
             self.progress.stop()

@@ -100,6 +100,7 @@ from agent_rl.run.runlock import hold_if_main
 from agent_rl.training import curriculum
 from agent_rl.training.grpo import KL_ESTIMATORS, behaviour_correction, policy_loss
 from agent_rl.training.metrics import (
+    TrainStatus,
     compare,
     held_out_tasks,
     note_untrained,
@@ -324,7 +325,8 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     lag_bound = contract.rollout.max_policy_lag
     rollouts = (RolloutPipeline(rollout, start_step + 1, contract.optim.max_steps, lag_bound)
                 if lag_bound else Synchronous(rollout))
-    with rollouts, progress_bar(progress and main, contract.optim.max_steps, start_step) as advance:
+    with rollouts, progress_bar(progress and main, contract.optim.max_steps, start_step,
+                                status=TrainStatus(before)) as advance:
         for step in range(start_step + 1, contract.optim.max_steps + 1):
             if selection is not None and curriculum.due(selection, step, contract.curriculum.every):
                 selection = estimate_band(contract, rollout_policy, backend, train_tasks, step,

@@ -60,12 +60,27 @@ def test_train_prints_before_after_and_writes_the_run(tiny_run):
         assert (run_dir / name).is_file(), name
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert checkpoint.latest_complete(run_dir / "checkpoints") is not None
-    out = result.stdout
-    assert "held-out reward before/after" in out
-    for row in ("before", "after", "paired diff", "95% interval", "95% Wilson"):
-        assert row in out, row
+    out = result.stdout  # a pipe: the plain layout, every line at most 80 columns
+    assert "held-out reward before -> after (greedy, hint-free; 95% intervals)" in out
+    assert re.search(r"^held-out all: \d\.\d{3} -> \d\.\d{3}, paired [+-]\d\.\d{3} "
+                     r"\[-?\d\.\d{3}, -?\d\.\d{3}\] \(n=4\)$", out, re.M), out
+    assert re.search(r"^  reward: before \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] n=4, after ", out, re.M)
+    assert "  success: before " in out and "…" not in out and "\x1b" not in out
+    assert max(len(line) for line in out.splitlines() if not line.startswith(("report:", "run dir:"))) <= 80
     assert f"run dir: {run_dir}" in out
     assert "<svg" in (run_dir / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_train_progress_in_a_redirected_log_is_plain_lines(tmp_path):
+    run_dir = tmp_path / "run"
+    result = agent_rl("train", TINY, "--set", f"run_dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    progress = [line for line in result.stdout.splitlines() if line.startswith("train step")]
+    assert len(progress) == 2 and "\r" not in result.stdout and "\x1b" not in result.stdout
+    assert re.fullmatch(r"train step 1/2  reward \d\.\d{3}  held-out \d\.\d{3} \(before\)  "
+                        r"\d+ tok/s  ETA \d+:\d\d", progress[0]), progress[0]
+    assert progress[1].startswith("train step 2/2  ") and progress[1].endswith("ETA 0:00")
 
 
 def test_bad_config_key_exits_2_naming_the_key(tmp_path):
@@ -206,7 +221,7 @@ def test_eval_base_policy_per_slice(tmp_path):
     records = read_jsonl(out_dir / "records.jsonl")
     assert len(records) == 4 and {r["policy_name"] for r in records} == {"base:tiny"}
     assert "reward/mean per slice" in (out_dir / "report.html").read_text()
-    for text in ("all", "structure=", "entity_group=integers", "composition=", "95% Wilson"):
+    for text in ("all (n=4)", "structure=", "entity_group=integers", "composition=", "95% Wilson"):
         assert text in result.stdout, text
 
 

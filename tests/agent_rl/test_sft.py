@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -276,6 +277,11 @@ def test_cli_sft_prints_the_bundle_and_the_train_command(tmp_path, capsys):
     bundle = checkpoint.resolve_bundle(run_dir)
     assert "trained on 4 sessions of 4 episodes" in out
     assert f"agent-rl train CONFIG --set model.init={bundle}\n" in out  # whole, to be copied
+    # captured (no terminal): the summary as plain lines of at most 80 columns, every digit
+    assert re.search(r"^held-out all: \d\.\d{3} -> \d\.\d{3}, paired [+-]\d\.\d{3} "
+                     r"\[-?\d\.\d{3}, -?\d\.\d{3}\] \(n=\d+\)$", out, re.M), out
+    assert all(len(line) <= 80 for line in out.splitlines()
+               if not line.startswith(("bundle:", "start RL from it:"))), out
     assert main(["sft", "examples/tiny_sft.yaml", "--set", f"run_dir={run_dir}"]) == 2  # not empty
     capsys.readouterr()
     assert main(["sft", "examples/tiny_sft.yaml", "--no-progress", "--resume", "--set",

@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from html import escape
+from html import escape, unescape
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
 from evals.gates import Criterion, decide
 from evals.report import (
+    CHAR_PX,
+    LABEL_CHARS,
     bar_chart,
     episode_anchor,
     inspect_command,
+    label_lines,
     line_chart,
     write_report,
     write_run_report,
@@ -220,3 +224,124 @@ def test_run_report_shows_the_trained_policys_worst_transcripts(tmp_path):
     assert f'id="{episode_anchor("mul-0#0@0")}"' in html and "nine?" in html
     assert "policy_name=after · structure=mul" in html
     assert "policy_name=before · structure=" not in html[html.index("<h2>Worst slices"):]
+
+
+# --- axes, labels, run details, session curves --------------------------------------------------
+
+
+def tick_labels(svg: str) -> tuple[list[str], list[str]]:
+    """(y-axis labels, x-axis labels) of a ``line_chart``: end-anchored and middle-anchored
+    texts, the axis name ``step`` left out."""
+    y = re.findall(r'text-anchor="end">([^<]*)</text>', svg)
+    x = re.findall(r'text-anchor="middle">([^<]*)</text>', svg)
+    return y, [t for t in x if t != "step"]
+
+
+def test_a_narrow_range_gets_distinct_tick_labels():
+    # entropy barely moving (the tiny model): 6.4466 .. 6.4469 read "6.45" on every tick before
+    svg = line_chart("entropy", {"e": [(1, 6.44657, None, None), (2, 6.44671, None, None),
+                                       (3, 6.44689, None, None)]})
+    y, _ = tick_labels(svg)
+    assert len(y) >= 3 and len(set(y)) == len(y), y
+    assert all(float(a) < float(b) for a, b in zip(y, y[1:], strict=False)), y  # full values
+    assert {"6.4466", "6.4468"} <= set(y), y
+    # values near 1e-9 (kl/approx of an unchanged policy): short labels, still distinct
+    y, _ = tick_labels(line_chart("kl", {"k": [(1, -1.2e-9, None, None), (2, 2.3e-9, None, None)]}))
+    assert y == ["-1e-09", "0", "1e-09", "2e-09"], y
+
+
+def test_step_ticks_are_whole_numbers():
+    for steps in ([1, 2], [1, 2, 3], [0, 5, 10, 15, 20], [3]):
+        svg = line_chart("reward", {"r": [(s, 0.1 * s, None, None) for s in steps]})
+        _, x = tick_labels(svg)
+        assert x and all(re.fullmatch(r"-?\d+", t) for t in x), (steps, x)
+        assert len(set(x)) == len(x), x
+    _, x = tick_labels(line_chart("t", {"r": [(0.25, 1, None, None), (0.5, 2, None, None)]}))
+    assert "0.30" in x or "0.3" in x  # fractional x values keep their fractions
+
+
+def test_bar_labels_are_never_clipped():
+    long = ("structure=recall>combine>transform>recall>combine · entity_group=people-and-places"
+            " · composition=composed")
+    svg = bar_chart("reward", [("all", 0.5, 0.4, 0.6, 10), (long, 0.25, 0.1, 0.4, 4)])
+    shown = []
+    for x, spans in re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="end">(.*?)</text>', svg):
+        lines = [unescape(t) for t in re.findall(r"<tspan[^>]*>([^<]*)</tspan>", spans)]
+        assert all(float(x) - CHAR_PX * len(line) >= 0 for line in lines), (x, lines)
+        assert all(len(line) <= LABEL_CHARS for line in lines)
+        shown.append(lines)
+    assert shown == [["all"], ["structure=recall>combine>transform>recall>combine",
+                               "entity_group=people-and-places · composition=composed"]]
+    assert label_lines("a · b") == ["a · b"]
+    assert label_lines("x" * 70 + " · y") == ["x" * 56, "x" * 14 + " · y"]  # a word cut
+
+
+def write_run(tmp: Path, per_episode: float = 1.0) -> Path:
+    (tmp / "contract.yaml").write_text(
+        "name: r\nenv: {id: agent_rl/Relay-v0, split: train}\n"
+        "model: {id: smollm2-135m, dtype: float32, adapter: lora, lora_rank: 16}\n"
+        "credit: {assigner: usage_weighted, params: {unused_value: 0.0}, "
+        "session_weighting: per_episode}\noptim: {max_steps: 4}\n")
+    (tmp / "contract.sha256").write_text("ab" * 32 + "\n")
+    with (tmp / "metrics.jsonl").open("w") as f:
+        for step in range(1, 4):
+            f.write(json.dumps({**step_metrics(step), "step/seconds": 20.5,
+                                "sessions/per_episode": per_episode,
+                                "sessions/compressions_per_episode": per_episode - 1,
+                                "sessions/summary_tokens": 20.0 + step,
+                                "sessions/summary_used_frac": 0.25 * step,
+                                "sessions/branches": 0}) + "\n")
+    (tmp / "result.json").write_text(json.dumps({
+        "before": {"reward_mean": 0.371}, "after": {"reward_mean": 0.565},
+        "comparison": {"reward_diff": 0.194, "lo": 0.121, "hi": 0.272, "n": 96}}))
+    return tmp
+
+
+def details_table(html: str) -> dict[str, str]:
+    table = html[html.index('<table class="details">'):]
+    table = table[:table.index("</table>")]
+    return {unescape(k): unescape(v)
+            for k, v in re.findall(r"<tr><th>([^<]*)</th><td>([^<]*)</td></tr>", table)}
+
+
+def test_run_report_shows_the_runs_details(tmp_path):
+    html = write_run_report(write_run(tmp_path)).read_text()
+    assert html.index("<h2>Run</h2>") < html.index("<h2>Training curves</h2>")
+    details = details_table(html)
+    assert details["model"] == "smollm2-135m (float32, LoRA rank 16)"
+    assert details["environment"] == "agent_rl/Relay-v0 (trained on split train)"
+    assert details["assigner"] == 'usage_weighted {"unused_value": 0.0}, session weighting per_episode'
+    assert details["steps"] == "3 of optim.max_steps 4"
+    assert details["duration"].startswith("1m 02s in 3 training steps")  # 3 x 20.5 s
+    assert details["contract sha256"] == "ab" * 6
+    assert details["held-out result"] == "0.371 -> 0.565, paired +0.194 [0.121, 0.272] (n=96)"
+    assert details["code"].startswith("agent-rl ")
+    assert "git " in details["code"] or not (Path(__file__).parents[2] / ".git").exists()
+
+
+def test_run_report_of_a_bare_folder_has_no_invented_details(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(step_metrics(1)) + "\n")
+    (tmp_path / "contract.yaml").write_text("[not, a, mapping")  # unreadable: left out
+    details = details_table(write_run_report(tmp_path).read_text())
+    assert set(details) == {"steps", "code"} and details["steps"] == "1 of optim.max_steps ?"
+
+
+def test_multi_session_runs_get_note_curves(tmp_path):
+    (tmp_path / "multi").mkdir()
+    (tmp_path / "single").mkdir()
+    html = write_run_report(write_run(tmp_path / "multi", per_episode=2.0)).read_text()
+    notes = html[html.index("<h2>Sessions and notes</h2>"):html.index("<h2>Held-out evaluation</h2>")]
+    titles = re.findall(r"<svg[^>]*><title>([^<]*)</title>", notes)
+    assert titles == ["sessions per episode", "notes per episode (compressions)",
+                      "tokens per note", "share of notes the final answer used",
+                      "branches per step"]
+    assert "Sessions and notes" not in write_run_report(write_run(tmp_path / "single")).read_text()
+
+
+def test_held_out_table_shows_the_notes_when_episodes_wrote_them(tmp_path):
+    evals = [{**e, "compressions_per_episode": 1.0, "summary_tokens": 28.5,
+              "summary_used_frac": 0.75} for e in EVALS]
+    html = write_report(tmp_path / "r.html", title="t", evals=evals).read_text()
+    assert "<th>summary_tokens</th>" in html and "<td>28.5</td>" in html
+    html = write_report(tmp_path / "s.html", title="t", evals=EVALS).read_text()
+    assert "summary_tokens" not in html
