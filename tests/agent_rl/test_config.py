@@ -248,7 +248,7 @@ def test_other_impossible_combinations():
     assert "group_size >= 2" in contract_error(overrides=["rollout.group_size=1"])
     assert ExperimentContract.from_dict({}, ["rollout.group_size=1",
                                              "rollout.dynamic_sampling=false"]).rollout.group_size == 1
-    assert "credit.assigner 'nope'" in contract_error(overrides=["credit.assigner=nope"])
+    assert "credit.assigner: unknown assigner 'nope'" in contract_error(overrides=["credit.assigner=nope"])
     # with explicit holdouts an empty holdout_iid is known before the run (without, it depends
     # on the pool: test_holdout_iid_without_iid_fraction_is_decided_by_the_pool)
     assert "needs env.iid_fraction > 0" in contract_error(
