@@ -161,11 +161,12 @@ def function_digest(spec: str, what: str) -> str:
     be read, e.g. a function typed at a prompt). ``NotPassedError`` for a passed function
     that was not passed in this process."""
     if not is_passed(spec):
+        source = function_source(spec, what)
         try:
-            return hashlib.sha256(function_source(spec, what).read_bytes()).hexdigest()
+            return hashlib.sha256(source.read_bytes()).hexdigest()
         except OSError as exc:
-            raise ImportError(f"{what} {spec!r}: cannot read its source "
-                              f"({exc.strerror or exc})") from None
+            raise ImportError(f"cannot read {source} ({exc.strerror or exc}), the source of "
+                              f"{what} {spec!r}") from None
     fn = load_function(spec, what)
     try:
         text = inspect.getsource(fn).encode()

@@ -182,7 +182,7 @@ def lora_values(config: Any) -> dict[str, Any]:
     if config.target_modules not in (None, "all-linear"):
         unsupported.insert(0, "target_modules")
     if unsupported:
-        shown = ", ".join(f"{name}={getattr(config, name)!r}" for name in unsupported)
+        shown = ", ".join(f"{name}={_plain(getattr(config, name))!r}" for name in unsupported)
         raise ContractError(
             f"peft_config: agent-rl's LoRA (model.adapter: lora) sets only r and lora_alpha "
             f"(on every linear layer, dropout 0, no bias); this LoraConfig also sets {shown}: "
@@ -191,3 +191,7 @@ def lora_values(config: Any) -> dict[str, Any]:
             "model.lora_alpha": int(config.lora_alpha)}
 
 
+
+
+def _plain(value: Any) -> Any:
+    return sorted(value) if isinstance(value, set | frozenset) else value
