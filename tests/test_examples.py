@@ -60,6 +60,15 @@ def test_train_with_functions_and_resume_needs_them_again(tmp_path):
     assert "resume=True, reward=near_miss)" in resumed.stderr
 
 
+def test_verifiers_tools_runs_a_multi_turn_tool_taskset(tmp_path):
+    pytest.importorskip("verifiers.v1", reason="verifiers==0.4.0 is not installed")
+    result = run_example("verifiers_tools.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ShelfTaskset-0: 3 assistant turns, tools said ['3', '4'], answer '7'" in out
+    assert out.count("reward 1.5 (correct): {'correct': 1.0, 'looked_up': 1.0}") == 3
+
+
 def test_register_env(tmp_path):
     result = run_example("register_env.py", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
