@@ -329,7 +329,7 @@ def conversation(messages: list[dict[str, Any]], parse: Callable[[str], list[Any
             calls = [c for c in parse(content) if isinstance(c, ToolCall)]
             pending = [{"id": f"call-{n}-{i}", "name": c.name,
                         "arguments": json.dumps(c.arguments)} for i, c in enumerate(calls)]
-            out.append({"role": role, "content": content, "tool_calls": pending or None})
+            out.append({"role": role, "content": content, "tool_calls": list(pending) or None})
         elif role == "tool":
             call = pending.pop(0) if pending else {"id": f"call-{n}", "name": message.get("name")}
             out.append({"role": role, "content": content, "tool_call_id": call["id"],

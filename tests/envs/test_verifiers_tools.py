@@ -60,6 +60,12 @@ class ShelfTask(vf.Task[ShelfData, ShelfState, vf.TaskConfig]):
     async def tool_results(self, trace) -> float:
         return float(len(trace.tool_messages))
 
+    @vf.metric
+    async def cup_called(self, trace) -> float:  # the assistant turns keep their tool calls
+        calls = [c for m in trace.assistant_messages for c in m.tool_calls or []]
+        return float([json.loads(c.arguments)["item"] for c in calls] == ["pen", "cup"]
+                     and all(c.name == "shelf_tools_price" for c in calls))
+
 
 class ShelfTaskset(vf.Taskset[ShelfTask, vf.TasksetConfig]):
     def load(self):
@@ -114,7 +120,7 @@ def test_a_tool_env_runs_multi_turn_and_is_scored_on_the_whole_conversation(env)
         # correct (weight 1) and looked_up (weight 0.5) both 1: total 1.5, by hand
         assert reward.components == {"correct": 1.0, "looked_up": 1.0}
         assert reward.total == 1.5 and reward.outcome == Outcome.correct
-        assert reward.audit["metrics"] == {"tool_results": 2.0}
+        assert reward.audit["metrics"] == {"tool_results": 2.0, "cup_called": 1.0}
     # the tool is advertised as verifiers names it (<server>_<tool>), with its schema
     system = policy.seen[0][0]["content"]
     assert "shelf_tools_price" in system and "The price of one item" in system
