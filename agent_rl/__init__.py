@@ -11,7 +11,8 @@ subpackages that import in one direction (``docs/layout.md``)::
 
 The public Python API is importable from here, whatever module holds it::
 
-    train(contract | dict | path, **overrides) -> RunResult    training/api.py
+    train(contract | dict | path, reward=, dataset=, assigner=,
+          peft_config=, **overrides) -> RunResult             training/api.py
     ExperimentContract, read_contract, ContractError             run/contract.py
     RunResult                                                    training/train.py
     session_advantages                                           training/rollout.py

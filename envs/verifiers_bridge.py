@@ -1,20 +1,36 @@
-"""verifiers bridge: run a ``verifiers.v1`` Taskset (verifiers 0.4 API) as a ToolEnv, offline.
+"""verifiers bridge: run a ``verifiers.v1`` Taskset (verifiers 0.4 API) as a ToolEnv, offline,
+single-turn or multi-turn with the task's tools.
 
 Description
     Each taskset row (a ``vf.Task``) becomes a ``TaskSpec``: the prompt is the row's prompt text,
     ``data["row"]`` holds the row's ``TaskData`` as JSON (what the taskset's own scoring reads)
     and ``target`` holds the row's reference answer when it has one (an ``answer``-like field).
-    The policy answers in one reply; that reply is scored by the taskset's own ``Task.score``.
+    Without tools the policy answers in one reply, scored by the taskset's own ``Task.score``;
+    with tools it calls them over as many turns as it needs (``max_turns``), and the whole
+    conversation is scored.
 
 Tools
-    None. Tasksets whose tasks or taskset declare tool servers (``toolsets``) are refused.
+    The ``@vf.tool`` methods of the task's toolsets (``Task.toolsets(config)``: built for each
+    episode, ``setup()`` then ``setup_task(row data)``) and of the taskset's (``Taskset.toolsets``:
+    built once, shared), hosted in this process rather than served over MCP: each is an env
+    tool named as verifiers advertises it (``<server>_<tool>``, the server the snake-cased
+    class name or ``TOOL_PREFIX``), its typed arguments the JSON schema. A call runs as
+    verifiers' ``ServerBase._with_state`` runs it: the rollout's ``vf.State`` (the task's State
+    class, fresh per episode) is read into the toolset's State class, the method runs (awaited
+    when async), the state is written back, so rewards read what the tools wrote
+    (``trace.state``). What a tool raises reaches the agent as a tool error. Refused when the
+    env is built: a tool server that is no ``vf.Toolset``, one that names a remote ``url``, a
+    tool argument without a type, two tools of one name.
 
 Observation
-    ``[system, user]``: the row's ``system_prompt`` (or a default) and its prompt text.
+    ``[system, user]``: the row's ``system_prompt`` (or a default), with the tool list when it
+    has tools, and its prompt text; then the tool results as ``tool`` turns.
 
 Reward
     ``Task.score(trace)`` runs the task's ``@vf.reward`` (and ``@vf.metric``) functions on a
-    ``vf.Trace`` holding the prompt and the reply as its sampled assistant turn. Each recorded
+    ``vf.Trace`` holding the prompt and the reply as its sampled assistant turn (with tools:
+    the whole conversation, each assistant turn's tool calls parsed from its text and the
+    tool results answering them, and the episode's ``vf.State``). Each recorded
     ``vf.Reward(score, weight)`` becomes one component and its weight; ``total`` is
     ``sum(weight * score)`` as in verifiers. Metrics go to ``reward.audit["metrics"]``. A reward
     function that raises scores 0 (outcome ``wrong``, the error in ``audit["scoring_error"]``),
@@ -50,15 +66,17 @@ Reward
 
     Offline only. Refused when the env is built: judges plugged into the task config, reward
     or metric functions that need a runtime (sandbox), ``NEEDS_CONTAINER`` tasks and tasks with
-    their own ``setup``/``finalize`` (those need a runtime too). A judge called from inside a
+    their own ``setup``/``finalize`` (those need a runtime too). Tools run in the trainer's
+    process, as an agent-rl env's own ``@tool`` methods do (not in a deadline worker). A judge called from inside a
     reward function raises ``OfflineScoringError`` when scoring reaches it.
 
 Episode end
     The first reply without a tool call ends the episode (outcome ``correct`` when every
-    positively weighted reward is at its maximum of 1, ``wrong`` otherwise).
+    positively weighted reward is at its maximum of 1, ``wrong`` otherwise); ``max_turns``
+    replies that only call tools end it ``truncated``. ``@vf.stop`` conditions are not read.
 
 Version history
-    v0: first release (verifiers 0.4.0).
+    v0: first release (verifiers 0.4.0); toolsets hosted, multi-turn scoring.
 
 ``verifiers`` is imported lazily, so ``import envs`` never needs it.
 """
@@ -70,20 +88,23 @@ import hashlib
 import importlib
 import inspect
 import itertools
+import json
 import math
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import TypeAdapter
 
 from envs import deadline
 from envs.core import TaskMeta, TaskSpec, ToolEnv
 from envs.registry import register
 from envs.scoring import REWARD_TIMEOUT_S, check_reward_timeout, fault_reason, reward_fault
+from envs.tools import ToolCall, ToolError, ToolSpec
 from trajectories import Outcome, RewardBreakdown
 
 if TYPE_CHECKING:
@@ -168,8 +189,6 @@ def check_offline(taskset: Taskset, task: Task) -> None:
                    if _needs_runtime(fn)]
     if runtime_fns:
         problems.append(f"reward/metric functions {runtime_fns} need a runtime")
-    if type(task).toolsets(task.config) or type(taskset).toolsets(taskset.config):
-        problems.append("it declares tool servers (toolsets)")
     if not task.hooks("reward"):
         problems.append("it has no @vf.reward function to score with")
     if problems:
@@ -216,6 +235,108 @@ def _offline_cause(exc: BaseException) -> OfflineScoringError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tools: a task's toolsets hosted in this process
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HostedTools:
+    """The tools of one episode: every ``@vf.tool`` method of the task's toolsets (built per
+    episode: ``setup()`` then ``setup_task(data)``) and of the taskset's (built once, shared),
+    as ``ToolSpec``s named as verifiers advertises them (``<server>_<tool>``), and the
+    rollout's ``vf.State`` (the task's State class) that the tools read and write, as
+    verifiers' state channel gives it to them."""
+
+    specs: dict[str, ToolSpec]
+    state: Any
+
+
+def build_toolsets(toolsets: list[Any], data: Any | None) -> list[Any]:
+    """``toolsets`` set up here (``setup()``; ``setup_task(data)`` when ``data`` is given);
+    ``TypeError`` for a server that is no ``vf.Toolset`` or names a remote ``url``."""
+    import verifiers.v1 as vf
+
+    for toolset in toolsets:
+        if not isinstance(toolset, vf.Toolset):
+            raise TypeError(f"tool server {type(toolset).__name__} is not a vf.Toolset; the "
+                            "bridge hosts Toolset @vf.tool methods only")
+        if getattr(toolset.config, "url", None):
+            raise TypeError(f"toolset {type(toolset).__name__} names a remote server "
+                            f"({toolset.config.url}); the bridge hosts toolsets in process, "
+                            "offline")
+        _run_async(toolset.setup())
+        if data is not None:
+            _run_async(toolset.setup_task(data))
+    return toolsets
+
+
+def tool_specs(toolsets: list[Any], hosted: Callable[[], HostedTools]) -> dict[str, ToolSpec]:
+    """A ``ToolSpec`` per ``@vf.tool`` method (its typed arguments: the schema), each calling
+    the method through ``call_tool`` on the episode's state (``hosted()``)."""
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    specs: dict[str, ToolSpec] = {}
+    for toolset in toolsets:
+        for method in discover_decorated(toolset, "tool"):
+            raw = getattr(method, "tool_name", None) or method.__name__
+            name = f"{toolset.server_name}_{raw}" if toolset.server_name else raw
+            if name in specs:
+                raise TypeError(f"two toolsets advertise the tool {name!r}; keep MCP tool "
+                                "names qualified (TOOL_PREFIX)")
+            spec = ToolSpec.from_function(method.__func__, name=name)
+
+            def run(owner: Any, _t: Any = toolset, _m: Any = method, **arguments: Any) -> Any:
+                return call_tool(hosted(), _t, _m, arguments)
+
+            specs[name] = replace(spec, fn=run)
+    return specs
+
+
+def call_tool(hosted: HostedTools, toolset: Any, method: Any, arguments: dict[str, Any]) -> Any:
+    """One tool call as verifiers' ``ServerBase._with_state`` makes it: the rollout state
+    pulled into the toolset's State class, the method run (awaited when async), the state
+    pushed back. What the method raises is a ``ToolError`` the agent reads."""
+    from verifiers.v1.mcp.server import _call_state
+    from verifiers.v1.state import state_cls
+
+    own = state_cls(type(toolset)).model_validate_json(hosted.state.model_dump_json())
+    token = _call_state.set(own)
+    try:
+        result = method(**arguments)
+        if inspect.isawaitable(result):
+            result = _run_async(result)
+    except Exception as exc:
+        raise ToolError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        _call_state.reset(token)
+    hosted.state = type(hosted.state).model_validate_json(own.model_dump_json())
+    return result if isinstance(result, str | dict | list) else str(result)
+
+
+def conversation(messages: list[dict[str, Any]], parse: Callable[[str], list[Any]]
+                 ) -> list[dict[str, Any]]:
+    """Our session's chat messages as verifiers messages (plain dicts, for a worker): an
+    assistant turn's tool calls parsed from its text (ids ``call-N``), each tool result
+    answering the next call in order."""
+    out: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+    for n, message in enumerate(messages):
+        role, content = message["role"], message["content"]
+        if role == "assistant":
+            calls = [c for c in parse(content) if isinstance(c, ToolCall)]
+            pending = [{"id": f"call-{n}-{i}", "name": c.name,
+                        "arguments": json.dumps(c.arguments)} for i, c in enumerate(calls)]
+            out.append({"role": role, "content": content, "tool_calls": list(pending) or None})
+        elif role == "tool":
+            call = pending.pop(0) if pending else {"id": f"call-{n}", "name": message.get("name")}
+            out.append({"role": role, "content": content, "tool_call_id": call["id"],
+                        "name": message.get("name") or call["name"]})
+        else:
+            out.append({"role": role, "content": content})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,16 +447,19 @@ def load_in_worker(source: TasksetByName | PickledRecipe) -> None:
         _RECIPES[source.key] = source.recipe()
 
 
-def score_in_worker(key: str, row: dict[str, Any], answer: str
-                    ) -> Scored | RewardRaised | NotLoaded:
-    """``Task.score`` of ``answer`` on ``row`` with the taskset loaded under ``key``, as plain
-    data; ``NotLoaded`` at once when this worker has not loaded it (loading is not bounded
-    by the reward's deadline). A network judge reached inside raises ``OfflineScoringError``."""
+def score_in_worker(key: str, row: dict[str, Any], answer: str | list[dict[str, Any]],
+                    state: str | None = None) -> Scored | RewardRaised | NotLoaded:
+    """``Task.score`` on ``row`` with the taskset loaded under ``key``, as plain data:
+    ``answer`` a single reply, or a whole conversation (``conversation``) with the rollout
+    state as JSON; ``NotLoaded`` at once when this worker has not loaded it (loading is not
+    bounded by the reward's deadline). A network judge reached inside raises
+    ``OfflineScoringError``."""
     recipe = _RECIPES.get(key)
     if recipe is None:
         return NotLoaded()
     task = recipe.task(row)
-    trace = reply_trace(task, answer)
+    trace = (reply_trace(task, answer) if isinstance(answer, str)
+             else conversation_trace(task, answer, state))
     try:
         with _no_judge_calls():
             _run_async(task.score(trace))
@@ -367,6 +491,24 @@ def reply_trace(task: Task, answer: str) -> Trace:
         agent=vf.AgentInfo(config=vf.AgentConfig(), name="agent_rl", trainable=False),
         state=state_cls(type(task))(), nodes=nodes,
     )
+
+
+def conversation_trace(task: Task, messages: list[dict[str, Any]], state: str | None) -> Trace:
+    """A ``vf.Trace`` of a whole conversation (``conversation``'s dicts): every assistant
+    message sampled, ``state`` (JSON) as the rollout's ``vf.State``."""
+    import verifiers.v1 as vf
+    from verifiers.v1.state import state_cls
+
+    adapter = TypeAdapter(vf.Message)
+    built = [adapter.validate_python({k: v for k, v in m.items() if v is not None})
+             for m in messages]
+    nodes = [vf.MessageNode(parent=i - 1 if i else None, message=m,
+                            sampled=m.role == "assistant") for i, m in enumerate(built)]
+    cls = state_cls(type(task))
+    return vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        agent=vf.AgentInfo(config=vf.AgentConfig(), name="agent_rl", trainable=False),
+        state=cls.model_validate_json(state) if state else cls(), nodes=nodes)
 
 
 def breakdown(result: Scored | RewardRaised, declared: dict[str, float],
@@ -415,6 +557,9 @@ class TasksetEnv(ToolEnv):
             raise ValueError(f"taskset {self._name} yielded no tasks")
         first = self._rows[0]
         check_offline(self.taskset, first)
+        self._recipe = ScoringRecipe.of(first)
+        self._shared = build_toolsets(type(self.taskset).toolsets(self.taskset.config), None)
+        self._hosted(first)  # tools that cannot be hosted fail here, before any worker starts
         self._source = scoring_source(taskset, ScoringRecipe.of(first), self._name)
         try:  # a taskset a worker cannot load fails here, not at the first reply
             self._load_worker()
@@ -453,14 +598,34 @@ class TasksetEnv(ToolEnv):
             data={"row": data.model_dump(mode="json")},
         )
 
+    # --- tools -----------------------------------------------------------------------------
+    def new_state(self, task: TaskSpec) -> HostedTools | None:
+        """The episode's tools (``HostedTools``; None for a task without toolsets): its own
+        toolsets built and set up for the row, the taskset's shared ones, a fresh state."""
+        return self._hosted(self._recipe.task(task.data["row"]))
+
+    def _hosted(self, row: Task) -> HostedTools | None:
+        from verifiers.v1.state import state_cls
+
+        toolsets = build_toolsets(type(row).toolsets(row.config), row.data) + self._shared
+        if not toolsets:
+            self._tools = {}
+            return None
+        hosted = HostedTools({}, state_cls(type(row))())
+        hosted.specs = self._tools = tool_specs(toolsets, lambda: hosted)
+        return hosted
+
     # --- scoring ---------------------------------------------------------------------------
-    def score(self, task: TaskSpec, answer: str, state: Any) -> RewardBreakdown:
-        """``Task.score`` of ``answer`` in a deadline worker within ``reward_timeout_s``; a
-        scoring that runs past it, kills its worker or cannot run there is a
-        ``sandbox_error`` (warned, the reason in ``audit["reward_error"]``)."""
+    def score(self, task: TaskSpec, answer: str, state: HostedTools | None) -> RewardBreakdown:
+        """``Task.score`` in a deadline worker within ``reward_timeout_s``, of ``answer`` (a
+        task without tools) or of the whole conversation with the tools' state; a scoring
+        that runs past it, kills its worker or cannot run there is a ``sandbox_error``
+        (warned, the reason in ``audit["reward_error"]``)."""
         verifier = f"{self.env_id}@{self.version}"
+        scored: tuple[Any, ...] = (answer,) if state is None else (
+            conversation(self.active_messages, self.parser.parse), state.state.model_dump_json())
         try:
-            result = self._scored(task.data["row"], answer)
+            result = self._scored(task.data["row"], *scored)
         except OfflineScoringError:
             raise
         except Exception as exc:  # the verifier's fault, not the agent's: masked, counted
@@ -469,9 +634,9 @@ class TasksetEnv(ToolEnv):
                                 verifier)
         return breakdown(result, self.reward_weights, verifier)
 
-    def _scored(self, row: dict[str, Any], answer: str) -> Scored | RewardRaised:
+    def _scored(self, row: dict[str, Any], *scored: Any) -> Scored | RewardRaised:
         for _ in range(LOAD_TRIES):  # another caller may take the worker just loaded
-            result = deadline.call(score_in_worker, self._source.key, row, answer,
+            result = deadline.call(score_in_worker, self._source.key, row, *scored,
                                    timeout_s=self.reward_timeout_s)
             if not isinstance(result, NotLoaded):
                 return result

@@ -32,6 +32,43 @@ def test_train_from_script(tmp_path):
     assert len(trained) == 3 and all(n > 0 for n in trained)  # its prompts fit its limit
 
 
+@pytest.mark.slow
+def test_train_with_functions_and_resume_needs_them_again(tmp_path):
+    """A script's reward and assigner functions, rows as a list of dicts and a LoraConfig,
+    trained for two steps; the reward ran in the scoring workers (sent by value), and a
+    process that does not pass the functions again cannot resume the run."""
+    run_dir = tmp_path / "run"
+    result = run_example("train_with_functions.py", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert ("reward __main__:near_miss, assigner __main__:final_full_others_half, "
+            "lora r=4 alpha=8") in out
+    rows = Path(out.split("rows ", 1)[1].split()[0])
+    assert rows.parent == run_dir / "inputs" and len(rows.read_text().splitlines()) == 24
+    assert out.count("loss/policy") == 2 and f"trained 2 steps; run dir {run_dir}" in out
+    episodes = [json.loads(line) for line in (run_dir / "rollouts.jsonl").open()]
+    assert episodes and all(e["reward"]["verifier"].endswith("/__main__:near_miss")
+                            and e["reward"]["outcome"] != "sandbox_error" for e in episodes)
+    assert {e["reward"]["total"] for e in episodes} <= {0.0, 0.5, 1.0}
+    resume = (f"import agent_rl; agent_rl.train({str(run_dir / 'contract.yaml')!r}, "
+              "resume=True, optim__max_steps=3)")
+    resumed = subprocess.run([sys.executable, "-c", resume], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300)
+    assert resumed.returncode != 0
+    assert ("env.kwargs.reward: reward '__main__:near_miss' is a function that was passed "
+            "from Python") in resumed.stderr
+    assert "resume=True, reward=near_miss)" in resumed.stderr
+
+
+def test_verifiers_tools_runs_a_multi_turn_tool_taskset(tmp_path):
+    pytest.importorskip("verifiers.v1", reason="verifiers==0.4.0 is not installed")
+    result = run_example("verifiers_tools.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ShelfTaskset-0: 3 assistant turns, tools said ['3', '4'], answer '7'" in out
+    assert out.count("reward 1.5 (correct): {'correct': 1.0, 'looked_up': 1.0}") == 3
+
+
 def test_register_env(tmp_path):
     result = run_example("register_env.py", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

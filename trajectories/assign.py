@@ -21,6 +21,14 @@ the answer. usage(s) is the session's marginal use in [0, 1], read from
 ``used_by_final`` is None (unknown) is treated as used. Note that usage signals computed with
 the gold answer are a training-time signal, not something available at deployment.
 
+Your own assigner: a function ``fn(episode, **params) -> dict[session_id, float]``, either
+registered by name (``@register_assigner("name")``) or named in a contract as
+``"module:function"`` / ``"path/to/file.py:function"`` (``credit.assigner``), or passed from
+Python (``agent_rl.train(..., assigner=fn)``; ``trajectories.functions``). Its reward unit is
+its ``unit`` attribute (default ``session``). ``check_params`` proves it before any work: it
+must import, take the episode and the contract's ``credit.params``, and credit exactly the
+sessions of a two-session probe episode.
+
 Loss weights are separate from credit (``session_weights``): ``per_episode`` gives each of an
 episode's n sessions 1/n, so an episode cut into more sessions is not up-weighted;
 ``per_session`` gives every session 1.
@@ -29,9 +37,11 @@ episode's n sessions 1/n, so an episode cut into more sessions is not up-weighte
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
+from trajectories import functions
 from trajectories.models import Episode
 
 RewardUnit = Literal["token", "turn", "session", "episode", "candidate_set"]
@@ -66,15 +76,28 @@ def register_assigner(name: str, unit: RewardUnit = "session") -> Callable[[Assi
     return decorator
 
 
-def _lookup(method: str) -> tuple[Assigner, RewardUnit]:
-    try:
+def find_assigner(method: str) -> tuple[Assigner, RewardUnit]:
+    """A registered assigner, or the function ``method`` names as ``"module:function"`` /
+    ``"path/to/file.py:function"`` (or one passed from Python: ``trajectories.functions``),
+    with its ``unit`` attribute or ``session``. ``ValueError`` naming the problem."""
+    if method in ASSIGNERS:
         return ASSIGNERS[method]
-    except KeyError:
-        raise ValueError(f"unknown assigner {method!r}; registered: {sorted(ASSIGNERS)}") from None
+    if ":" not in method:
+        raise ValueError(f"unknown assigner {method!r}; registered: {sorted(ASSIGNERS)}, or "
+                         "name your own function as 'module:function'")
+    try:
+        fn = functions.load_function(method, "assigner")
+    except (ImportError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
+    unit = getattr(fn, "unit", "session")
+    if unit not in typing.get_args(RewardUnit):
+        raise ValueError(f"assigner {method!r}: its unit attribute {unit!r} is not one of "
+                         f"{typing.get_args(RewardUnit)}")
+    return fn, unit
 
 
 def assign(episode: Episode, method: str = "broadcast", **params) -> Credit:
-    fn, unit = _lookup(method)
+    fn, unit = find_assigner(method)
     values = fn(episode, **params)
     ids = [s.session_id for s in episode.sessions]
     if sorted(values) != sorted(ids):
@@ -83,11 +106,16 @@ def assign(episode: Episode, method: str = "broadcast", **params) -> Credit:
 
 
 def check_params(method: str, params: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming the problem when ``params`` do not fit assigner ``method``:
-    keywords its signature does not take (or lacks), or values it refuses on a dry run over a
-    two-session episode (root + compression)."""
-    fn, _ = _lookup(method)
-    signature = inspect.signature(fn)
+    """Raise ``ValueError`` naming the problem when ``method`` is no assigner (unknown, or a
+    ``module:function`` that does not import) or ``params`` do not fit it: keywords its
+    signature does not take (or lacks; an assigner is ``fn(episode, **params) -> dict``), or
+    values it refuses on a dry run over a two-session episode (root + compression)."""
+    fn, _ = find_assigner(method)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ValueError(f"assigner {method!r}: its signature cannot be read; an assigner is "
+                         "fn(episode, **params) -> dict[session_id, float]") from None
     try:
         signature.bind(None, **params)
     except TypeError as exc:

@@ -220,7 +220,7 @@ class CurriculumSection(_Section):
 
 
 class CreditSection(_Section):
-    assigner: str = Field("broadcast", description="trajectories.ASSIGNERS name")
+    assigner: str = Field("broadcast", description="a registered assigner (trajectories.ASSIGNERS: broadcast, terminal_only, uniform_split, discounted, usage_weighted, or one added with @register_assigner) or your function fn(episode, **params) -> {session_id: credit} as 'module:function' or 'path/to/file.py:function' (its source file is part of the contract hash)")
     params: dict[str, Any] = Field(default_factory=dict)
     session_weighting: Literal["per_episode", "per_session"] = "per_episode"
 
@@ -345,8 +345,11 @@ class _Contract(_Section):
         """Every file the contract makes the run read, pinned by its content: dotted key ->
         what the hash holds in place of the key's value (the one place that decides this).
         ``model.init``: ``{path, bundle}`` (``checkpoint.bundle_hash``); the env's files
-        (``env_pins``). A file that cannot be read is a ``ContractError`` naming its key."""
+        (``env_pins``); a ``module:function`` ``credit.assigner``: ``{function, sha256}``. A file that cannot be read is a ``ContractError`` naming its key."""
         pins = env_pins(self.env)
+        assigner = getattr(getattr(self, "credit", None), "assigner", "")
+        if ":" in assigner:  # your own function: its code is part of the objective
+            pins["credit.assigner"] = function_pin(assigner, "assigner", "credit.assigner")
         if self.model.init is not None:
             pins["model.init"] = {"path": self.model.init,
                                   "bundle": init_bundle_hash(self.model.init)}
@@ -489,11 +492,15 @@ class ExperimentContract(_Contract):
             raise ValueError("loss.aggregation seq_mean_token_sum_norm needs rollout.max_response_tokens")
         if self.rollout.dynamic_sampling and self.rollout.group_size < 2:
             raise ValueError("rollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one has no contrast)")
-        from trajectories import ASSIGNERS
-        from trajectories.assign import check_params
+        from trajectories.assign import check_params, find_assigner
+        from trajectories.functions import PASSED, is_passed
 
-        if self.credit.assigner not in ASSIGNERS:
-            raise ValueError(f"credit.assigner {self.credit.assigner!r} is not one of {sorted(ASSIGNERS)}")
+        if is_passed(self.credit.assigner) and self.credit.assigner not in PASSED:
+            return self  # a script's function, not passed to this process: the hash says so
+        try:  # a registered name, or your function as "module:function"
+            find_assigner(self.credit.assigner)
+        except ValueError as exc:
+            raise ValueError(f"credit.assigner: {exc}") from None
         try:
             check_params(self.credit.assigner, self.credit.params)
         except ValueError as exc:
@@ -525,15 +532,20 @@ def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
     if isinstance(path, str):
         pins["env.kwargs.path"] = {"path": path, "sha256": content_hash(path, "env.kwargs.path")}
     if isinstance(reward, str) and ":" in reward:
-        from envs.datasets import DatasetError, reward_source
-
-        try:
-            source = reward_source(reward)
-        except (DatasetError, ImportError) as exc:
-            raise ContractError(f"env.kwargs.reward: {exc}") from None
-        pins["env.kwargs.reward"] = {"function": reward,
-                                     "sha256": content_hash(str(source), "env.kwargs.reward")}
+        pins["env.kwargs.reward"] = function_pin(reward, "reward", "env.kwargs.reward")
     return pins
+
+
+def function_pin(spec: str, what: str, key: str) -> dict[str, str]:
+    """``{function, sha256}`` of a user function ``spec`` (``trajectories.functions``: its
+    source file, or a function passed from Python, its source); a ``ContractError`` naming
+    ``key`` when it cannot be found (a passed function not passed again says so)."""
+    from trajectories.functions import function_digest
+
+    try:
+        return {"function": spec, "sha256": function_digest(spec, what)}
+    except (ImportError, ValueError) as exc:
+        raise ContractError(f"{key}: {exc}") from None
 
 
 def user_env_source(env_id: str) -> Path | None:

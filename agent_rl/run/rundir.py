@@ -7,7 +7,8 @@ record per step, mirrored to TensorBoard when it is installed), ``eval.jsonl`` (
 summaries) and ``evals/<tag>.jsonl`` (one record per held-out episode), ``rollouts.jsonl``
 (every episode), ``curriculum.jsonl`` (one record per difficulty-filter round, keyed by the
 first step it trains), ``checkpoints/``, ``guard.json``, ``result.json``; ``run.lock`` while a
-process runs there (``runlock``: one process per run directory). ``agent-rl sft`` writes its
+process runs there (``runlock``: one process per run directory); ``inputs/`` the rows a
+script handed ``agent_rl.train(dataset=...)`` (``inputs_file``). ``agent-rl sft`` writes its
 resume bundles to ``resume/`` and its final bundle to ``checkpoints/``.
 
 What a user owns is never overwritten or dropped: ``check_run_dir`` refuses, writing
@@ -18,6 +19,7 @@ back to the checkpoint (``rewind_logs``: later lines move to ``<file>.rewound``)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -35,6 +37,7 @@ BASE_MODEL_FILE = "base_model.json"
 PINS_FILE = "contract.pins.json"  # the content hashes of the files the contract reads
 PIN_FILES = ("contract.yaml", "contract.sha256", PINS_FILE, BASE_MODEL_FILE)
 LOCK_FILE = "run.lock"  # runlock.py: held while a process runs in the folder
+INPUTS_DIR = "inputs"  # rows handed to agent_rl.train(dataset=...), by content: inputs_file
 
 
 
@@ -54,7 +57,8 @@ def check_run_dir(run_dir: Path, contract: ExperimentContract | SFTContract, con
     ``base_model.json``) and logs that lost records the checkpoint committed (``split_log``).
     The lock file (``runlock``) is no content."""
     checkpoints = run_dir / "checkpoints" if checkpoints is None else checkpoints
-    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_FILE, INPUTS_DIR)
+                     ) if run_dir.is_dir() else []
     if not entries:
         if resume:
             raise nothing_to_resume(run_dir)
@@ -204,6 +208,16 @@ def rewind_logs(run_dir: Path, step: int, store_cursor: int) -> None:
             with open(path.with_name(name + ".rewound"), "ab") as fh:
                 fh.write(b"".join(line + b"\n" for line in [*cut, torn] if line))
             write_file(path, b"".join(line + b"\n" for line in kept))
+
+
+def inputs_file(run_dir: Path, content: bytes, suffix: str) -> Path:
+    """Write ``content`` to ``run_dir/inputs/<sha256 prefix><suffix>`` (once: named by its
+    content, so a file there is never overwritten with other content) and return its path.
+    ``inputs/`` is not run content: a folder holding only it is still a new run dir."""
+    path = run_dir / INPUTS_DIR / f"{hashlib.sha256(content).hexdigest()[:16]}{suffix}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, content)
+    return path
 
 
 def write_file(path: Path, content: str | bytes) -> None:

@@ -65,7 +65,10 @@ Reward
       cell is ``task.target``, the whole row ``task.data["record"]``). A float is
       ``accuracy``; a dict's keys are components, weighted by ``weights`` (default
       ``{"accuracy": 1.0}``: the dict must then hold ``accuracy``; keys without a weight are
-      recorded with weight 0). It is called once at construction on the first row's reference
+      recorded with weight 0). From Python, ``reward`` may be the function itself
+      (``from_dataset(path, reward=my_reward)``; ``trajectories.functions``: a function of an
+      importable module is named ``module:function``, one defined in a script is sent to the
+      scoring worker by value). It is called once at construction on the first row's reference
       reply, so a wrong return type fails before training. Later, a function that raises
       scores the episode as an infrastructure fault (``sandbox_error``: masked out of the loss,
       counted by the ``max_verifier_error_rate`` guard), its message in
@@ -99,7 +102,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -115,8 +118,8 @@ from envs.datasets.tasks import jsonable, load_tasks
 from envs.datasets.user_rewards import (
     load_reward_function,
     reply_components,
-    reward_source,
     split_spec,
+    worker_reward,
 )
 from envs.scoring import (
     REWARD_TIMEOUT_S,
@@ -126,6 +129,7 @@ from envs.scoring import (
     reward_fault,
 )
 from trajectories import RewardBreakdown
+from trajectories.functions import function_spec
 
 DEFAULT_PATH = Path(__file__).parents[1] / "data" / "qa_sample.jsonl"
 
@@ -140,7 +144,7 @@ class DatasetEnv(ToolEnv):
         path: str | os.PathLike = DEFAULT_PATH,
         prompt: str = "prompt",
         answer: str = "answer",
-        reward: str = "exact",
+        reward: str | Callable[[str, TaskSpec], Any] = "exact",
         meta: Mapping[str, str] | None = None,
         system: str | None = None,
         tolerance: float = 0.0,
@@ -153,6 +157,8 @@ class DatasetEnv(ToolEnv):
     ):
         """Keywords: module docstring. ``kwargs`` go to ``ToolEnv`` (``max_turns``, ...)."""
         super().__init__(**kwargs)
+        if callable(reward):  # a function passed from Python: by its name (functions.py)
+            reward = function_spec(reward, "reward")
         check_arguments(prompt=prompt, answer=answer, reward=reward, meta=meta,
                         tolerance=tolerance, weights=weights, task_id=task_id,
                         solution=solution, reward_timeout_s=reward_timeout_s)
@@ -163,7 +169,7 @@ class DatasetEnv(ToolEnv):
                                   lambda target: None, ANSWER_ONLY)
                          if custom else built_in(reward, tolerance))
         # what a deadline worker computes: picklable, a file path made absolute
-        spec = f"{reward_source(reward)}:{split_spec(reward)[1]}" if custom else reward
+        spec = worker_reward(reward) if custom else reward
         self._components = partial(reply_components, spec, float(tolerance),
                                    tuple(self.reward_weights.items()))
         self.path = Path(path)
@@ -290,7 +296,7 @@ def _weights(weights: Mapping[str, float] | None, kind: str | None) -> dict[str,
 
 
 def from_dataset(path: str | os.PathLike, prompt: str = "prompt", answer: str = "answer",
-                 reward: str = "exact", meta: Mapping[str, str] | None = None,
+                 reward: str | Callable[[str, TaskSpec], Any] = "exact", meta: Mapping[str, str] | None = None,
                  system: str | None = None, **kw: Any) -> DatasetEnv:
     """Tasks from a JSONL/CSV file or a ``datasets`` folder as a ``ToolEnv`` (the same
     keywords as ``envs.make("agent_rl/Dataset-v0", ...)``: ``tolerance``, ``weights``,

@@ -1,72 +1,79 @@
-"""User reward functions of Dataset-v0 (``"module:function"`` or ``"path/to/file.py:function"``):
-loading one, finding its source file to pin, reading its return value as reward components,
-and ``reply_components``, what a deadline worker (``envs.deadline``) runs to score a reply
-with a built-in reward or a user function."""
+"""User reward functions of Dataset-v0 (``"module:function"``, ``"path/to/file.py:function"``
+or a function passed from Python: ``trajectories.functions`` loads them all): finding the
+source to pin, how a worker gets the function, reading its return value as reward
+components, and ``reply_components``, what a deadline worker (``envs.deadline``) runs to
+score a reply with a built-in reward or a user function."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import math
 import numbers as _numbers
-import os
-import sys
+import pickle
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from envs.core import TaskSpec
 from envs.datasets.errors import DatasetError, RewardReturnError
 from envs.datasets.rewards import built_in
+from trajectories import functions
 
 
 def split_spec(spec: str) -> tuple[str, str]:
     """``(where, function)`` of a user reward ``module:function`` or ``file.py:function``."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name.isidentifier():
-        raise DatasetError(f"reward {spec!r}: a user reward is 'module:function' or "
-                           "'path/to/file.py:function'", key="reward")
-    return where, name
-
-
-def _is_file(where: str) -> bool:
-    return where.endswith(".py") or "/" in where or os.sep in where
+    try:
+        return functions.split_spec(spec, "reward")
+    except functions.FunctionSpecError as exc:
+        raise DatasetError(str(exc), key="reward") from None
 
 
 def load_reward_function(spec: str) -> Callable[[str, TaskSpec], Any]:
-    """The user function ``"package.module:function"`` or ``"path/to/file.py:function"``."""
-    where, name = split_spec(spec)
-    if _is_file(where):
-        file = Path(where).resolve()
-        if not file.is_file():
-            raise ImportError(f"reward {spec!r}: no file {file} (relative paths are read from "
-                              f"the working directory {Path.cwd()})")
-        module_name = "agent_rl_reward_" + hashlib.sha256(str(file).encode()).hexdigest()[:16]
-        module = sys.modules.get(module_name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(module_name, file)
-            module = importlib.util.module_from_spec(loader_spec)
-            try:
-                loader_spec.loader.exec_module(module)
-            except Exception as exc:
-                raise ImportError(f"reward {spec!r}: importing {file} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-            sys.modules[module_name] = module
-    else:
+    """The user function ``"package.module:function"`` or ``"path/to/file.py:function"``, or
+    one passed from Python (``trajectories.functions``)."""
+    try:
+        return functions.load_function(spec, "reward")
+    except functions.FunctionSpecError as exc:
+        raise DatasetError(str(exc), key="reward") from None
+
+
+def worker_reward(spec: str) -> str | PassedFunction:
+    """How a deadline worker gets the user reward ``spec``: a file path made absolute
+    (``/abs/rewards.py:fn``, imported there), or a function passed from Python by value
+    (``PassedFunction``: a worker cannot import a script's ``__main__``)."""
+    if functions.is_passed(spec):
+        return PassedFunction.of(spec, load_reward_function(spec))
+    return f"{reward_source(spec)}:{split_spec(spec)[1]}"
+
+
+@dataclass(frozen=True)
+class PassedFunction:
+    """A function passed from Python, pickled by value (``cloudpickle``, which gymnasium
+    brings) so a worker process can call it; unpickled once per worker (``_UNPICKLED``)."""
+
+    spec: str
+    blob: bytes
+
+    @classmethod
+    def of(cls, spec: str, fn: Callable[..., Any]) -> PassedFunction:
+        import cloudpickle
+
         try:
-            module = importlib.import_module(where)
+            return cls(spec, cloudpickle.dumps(fn))
         except Exception as exc:
-            raise ImportError(
-                f"reward {spec!r}: cannot import module {where!r} ({type(exc).__name__}: {exc}); "
-                f"install it, put its folder on PYTHONPATH, or name the file: "
-                f"'path/to/{where.rsplit('.', 1)[-1]}.py:{name}'") from exc
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ImportError(f"reward {spec!r}: {where} has no attribute {name!r}")
-    if not callable(fn):
-        raise DatasetError(f"reward {spec!r}: {where}.{name} is {type(fn).__name__}, not a function")
-    return fn
+            raise DatasetError(f"reward {spec!r}: the function does not pickle, so a scoring "
+                               f"worker cannot run it ({type(exc).__name__}: {exc}); define it "
+                               "at module level", key="reward") from None
+
+    def load(self) -> Callable[..., Any]:
+        digest = hashlib.sha256(self.blob).hexdigest()
+        if digest not in _UNPICKLED:
+            _UNPICKLED[digest] = pickle.loads(self.blob)
+        return _UNPICKLED[digest]
+
+
+_UNPICKLED: dict[str, Callable[..., Any]] = {}  # in a worker: passed functions by blob hash
 
 
 def user_components(spec: str, value: Any, weights: Mapping[str, float]) -> dict[str, float]:
@@ -103,11 +110,14 @@ def user_components(spec: str, value: Any, weights: Mapping[str, float]) -> dict
     return {"accuracy": number(value, "")}
 
 
-def reply_components(reward: str, tolerance: float, weights: tuple[tuple[str, float], ...],
-                     reply: str, task: TaskSpec) -> dict[str, float]:
+def reply_components(reward: str | PassedFunction, tolerance: float,
+                     weights: tuple[tuple[str, float], ...], reply: str,
+                     task: TaskSpec) -> dict[str, float]:
     """The reward components of ``reply`` on ``task`` under reward ``reward`` (a built-in
-    kind, or a user function's spec with an absolute file path): what ``DatasetEnv.score``
-    runs in a deadline worker (``envs.deadline``)."""
+    kind, a user function's spec with an absolute file path, or a ``PassedFunction``): what
+    ``DatasetEnv.score`` runs in a deadline worker (``envs.deadline``)."""
+    if isinstance(reward, PassedFunction):
+        return user_components(reward.spec, reward.load()(reply, task), dict(weights))
     if ":" in reward:
         return user_components(reward, load_reward_function(reward)(reply, task), dict(weights))
     return {"accuracy": built_in(reward, tolerance).score(reply, task)}
@@ -117,17 +127,7 @@ def reward_source(spec: str) -> Path:
     """The source file that defines the user reward ``spec`` (``path/to/file.py:function``:
     that file; ``module:function``: the module's file), found without running the function;
     ``ImportError`` when there is none."""
-    where, _ = split_spec(spec)
-    if _is_file(where):
-        return Path(where).resolve()
     try:
-        found = importlib.util.find_spec(where)
-    except (ImportError, ValueError) as exc:
-        raise ImportError(f"reward {spec!r}: cannot find module {where!r} ({exc})") from None
-    if found is None:
-        raise ImportError(f"reward {spec!r}: no module {where!r}; install it, put its folder "
-                          "on PYTHONPATH, or name the file: 'path/to/file.py:function'")
-    if not found.origin or not Path(found.origin).is_file():
-        raise ImportError(f"reward {spec!r}: module {where!r} has no source file to pin "
-                          f"({found.origin}); name a .py file instead")
-    return Path(found.origin)
+        return functions.function_source(spec, "reward")
+    except functions.FunctionSpecError as exc:
+        raise DatasetError(str(exc), key="reward") from None

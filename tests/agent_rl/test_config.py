@@ -248,7 +248,7 @@ def test_other_impossible_combinations():
     assert "group_size >= 2" in contract_error(overrides=["rollout.group_size=1"])
     assert ExperimentContract.from_dict({}, ["rollout.group_size=1",
                                              "rollout.dynamic_sampling=false"]).rollout.group_size == 1
-    assert "credit.assigner 'nope'" in contract_error(overrides=["credit.assigner=nope"])
+    assert "credit.assigner: unknown assigner 'nope'" in contract_error(overrides=["credit.assigner=nope"])
     # with explicit holdouts an empty holdout_iid is known before the run (without, it depends
     # on the pool: test_holdout_iid_without_iid_fraction_is_decided_by_the_pool)
     assert "needs env.iid_fraction > 0" in contract_error(
@@ -681,3 +681,46 @@ def test_an_env_registered_from_outside_agent_rl_is_pinned_by_its_source(tmp_pat
         registry._REGISTERED.pop("tests/PinnedArithmetic-v0", None)
         import gymnasium
         gymnasium.registry.pop("tests/PinnedArithmetic-v0", None)
+
+
+# --- credit.assigner as "module:function" ------------------------------------------------------
+
+
+def test_an_assigner_function_named_in_yaml_is_validated_and_pinned_by_its_source(tmp_path):
+    source = tmp_path / "my_credit.py"
+    source.write_text("def half(episode, share=0.5):\n"
+                      "    return {s.session_id: share * episode.reward.total for s in episode.sessions}\n")
+    contract = ExperimentContract.from_dict(
+        {}, [f"credit.assigner={source}:half", "credit.params={share: 0.25}"])
+    pins = contract.input_pins()
+    assert pins == {"credit.assigner": {"function": f"{source}:half",
+                                        "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}}
+    before = contract.contract_hash()
+    source.write_text(source.read_text() + "# edited\n")
+    assert contract.contract_hash() != before  # its code is part of the objective
+    assert [c.split(":")[0] for c in contract.pin_changes(pins)] == ["credit.assigner"]
+    plain = ExperimentContract.from_dict({}, ["credit.assigner=tests.trajectories.custom_assigners:depth_share"])
+    assert plain.credit.assigner == "tests.trajectories.custom_assigners:depth_share"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["credit.assigner=no_such_module_xyz:fn"],
+     r"credit.assigner: assigner 'no_such_module_xyz:fn': cannot import module"),
+    (["credit.assigner=tests.trajectories.custom_assigners:missing"],
+     "credit.assigner: .*has no attribute 'missing'"),
+    (["credit.assigner=tests.trajectories.custom_assigners:takes_nothing"],
+     r"credit.params: assigner .*takes_nothing' cannot take \[\]"),
+    (["credit.assigner=tests.trajectories.custom_assigners:depth_share", "credit.params={gamma: 1}"],
+     r"credit.params: .*cannot take \['gamma'\].*it takes \['scale'\]"),
+])
+def test_a_bad_assigner_function_is_a_contract_error_naming_the_key(overrides, message):
+    assert re.search(message, contract_error(overrides=overrides))
+
+
+def test_a_script_assigner_not_passed_here_reads_but_cannot_run():
+    """contract.yaml of a run whose assigner was a script's function: readable (report,
+    inspect), but its hash, taken before any training, says to pass the function again."""
+    contract = ExperimentContract.from_dict({}, ["credit.assigner=__main__:my_credit"])
+    with pytest.raises(ContractError, match=r"credit.assigner: assigner '__main__:my_credit' is a "
+                                            r"function that was passed from Python.*assigner=my_credit"):
+        contract.contract_hash()

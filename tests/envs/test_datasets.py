@@ -784,3 +784,28 @@ def test_a_long_integer_answer_in_a_csv_cell_is_read_as_text(tmp_path):
     path = write_csv(tmp_path / "t.csv", ["prompt", "answer"], [["Big?", "7" * 5000]])
     env = from_dataset(path, reward="numeric")
     assert answer_with(env, "It is " + "7" * 5000).outcome == Outcome.correct
+
+
+def test_a_function_passed_from_python_is_scored_in_the_worker_by_value(tmp_path):
+    """A closure (or a script's function) cannot be imported by a scoring worker: it is sent
+    there pickled by value, and named in the env's verifier id by its qualified name."""
+    from trajectories.functions import PASSED
+
+    bonus = 0.25
+
+    def near(answer, task):  # reads a variable of the enclosing test: a real closure
+        miss = abs(int(answer) - int(task.target)) if answer.strip().isdigit() else 99
+        return {"accuracy": float(miss == 0), "near": bonus * (miss == 1)}
+
+    env = from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS), reward=near,
+                       weights={"accuracy": 1.0, "near": 1.0})
+    spec = ("tests.envs.test_datasets:"
+            "test_a_function_passed_from_python_is_scored_in_the_worker_by_value.<locals>.near")
+    assert PASSED[spec] is near and env.verifier.name == spec
+    assert answer_with(env, "5").total == 1.0  # the first task: 2 + 3
+    off = answer_with(env, "4")
+    assert (off.components, off.total, off.outcome) == (
+        {"accuracy": 0.0, "near": 0.25}, 0.25, Outcome.wrong)
+    assert answer_with(env, "3").total == 0.0
+    lam = from_dataset(write_jsonl(tmp_path / "t.jsonl", ROWS), reward=lambda a, t: 0.5)
+    assert answer_with(lam, "anything").total == 0.5

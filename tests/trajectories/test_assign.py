@@ -14,9 +14,11 @@ from trajectories.assign import (
     SESSION_WEIGHTINGS,
     Credit,
     assign,
+    check_params,
     register_assigner,
     session_weights,
 )
+from trajectories.functions import function_spec
 from trajectories.testing import episode, session
 
 R = 2.0  # episode reward used by the hand trees
@@ -267,3 +269,55 @@ def test_discounted_never_increases_with_distance_to_final(ep, gamma):
     values = [credit[sid] for sid in by_distance]
     assert all(a >= b for a, b in zip(values[:-1], values[1:], strict=True))
     assert all(0.0 <= v <= ep.reward.total for v in values)
+
+
+# --- your own assigner function, named "module:function" or passed from Python --------------
+
+CUSTOM = "tests.trajectories.custom_assigners"
+
+
+def test_a_module_function_assigner_gives_the_credit_computed_by_hand():
+    # chain r -> c1 -> c2 -> c3, R = 1.2; depth_share: R / (1 + depth)
+    credit = assign(chain(reward=1.2), f"{CUSTOM}:depth_share")
+    assert credit == approx({"r": 1.2, "c1": 0.6, "c2": 0.4, "c3": 0.3})
+    assert (credit.method, credit.unit) == (f"{CUSTOM}:depth_share", "session")
+    scaled = assign(branch_return(reward=1.0), f"{CUSTOM}:depth_share", scale=0.5)
+    assert scaled == approx({"r": 0.5, "b1": 0.25})
+    check_params(f"{CUSTOM}:depth_share", {"scale": 2.0})  # takes its own keyword
+
+
+def test_a_file_assigner_and_a_passed_function(tmp_path):
+    source = tmp_path / "my_credit.py"
+    source.write_text("def last_only(episode):\n"
+                      "    final = episode.final_session.session_id\n"
+                      "    return {s.session_id: float(s.session_id == final) * episode.reward.total\n"
+                      "            for s in episode.sessions}\n")
+    # compressed_branch r -> c1 -> b1, final answer in c1
+    assert assign(compressed_branch(reward=2.0), f"{source}:last_only") == approx(
+        {"r": 0.0, "c1": 2.0, "b1": 0.0})
+
+    def halves(episode):  # a closure: not importable by name, kept in this process
+        return {s.session_id: episode.reward.total / 2 for s in episode.sessions}
+
+    spec = function_spec(halves, "assigner")
+    assert spec == ("tests.trajectories.test_assign:"
+                    "test_a_file_assigner_and_a_passed_function.<locals>.halves")
+    assert assign(chain(reward=1.0), spec) == approx({"r": 0.5, "c1": 0.5, "c2": 0.5, "c3": 0.5})
+    # an importable module-level function is named plainly, as YAML would
+    from tests.trajectories.custom_assigners import depth_share
+    assert function_spec(depth_share, "assigner") == f"{CUSTOM}:depth_share"
+
+
+@pytest.mark.parametrize(("spec", "params", "message"), [
+    ("no_such_module_xyz:fn", {}, r"cannot import module 'no_such_module_xyz'.*PYTHONPATH"),
+    (f"{CUSTOM}:missing", {}, "has no attribute 'missing'"),
+    (f"{CUSTOM}:NOT_A_FUNCTION", {}, "is int, not a function"),
+    (f"{CUSTOM}:takes_nothing", {}, r"cannot take \[\].*it takes no parameters"),
+    (f"{CUSTOM}:depth_share", {"gamma": 1}, r"cannot take \['gamma'\].*it takes \['scale'\]"),
+    (f"{CUSTOM}:wrong_unit", {}, "unit attribute 'paragraph' is not one of"),
+    ("missing/credit.py:fn", {}, "no file .*credit.py"),
+    ("__main__:never_passed", {}, "passed from Python.*pass it again.*assigner=never_passed"),
+])
+def test_a_bad_assigner_function_is_named_before_any_work(spec, params, message):
+    with pytest.raises(ValueError, match=message):
+        check_params(spec, params)
