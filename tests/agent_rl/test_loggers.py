@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,12 @@ RUN = {
     "guards": {"max_truncated_frac": 1.01},
 }
 EVERY = ["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+def needs_every_logger() -> None:
+    """The W&B and MLflow tests need the extras `make venv` installs."""
+    for package in ("wandb", "mlflow"):
+        pytest.importorskip(package, reason=f"pip install 'agent-rl[{package}]'")
 
 
 @pytest.fixture(autouse=True)
@@ -114,9 +121,11 @@ def wandb_run(folder: Path) -> tuple[str, dict, list[dict]]:
 def mlflow_run(run_dir: Path):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
-    [experiment] = [e for e in client.search_experiments() if e.name == "agent-rl"]
-    [run] = client.search_runs([experiment.experiment_id])
+    with warnings.catch_warnings():  # sqlalchemy's deprecation notice as mlflow opens a store
+        warnings.simplefilter("ignore", DeprecationWarning)
+        client = MlflowClient(f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+        [experiment] = [e for e in client.search_experiments() if e.name == "agent-rl"]
+        [run] = client.search_runs([experiment.experiment_id])
     return client, run
 
 
@@ -185,6 +194,7 @@ def test_a_missing_package_is_refused_before_the_model_loads(digits_env, tmp_pat
 def test_loggers_open_at_the_first_record_and_keep_their_run_ids(tmp_path):
     """Nothing is written before a step is logged; W&B files go under the run directory when
     WANDB_DIR is not set; a second opening (a resumed run) continues the same runs."""
+    needs_every_logger()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     contract = ExperimentContract.from_dict({"model": {"id": "tiny"}, "log": {
@@ -221,6 +231,7 @@ def test_flatten_writes_every_leaf_as_a_dotted_param():
 @pytest.mark.slow
 def test_a_training_run_writes_every_logger_and_resumes_into_the_same_runs(
         digits_env, tmp_path, monkeypatch):
+    needs_every_logger()
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-runs"))
     run_dir = tmp_path / "run"
     contract = ExperimentContract.from_dict({**RUN, "run_dir": str(run_dir)},
@@ -266,6 +277,7 @@ def test_a_training_run_writes_every_logger_and_resumes_into_the_same_runs(
 
 @pytest.mark.slow
 def test_sft_logs_its_steps_to_the_loggers(tmp_path):
+    needs_every_logger()
     contract = SFTContract.from_dict({
         "name": "t", "env": {"id": "agent_rl/Records-v0", "pool_size": 64},
         "eval": {"n": 2}, "model": {"id": "tiny", "adapter": "none"},
@@ -286,3 +298,20 @@ def test_sft_logs_its_steps_to_the_loggers(tmp_path):
     assert run.info.run_name == "warm" and run.data.params["data.max_episodes"] == "4"
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss/sft")] == \
         [(s, pytest.approx(v)) for s, v in losses]
+
+
+@pytest.mark.slow
+def test_only_rank_zero_logs_under_torchrun(digits_env, tmp_path):
+    """Two ranks (DeepSpeed on gloo) train one step: one W&B run, one MLflow point per step,
+    one TensorBoard event file, one metrics.jsonl line."""
+    needs_every_logger()
+    pytest.importorskip("deepspeed")
+    from tests.agent_rl.test_train import DS, launch
+
+    run_dir = launch(tmp_path / "run", *DS, "optim.max_steps=1", "eval.every=0",
+                     f"log.to={EVERY}")
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1]
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert len(list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))) == 1
+    client, run = mlflow_run(run_dir)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1]
