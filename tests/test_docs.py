@@ -10,7 +10,8 @@ same page. Other programs (``pip``, shell builtins) are not checked.
 
 Every checked command is also run (``test_every_command_not_marked_long_runs``, slow) unless
 its comment starts with ``long`` (``make demo   # long: ...``): in page order, README.md first,
-in one scratch folder, each distinct command once. The scaffold's printed steps (``agent-rl
+in one scratch folder, each distinct command once, with the ``VAR=value`` words before it
+set. The scaffold's printed steps (``agent-rl
 envs new`` and the four lines it prints) are run by tests/envs/test_scaffold.py instead.
 
 (b) Every dotted key of the contract models (``ExperimentContract``, ``SFTContract``) appears
@@ -81,6 +82,12 @@ def parse_command(page: str, line: str) -> Command:
     code, _, comment = line.partition(" #")
     code = code.strip()
     return Command(page, code, tuple(shlex.split(ASSIGNMENTS.sub("", code))), comment.strip())
+
+
+def assignments(command: Command) -> dict[str, str]:
+    """The ``VAR=value`` words before a command (``WANDB_MODE=offline agent-rl train ...``)."""
+    prefix = ASSIGNMENTS.match(command.text)
+    return dict(word.split("=", 1) for word in shlex.split(prefix[0])) if prefix else {}
 
 
 def page_commands(path: Path) -> list[Command]:
@@ -330,13 +337,16 @@ def test_every_command_not_marked_long_runs(tmp_path, monkeypatch):
         args = cli_args(command.argv)
         if args is not None:
             out = io.StringIO()
-            with contextlib.redirect_stdout(out):
+            with contextlib.redirect_stdout(out), monkeypatch.context() as variables:
+                for name, value in assignments(command).items():
+                    variables.setenv(name, value)
                 code = main([*args, "--no-progress"] if args[0] in ("train", "sft") else args)
             assert code == 0, f"{command}\n  exit {code}\n{out.getvalue()[-3000:]}"
         else:
             program, *rest = command.argv
             argv = [sys.executable, *rest] if program in PYTHON else list(command.argv)
-            done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+            done = subprocess.run(argv, cwd=tmp_path, env=env | assignments(command),
+                                  capture_output=True, text=True,
                                   timeout=600)
             assert done.returncode == 0, (f"{command}\n  exit {done.returncode}\n"
                                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")

@@ -6,16 +6,19 @@ that do not exist, env kwargs the env's constructor does not take and impossible
 are errors that name the key), hashed (``contract_hash``: sha256 of the canonical JSON of the
 resolved contract). The key names are the YAML contract of DESIGN section 7.
 
-What the hash leaves out: ``optim.max_steps`` (``UNHASHED``). It says where the run stops, not
-how any step is computed: the learning-rate schedule is constant and nothing else reads the
-horizon, so the first j steps of a K-step run are exactly a j-step run. Leaving it out is what
-lets ``--resume --set optim.max_steps=K`` extend a finished or killed run under the same
-contract. A schedule that depends on the horizon (warm-up or decay to ``max_steps``) must put
-it back in the hash.
+What the hash leaves out: ``optim.max_steps`` and the ``log`` section (``UNHASHED``).
+``max_steps`` says where the run stops, not how any step is computed: the learning-rate
+schedule is constant and nothing else reads the horizon, so the first j steps of a K-step run
+are exactly a j-step run. Leaving it out is what lets ``--resume --set optim.max_steps=K``
+extend a finished or killed run under the same contract. A schedule that depends on the
+horizon (warm-up or decay to ``max_steps``) must put it back in the hash. ``log`` says where
+the step metrics are mirrored (``agent_rl.run.loggers``), never what they are: a run resumed
+with ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more place.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Mapping
@@ -277,6 +280,65 @@ class GuardSection(_Section):
     max_truncated_frac: float = Field(0.9, gt=0.0, description="pause when this fraction of responses hits the length limit two steps running (> 1 disables)")
 
 
+LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""``log.to`` names -> the package each needs, installed by the pip extra of the same name
+(``agent_rl.run.loggers`` writes them; jsonl needs none)."""
+
+
+class LogSection(_Section):
+    """Where each step's metrics go (``agent_rl.run.loggers``). ``metrics.jsonl`` is always
+    written: resume, ``agent-rl report`` and ``inspect`` read it."""
+
+    to: list[str] | None = Field(None, description="jsonl (metrics.jsonl, always written), tensorboard (run_dir/tensorboard), wandb (WANDB_MODE respected; files under run_dir/wandb unless WANDB_DIR), mlflow (run_dir/mlflow.db unless MLFLOW_TRACKING_URI); null: jsonl, and tensorboard when it is installed")
+    project: str | None = Field(None, description="the W&B project and the MLflow experiment (null: agent-rl)")
+    name: str | None = Field(None, description="the W&B and MLflow run name (null: the run directory's name)")
+
+    @field_validator("to", mode="before")
+    @classmethod
+    def _known_loggers(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"expected a list of logger names ({', '.join(LOGGERS)}), got "
+                             f"{value!r}")
+        for name in names:
+            if name not in LOGGERS:
+                close = difflib.get_close_matches(name, LOGGERS, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"unknown logger {name!r}{hint}; log.to takes "
+                                 f"{', '.join(LOGGERS)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"name each logger once, got {names}")
+        return ["jsonl", *(n for n in names if n != "jsonl")]  # jsonl is always written
+
+    @property
+    def loggers(self) -> list[str]:
+        """The loggers this run writes: ``to``, or for null jsonl and (when installed)
+        tensorboard."""
+        if self.to is not None:
+            return list(self.to)
+        return ["jsonl", *(["tensorboard"] if installed("tensorboard") else [])]
+
+    def check_installed(self) -> None:
+        """Every logger ``to`` names has its package, else a ``ContractError`` naming the pip
+        extra (a check of this machine, not of the contract: ``_Contract.check_run_dir``)."""
+        missing = [n for n in self.loggers if LOGGERS[n] and not installed(LOGGERS[n])]
+        if missing:
+            extras = ",".join(missing)
+            raise ContractError(
+                f"log.to: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                f"installed: pip install 'agent-rl[{extras}]' (or take "
+                f"{'it' if len(missing) == 1 else 'them'} out of log.to)")
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported here (found, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
 class AcceptanceSection(_Section):
     holdout_min: float | None = None
     max_error_rate: float = Field(0.05, ge=0.0, le=1.0)
@@ -328,9 +390,11 @@ class _Contract(_Section):
         return Path(self.run_dir.replace("${name}", self.name))
 
     def check_run_dir(self) -> Path:
-        """``resolved_run_dir``, refused when it or a folder above it is a file (a check of
-        the disk, so it is not part of validation: a contract read back from a bundle is valid
-        wherever it is read)."""
+        """``resolved_run_dir``, refused when it or a folder above it is a file, or when a
+        logger ``log.to`` names is not installed (``LogSection.check_installed``): checks of
+        this machine, so they are not part of validation (a contract read back from a bundle
+        is valid wherever it is read); every run calls this before its model loads."""
+        self.log.check_installed()
         run_dir = self.resolved_run_dir
         blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()),
                        None)
@@ -383,7 +447,11 @@ class _Contract(_Section):
         """``key: other's value -> this value`` for every hashed key that differs (dotted)."""
         mine, theirs = _leaves(self), _leaves(other)
         return [f"{key}: {theirs[key]!r} -> {mine[key]!r}"
-                for key in mine if key not in self.UNHASHED and mine[key] != theirs[key]]
+                for key in mine if not self.unhashed(key) and mine[key] != theirs[key]]
+
+    def unhashed(self, key: str) -> bool:
+        """Whether the dotted ``key`` is one of ``UNHASHED`` or inside one (``log.to``)."""
+        return any(key == k or key.startswith(k + ".") for k in self.UNHASHED)
 
     def pin_changes(self, pinned: dict[str, Any]) -> list[str]:
         """``key: content changed (...)`` for every input pin that differs from ``pinned`` (the
@@ -399,7 +467,7 @@ class _Contract(_Section):
 class ExperimentContract(_Contract):
     """One training run, fully specified."""
 
-    UNHASHED: ClassVar[tuple[str, ...]] = ("optim.max_steps",)  # where a run stops (module docstring)
+    UNHASHED: ClassVar[tuple[str, ...]] = ("optim.max_steps", "log")  # the module docstring
 
     name: str = "run"
     env: EnvSection = Field(default_factory=EnvSection)
@@ -416,6 +484,7 @@ class ExperimentContract(_Contract):
     optim: OptimSection = Field(default_factory=OptimSection)
     backend: BackendSection = Field(default_factory=BackendSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    log: LogSection = Field(default_factory=LogSection)
     guards: GuardSection = Field(default_factory=GuardSection)
     acceptance: AcceptanceSection = Field(default_factory=AcceptanceSection)
     run_dir: str = "runs/${name}"
@@ -685,6 +754,8 @@ class SFTContract(_Contract):
     before and after. The loss is the mean negative log-likelihood of the tokens RL would
     train (``render``'s loss mask: assistant tokens the policy generates, in every session)."""
 
+    UNHASHED: ClassVar[tuple[str, ...]] = ("log",)  # as the training contract's
+
     name: str = "sft"
     env: EnvSection = Field(default_factory=EnvSection)
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -693,6 +764,7 @@ class SFTContract(_Contract):
     optim: SFTOptimSection = Field(default_factory=SFTOptimSection)
     limits: SFTLimits = Field(default_factory=SFTLimits)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="resume points every N optimizer steps (run_dir/resume/step-N: `agent-rl sft --resume` continues from the newest); the final bundle is checkpoints/step-N")
+    log: LogSection = Field(default_factory=LogSection)
     run_dir: str = "runs/${name}"
 
     @model_validator(mode="after")

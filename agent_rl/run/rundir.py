@@ -3,7 +3,8 @@
 ``contract.yaml`` + ``contract.sha256``, ``contract.pins.json`` (the content hashes of the
 files the contract reads: ``input_pins``) and ``base_model.json`` (the content hashes of the
 base model's files: pinned before the first rollout), ``metrics.jsonl`` (one namespaced
-record per step, mirrored to TensorBoard when it is installed), ``eval.jsonl`` (held-out
+record per step, mirrored to the loggers of ``log.to``: ``loggers``, which keeps the ids of the
+W&B and MLflow runs a resumed run continues in ``loggers.json``), ``eval.jsonl`` (held-out
 summaries) and ``evals/<tag>.jsonl`` (one record per held-out episode), ``rollouts.jsonl``
 (every episode), ``curriculum.jsonl`` (one record per difficulty-filter round, keyed by the
 first step it trains), ``checkpoints/``, ``guard.json``, ``result.json``; ``run.lock`` while a
@@ -251,32 +252,6 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [json_safe(value) for value in obj]
     return obj
-
-
-class TensorBoardLog:
-    """Mirrors metrics to TensorBoard when it is installed. The event file is opened at the
-    first record, so a run that logs no step (a finished run resumed) writes none."""
-
-    def __init__(self, path: Path):
-        self.path, self.writer = path, None
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        if self.writer is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                return
-            self.writer = SummaryWriter(str(self.path))
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                self.writer.add_scalar(key, value, metrics["step"])
-        self.writer.flush()
-
-    def close(self) -> None:
-        """Stop the writer's background thread (a run's end)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
 
 
 def log_json(path: Path, record: dict[str, Any]) -> None:

@@ -59,6 +59,7 @@ from agent_rl.run import checkpoint
 from agent_rl.run.contract import SFTContract
 from agent_rl.run.devices import resolve_device
 from agent_rl.run.distributed import TorchBackend, adamw, launched_world_size, write_bundle
+from agent_rl.run.loggers import open_loggers
 from agent_rl.run.rundir import (
     check_run_dir,
     log_json,
@@ -210,6 +211,7 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     total_steps = contract.optim.epochs * per_epoch
     pad_id = tokenizer.pad_token_id or 0
     every, done = contract.checkpoint.every, step
+    loggers = open_loggers(contract, run_dir)  # metrics.jsonl and log.to's mirrors
     with progress_bar(progress, total_steps, done, label="sft", status=lambda m: (
             f"loss {m['loss/sft']:.4f}  token accuracy {m['token_accuracy']:.2f}")) as advance:
         for step in range(done + 1, total_steps + 1):
@@ -220,11 +222,12 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
                                  contract.optim.micro_batch_tokens, device, contract.model.dtype)
             metrics |= {"step": step, "epoch": epoch, "step/seconds":
                         time.perf_counter() - t0, "memory/peak_rss_mb": peak_rss_mb()}
-            log_json(run_dir / "metrics.jsonl", metrics)
+            loggers.log(metrics, step)
             result.losses.append(metrics["loss/sft"])
             advance(metrics)
             if every and step % every == 0:
                 save(step)
+    loggers.close()
     result.steps = step = total_steps
     if not (run_dir / RESUME_DIR / f"step-{step:06d}" / checkpoint.COMPLETE_FILE).exists():
         save(step)  # a kill from here on resumes after the last step

@@ -85,8 +85,8 @@ from agent_rl.run.distributed import (
     write_bundle,
 )
 from agent_rl.run.guards import Guards, GuardTrip, holdout_train_reward
+from agent_rl.run.loggers import open_loggers
 from agent_rl.run.rundir import (
-    TensorBoardLog,
     check_run_dir,
     json_safe,
     log_json,
@@ -188,7 +188,7 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     optimizer = adamw(params, contract.optim.lr, contract.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     store = RolloutStore(run_dir / "rollouts.jsonl")
-    tensorboard = TensorBoardLog(run_dir / "tensorboard")
+    loggers = open_loggers(contract, run_dir)  # metrics.jsonl and log.to's mirrors
     template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
     guards = Guards(**contract.guards.model_dump())
     eval_sampling = Sampling(temperature=contract.eval.temperature, top_p=1.0,
@@ -385,9 +385,8 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
                 trip = trip or guards.after_eval(  # the unhinted reward under annealed hints
                     holdout_train_reward(metrics, contract.hints is not None), held["reward_mean"])
             trip = backend.all_gather_object(trip)[0]  # rank 0's decision, on every rank
-            log("metrics.jsonl", metrics)
-            if main:
-                tensorboard.log(metrics)
+            if main:  # rank 0 writes the run directory
+                loggers.log(metrics, step)
             result.steps = step
             advance(metrics)
             if trip is not None:
@@ -401,7 +400,7 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
                 save(step)
     if rollout_policy is not policy:
         rollout_policy.close()
-    tensorboard.close()
+    loggers.close()
 
     # --- 6. evaluate the trained policy on the same held-out tasks, same seeds (once: a
     # finished run resumed again re-reports what it logged) ----------------------------------
