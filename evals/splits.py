@@ -33,7 +33,9 @@ metadata shows (see ``choose_holdouts``), or takes them from ``holdouts`` (the c
 ``env.holdout``): it is what the trainer uses. A pool with no compositional axis at all (one
 length, one entity group, no composed structure) and no explicit holdouts is split by unseen
 task only: ``IID_FALLBACK_FRACTION`` of it (or ``iid_fraction`` when > 0) becomes
-``holdout_iid``, with a ``HoldoutFallbackWarning``; ``holdout`` is then empty.
+``holdout_iid``; ``holdout`` is then empty, and ``Splits.evaluated`` evaluates ``holdout_iid``
+where ``holdout`` is asked for. A ``HoldoutFallbackWarning`` says so, unless the caller asked
+for ``holdout_iid`` and not ``holdout`` (then nothing happened that it did not ask for).
 """
 
 from __future__ import annotations
@@ -268,6 +270,19 @@ class Splits:
                 if rank < len(bucket) and bucket[rank].task_id not in seen:
                     seen.add(bucket[rank].task_id)
                     out.append(bucket[rank])
+        return out
+
+    def evaluated(self, names: Sequence[str]) -> list[str]:
+        """The splits evaluated when ``names`` are asked for, in order, each once:
+        ``holdout_iid`` in place of ``holdout`` when the pool had nothing compositional to
+        hold out (``criteria["holdouts"] == "iid_fallback"``: ``holdout`` is empty there, and
+        unseen tasks are what is held out), every other name as it is."""
+        fallback = self.criteria.get("holdouts") == "iid_fallback"
+        out: list[str] = []
+        for name in names:
+            name = "holdout_iid" if fallback and name == "holdout" else name
+            if name not in out:
+                out.append(name)
         return out
 
     def __getitem__(self, name: str) -> list[Any]:
@@ -511,12 +526,14 @@ def default_splits(
     ``HOLDOUT_KWARGS``) when given, else ``choose_holdouts`` read from the deduplicated pool.
     When that finds nothing (one length, one entity group, no composed structure) the split is
     by unseen task only: ``iid_fraction`` of the tasks, or ``IID_FALLBACK_FRACTION`` when it is
-    0, become ``holdout_iid``, ``holdout`` is empty, ``criteria["holdouts"]`` says
-    ``"iid_fallback"`` (else ``"explicit"`` or ``"automatic"``) and a ``HoldoutFallbackWarning``
-    says why and how to name holdouts.
+    0, become ``holdout_iid``, ``holdout`` is empty (``Splits.evaluated`` puts ``holdout_iid``
+    in its place), ``criteria["holdouts"]`` says ``"iid_fallback"`` (else ``"explicit"`` or
+    ``"automatic"``) and a ``HoldoutFallbackWarning`` says why and how to name holdouts, unless
+    ``require`` names ``holdout_iid`` and not ``holdout``.
 
-    ``require``: split names that must hold tasks (the trainer's train and evaluation splits);
-    an empty one is a ``ValueError`` that says why and what to set. ``env`` is an env or a
+    ``require``: split names that must hold tasks (the trainer's train and evaluation splits,
+    as ``Splits.evaluated`` resolves them); an empty one is a ``ValueError`` that says why and
+    what to set. ``env`` is an env or a
     registered id; ``kwargs`` go to ``compositional_splits`` (``ngram``, ``ngram_threshold``).
     """
     own = isinstance(env, str)
@@ -538,22 +555,29 @@ def default_splits(
         if chosen is None:
             chosen, how = {}, "iid_fallback"
             iid_fraction = iid_fraction or IID_FALLBACK_FRACTION
-            warnings.warn(
-                f"{env_id}: {_no_axis(kept)}, so nothing compositional is held out; holding out "
-                f"{iid_fraction:.0%} of them as unseen tasks (split holdout_iid) instead, and "
-                "there is no split holdout. Evaluate on holdout_iid (eval.split: holdout_iid), "
-                "or name what to hold out: env.holdout: {structures: [...], entity_groups: "
-                "[...], min_length: N, task_ids_file: PATH}", HoldoutFallbackWarning, stacklevel=2)
+            if "holdout" in require or "holdout_iid" not in require:  # else it asked for this
+                warnings.warn(_fallback_notice(env_id, kept, iid_fraction),
+                              HoldoutFallbackWarning, stacklevel=2)
     splits = compositional_splits(pool, **chosen, seed=seed, iid_fraction=iid_fraction, **kwargs)
     splits = replace(splits, criteria={**splits.criteria, "holdouts": how})
     if not splits.holdout and not splits.holdout_iid:
         raise ValueError(f"{env_id}: the {how} holdouts {chosen} (iid_fraction {iid_fraction}) "
                          f"hold out none of the {len(pool)} tasks; enlarge env.pool_size or "
                          "name what to hold out (env.holdout)")
-    empty = [name for name in require if not splits[name]]
+    empty = [name for name in splits.evaluated(require) if not splits[name]]
     if empty:
         raise ValueError(f"{env_id}: " + "; ".join(_why_empty(splits, name) for name in empty))
     return splits
+
+
+def _fallback_notice(env_id: str, kept: Sequence[TaskSpec], iid_fraction: float) -> str:
+    """``HoldoutFallbackWarning``'s message: why nothing compositional is held out, what is
+    instead, and the keys that say so or name holdouts."""
+    return (f"{env_id}: {_no_axis(kept)}, so nothing compositional is held out: "
+            f"{iid_fraction:.0%} of them are held out as unseen tasks (split holdout_iid), and "
+            "split holdout is evaluated as holdout_iid. Set eval.split: holdout_iid to say so "
+            "(and drop this notice), or name what to hold out: env.holdout: {structures: "
+            "[...], entity_groups: [...], min_length: N, task_ids_file: PATH}")
 
 
 _CRITERION = {"holdout_structure": ("holdout_structures", "env.holdout.structures"),
@@ -565,7 +589,7 @@ def _why_empty(splits: Splits, name: str) -> str:
     """Why split ``name`` of ``default_splits`` holds no task, and what to set."""
     c = splits.criteria
     n = sum(len(splits[b]) for b in (*BUCKETS, "holdout_iid"))
-    if c["holdouts"] == "iid_fallback" and name in ("holdout", *HOLDOUT_BUCKETS):
+    if c["holdouts"] == "iid_fallback" and name in HOLDOUT_BUCKETS:
         return (f"split {name!r} does not exist: the {n} tasks show one length, one entity "
                 "group and no composed structure, so they are split by unseen task only "
                 "(holdout_iid). Evaluate on holdout_iid (eval.split: holdout_iid), or name "

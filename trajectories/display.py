@@ -1,7 +1,7 @@
 """Terminal rendering of episodes with rich (used by ``agent-rl inspect``).
 
 ``episode_tree`` draws one episode's session tree, one node per session: id, origin, what
-crossed its boundary, turns, generated tokens, ``used_by_final`` and credit. ``summary_table``
+crossed its boundary, turns, generated tokens, ``used_by_final``, credit and advantage. ``summary_table``
 counts a batch of episodes. Text taken from episodes is never read as rich markup.
 
 ``escape_terminal`` is the one place that makes agent- or task-controlled text safe for a
@@ -70,7 +70,8 @@ def _boundary(session: Session) -> str:
     return f"parent_turn={b.parent_turn} returned {returned}"
 
 
-def _session_label(session: Session, credit: Mapping[str, float] | None, final: str) -> Text:
+def _session_label(session: Session, credit: Mapping[str, float] | None, final: str,
+                   advantages: Mapping[str, float] | None = None) -> Text:
     label = Text()
     label.append(escape_terminal(session.session_id), style="bold")
     label.append(f" {session.origin}", style=ORIGIN_STYLE[session.origin])
@@ -83,11 +84,15 @@ def _session_label(session: Session, credit: Mapping[str, float] | None, final: 
     label.append(f" · used_by_final={session.used_by_final}")
     if credit is not None:
         label.append(f" · credit {credit[session.session_id]:.4g}", style="bold green")
+    if advantages is not None and session.session_id in advantages:
+        label.append(f" · advantage {advantages[session.session_id]:+.4g}", style="bold")
     return label
 
 
-def episode_tree(episode: Episode, credit: Mapping[str, float] | None = None) -> Tree:
-    """One episode as a rich Tree; ``credit`` (e.g. a ``Credit``) labels every session."""
+def episode_tree(episode: Episode, credit: Mapping[str, float] | None = None,
+                 advantages: Mapping[str, float] | None = None) -> Tree:
+    """One episode as a rich Tree; ``credit`` (e.g. a ``Credit``) labels every session, and
+    ``advantages`` (session id -> advantage) the sessions it names."""
     reward = episode.reward
     head = Text()
     head.append(f"episode {escape_terminal(episode.episode_id)}", style="bold")
@@ -102,7 +107,7 @@ def episode_tree(episode: Episode, credit: Mapping[str, float] | None = None) ->
     final = episode.final_session.session_id
 
     def add(node: Tree, session: Session) -> None:
-        child = node.add(_session_label(session, credit, final))
+        child = node.add(_session_label(session, credit, final, advantages))
         for kid in tree.children(session.session_id):
             add(child, kid)
 
@@ -110,8 +115,10 @@ def episode_tree(episode: Episode, credit: Mapping[str, float] | None = None) ->
     return root
 
 
-def summary_table(episodes: Iterable[Episode], method: str = "broadcast") -> Table:
-    """Counts over ``episodes`` (read once): sessions, compressions, branches, tokens, rewards."""
+def summary_table(episodes: Iterable[Episode], method: str = "broadcast",
+                  params: Mapping[str, object] | None = None) -> Table:
+    """Counts over ``episodes`` (read once): sessions, compressions, branches, tokens, rewards,
+    credit under the assigner ``method`` with ``params``."""
     n = sessions = tokens = 0
     reward_sum = credit_sum = 0.0
     origins: Counter[str] = Counter()
@@ -123,7 +130,7 @@ def summary_table(episodes: Iterable[Episode], method: str = "broadcast") -> Tab
         tokens += sum(s.generated_tokens for s in ep.sessions)
         reward_sum += ep.reward.total
         outcomes[ep.reward.outcome.value] += 1
-        credit_sum += sum(assign(ep, method).values())
+        credit_sum += sum(assign(ep, method, **(params or {})).values())
     table = Table(title=terminal_text(f"{n} episodes · credit: {method}"))
     table.add_column("metric")
     table.add_column("value", justify="right")

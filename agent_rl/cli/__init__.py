@@ -5,13 +5,14 @@ Each subcommand is one small function ``run(args) -> exit code`` registered with
 imports (torch, transformers) inside the command function so ``agent-rl inspect`` stays fast.
 
 Commands: ``train CONFIG``, ``report RUN_DIR``, ``eval``, ``canary``, ``envs list|new|check``,
-``inspect EPISODES``. A policy is named ``base`` (the base model), ``PATH`` (a checkpoint bundle
+``inspect EPISODES | RUN_DIR``; ``agent-rl --version``. A policy is named ``base`` (the base model), ``PATH`` (a checkpoint bundle
 or a run directory) or ``openai:URL``; ``agent_rl.policies.load.load_policy`` is the one place
 that turns it into one.
 
 What is printed may quote agent or task text (replies, ids, dataset rows, check and error
 messages): plain lines go through ``echo``, rich cells through ``terminal_text``, warnings
-through ``escaped_warnings``, all of them ``trajectories.display.escape_terminal``, so no
+through ``plain_warnings`` (``agent-rl COMMAND: warning: ...``, no source line, each once),
+all of them ``trajectories.display.escape_terminal``, so no
 escape sequence, C1 control or bidi override reaches the terminal and no such text is markup.
 
 Exit codes: 0 success; 1 a check failed (``inspect --verify`` found bad records, ``envs check``
@@ -32,7 +33,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agent_rl.cli.common import COMMANDS, CLIError, echo, escaped_warnings
+from agent_rl.cli.common import COMMANDS, CLIError, echo, escaped_warnings, plain_warnings
 
 # One module per command group; importing it registers its commands, in this order (--help's).
 # isort: off
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agent-rl",
         description="Multi-session agentic RL: environments, GRPO training, evaluation.",
     )
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the agent-rl, Python, torch and transformers versions")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS.values():
         sub = subparsers.add_parser(cmd.name, help=cmd.help, description=cmd.help)
@@ -53,13 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version_line() -> str:
+    """``agent-rl X (Python P, torch T, transformers F)``, read from the installed packages'
+    metadata (nothing is imported); "not installed" for a missing one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"agent-rl {of('agent-rl')} (Python {sys.version.split()[0]}, torch {of('torch')}, "
+            f"transformers {of('transformers')})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from agent_rl.policies.load import PolicyLoadError
     from agent_rl.policies.openai_policy import OpenAIPolicyError
 
     try:
-        with escaped_warnings():
+        with escaped_warnings(), plain_warnings(args.command):
             code = args._run(args)
     except (CLIError, PolicyLoadError, OpenAIPolicyError) as exc:  # a remote endpoint's is redacted
         echo(f"agent-rl {args.command}: error: {exc}", file=sys.stderr)  # it may quote agent text

@@ -62,7 +62,8 @@ def canary(args: argparse.Namespace) -> int:
     env_id = args.env or (contract.env.id if contract else None)
     if env_id is None:
         raise CLIError("pass --env ID: neither bundle comes from a run with a contract")
-    tasks, env_kwargs = eval_tasks(env_id, "holdout", count, contract)
+    held, env_kwargs = eval_tasks(env_id, ["holdout"], count, contract)
+    (tasks,) = held.values()  # holdout, or holdout_iid in a pool with nothing compositional
     try:
         plan = release.release_plan(
             env_id, tasks, args.n, args.canary_fraction,

@@ -147,12 +147,19 @@ def escaped_warnings():
 
 
 
+_SHOWN: set[tuple[type, str]] = set()  # (category, message) of the warnings printed so far
+
+
 @contextlib.contextmanager
 def plain_warnings(command: str):
     """Warnings print as ``agent-rl COMMAND: warning: MESSAGE``, without the source line
-    Python adds (a run's warnings are for its user, not about this code), escaped as every
-    other line (they may quote agent or task text)."""
+    Python adds (a run's warnings are for its user, not about this code), each distinct one
+    once per process (a notice repeated by every split or evaluation says nothing new), escaped
+    as every other line (they may quote agent or task text)."""
     def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if (category, str(message)) in _SHOWN:
+            return
+        _SHOWN.add((category, str(message)))
         echo(f"agent-rl {command}: warning: {message}", file=file or sys.stderr)
 
     with warnings.catch_warnings():

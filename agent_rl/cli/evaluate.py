@@ -24,8 +24,9 @@ from agent_rl.policies.load import DEFAULT_MODEL, default_device, load_policy, r
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default=None, metavar="ID",
                         help="environment id (default: the env of the run PATH came from)")
-    parser.add_argument("--split", default="holdout", metavar="NAME",
-                        help=f"task split: {SPLIT_NAMES} (default: holdout)")
+    parser.add_argument("--split", default=None, metavar="NAME",
+                        help=f"task split: {SPLIT_NAMES} (default: the eval.split of the run's "
+                             "or --config's contract, else holdout)")
     parser.add_argument("--policy", default="base", metavar="SPEC", help=POLICY_HELP)
     parser.add_argument("--config", default=None, metavar="YAML",
                         help="an experiment contract whose env section (id, kwargs, task pool, "
@@ -50,34 +51,49 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
                              "record says whether a hint was shown)")
 
 
-def eval_tasks(env_id: str, split: str, n: int, contract) -> tuple[list, dict]:
-    """The first ``n`` tasks of a default split and the env kwargs; the pool is the run's
-    (``env.pool_size``, ``env.pool_seed``) when the contract trained on this env, so its
-    held-out tasks are exactly the ones the trainer held out."""
+def eval_splits(split: str | None, env_id: str, contract) -> list[str]:
+    """The splits ``eval`` evaluates: ``--split``, else the contract's ``eval.split`` (one or
+    several) when it trained on ``env_id``, else ``holdout``."""
+    if split is not None:
+        return [split]
+    if contract is not None and contract.env.id == env_id:
+        return contract.eval.splits
+    return ["holdout"]
+
+
+def eval_tasks(env_id: str, names: list[str], n: int, contract) -> tuple[dict[str, list], dict]:
+    """The first ``n`` tasks of each split in ``names`` (keyed by the split evaluated:
+    ``evals.splits.Splits.evaluated``) and the env kwargs; the pool is the run's
+    (``env.pool_size``, ``env.pool_seed``, ``env.holdout``, ``env.iid_fraction``) when the
+    contract trained on this env, so its held-out tasks are exactly the ones the trainer held
+    out."""
     import gymnasium
 
-    from agent_rl.run.contract import EnvSection
+    from agent_rl.run.contract import EnvSection, did_you_mean
+    from evals.splits import SPLIT_NAMES as KNOWN
 
+    for name in names:
+        if name not in KNOWN:
+            raise CLIError(f"unknown split {name!r}{did_you_mean(name, KNOWN)}; splits: "
+                           f"{SPLIT_NAMES}")
     section = contract.env if contract and contract.env.id == env_id else EnvSection(id=env_id)
     try:
         import envs
 
         env = envs.make(env_id, **section.kwargs)
-        tasks = list(section.splits(env, require=[split])[split])[:n]
+        splits = section.splits(env, require=names)
     except (gymnasium.error.Error, ValueError) as exc:  # a bad id or holdout, an empty split
         raise CLIError(str(exc)) from exc
-    except KeyError as exc:
-        raise CLIError(f"unknown split {split!r}; splits: {SPLIT_NAMES}") from exc
-    if not tasks:
-        raise CLIError(f"split {split!r} of {env_id} is empty (pool of {section.pool_size})")
-    return tasks, section.kwargs
+    return {name: list(splits[name])[:n] for name in splits.evaluated(names)}, section.kwargs
 
 
 def slice_rows(records) -> list[dict[str, Any]]:
-    """Overall, then per structure, entity group and composition (atomic / composed)."""
+    """Overall, then (with several splits) per split, then per structure, entity group and
+    composition (atomic / composed)."""
     from evals.run import slice_summary
 
-    return [row for by in ((), "structure", "entity_group", "composition")
+    by_split = ("split",) if len({r.split for r in records}) > 1 else ()
+    return [row for by in ((), *by_split, "structure", "entity_group", "composition")
             for row in slice_summary(records, by, n_boot=2000)]
 
 
@@ -119,7 +135,7 @@ def slice_table(rows: list[dict[str, Any]], title: str):
 def eval_(args: argparse.Namespace) -> int:
     from envs.runner import Sampling
     from evals.report import inspect_command, write_report
-    from evals.run import run_eval, write_episodes, write_records
+    from evals.run import EvalRun, run_eval, write_episodes, write_records
 
     if args.n < 1:
         raise CLIError(f"--n must be >= 1, got {args.n}")
@@ -135,18 +151,22 @@ def eval_(args: argparse.Namespace) -> int:
     env_id = args.env or (contract.env.id if contract else None)
     if env_id is None:
         raise CLIError("pass --env ID (e.g. agent_rl/Arithmetic-v0)")
-    tasks, env_kwargs = eval_tasks(env_id, args.split, args.n, contract)
+    tasks, env_kwargs = eval_tasks(env_id, eval_splits(args.split, env_id, contract), args.n,
+                                   contract)
     max_new = args.max_new_tokens or response_limit(contract)
     sampling = Sampling(temperature=args.temperature, top_p=1.0, max_new_tokens=max_new,
                         seed=args.seed)
-    run = run_eval(loaded.policy, env_id, tasks, sampling, seed=args.seed,
-                   env_kwargs=env_kwargs, policy_name=loaded.name,
-                   bundle_hash=loaded.bundle_hash, split=args.split, hinted=args.hinted)
-    out = Path(args.out or f"runs/eval-{env_id.rsplit('/', 1)[-1]}-{args.split}")
+    runs = [run_eval(loaded.policy, env_id, split_tasks, sampling, seed=args.seed,
+                     env_kwargs=env_kwargs, policy_name=loaded.name,
+                     bundle_hash=loaded.bundle_hash, split=split, hinted=args.hinted)
+            for split, split_tasks in tasks.items()]
+    run = EvalRun([r for one in runs for r in one.records], [e for one in runs for e in one.episodes])
+    names = "+".join(tasks)
+    out = Path(args.out or f"runs/eval-{env_id.rsplit('/', 1)[-1]}-{names}")
     records = write_records(run.records, out / "records.jsonl")
     episodes = write_episodes(run.episodes, out / "episodes.jsonl")  # one per record, in order
     rows = slice_rows(run.records)
-    title = f"{loaded.name} on {env_id} {args.split} (n={len(run.records)})"
+    title = f"{loaded.name} on {env_id} {', '.join(tasks)} (n={len(run.records)})"
     report = write_report(out / "report.html", title=title, slices=rows, evaluation=run,
                           episodes_path=episodes)
     show(console(), slice_table(rows, title), slice_lines(rows, title))

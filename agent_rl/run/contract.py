@@ -21,9 +21,9 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, get_args
 
 import yaml
 from pydantic import (
@@ -383,7 +383,7 @@ class _Contract(_Section):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ContractError(f"{source}: {format_errors(exc)}") from None
+            raise ContractError(f"{source}: {format_errors(exc, cls)}") from None
 
     @property
     def resolved_run_dir(self) -> Path:
@@ -561,7 +561,7 @@ class ExperimentContract(_Contract):
             raise ValueError("loss.aggregation seq_mean_token_sum_norm needs rollout.max_response_tokens")
         if self.rollout.dynamic_sampling and self.rollout.group_size < 2:
             raise ValueError("rollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one has no contrast)")
-        from trajectories.assign import check_params, find_assigner
+        from trajectories.assign import ASSIGNERS, check_params, find_assigner
         from trajectories.functions import PASSED, is_passed
 
         if is_passed(self.credit.assigner) and self.credit.assigner not in PASSED:
@@ -569,7 +569,9 @@ class ExperimentContract(_Contract):
         try:  # a registered name, or your function as "module:function"
             find_assigner(self.credit.assigner)
         except ValueError as exc:
-            raise ValueError(f"credit.assigner: {exc}") from None
+            hint = ("" if ":" in self.credit.assigner
+                    else did_you_mean(self.credit.assigner, ASSIGNERS))
+            raise ValueError(f"credit.assigner: {exc}{hint}") from None
         try:
             check_params(self.credit.assigner, self.credit.params)
         except ValueError as exc:
@@ -687,7 +689,9 @@ def check_split_names(env: EnvSection, eval_: EvalSection) -> None:
     for key, names in (("env.split", [env.split]), ("eval.split", eval_.splits)):
         unknown = [n for n in names if n not in SPLIT_NAMES]
         if unknown:
-            raise ValueError(f"{key}: no split {unknown[0]!r}; splits are {list(SPLIT_NAMES)}")
+            raise ValueError(f"{key}: no split {unknown[0]!r}"
+                             f"{did_you_mean(unknown[0], SPLIT_NAMES)}; splits are "
+                             f"{list(SPLIT_NAMES)}")
 
 
 def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
@@ -701,7 +705,8 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"env.id: {exc}") from None
     unknown = sorted(set(kwargs) - takes) if takes is not None else []
     if unknown:
-        raise ValueError(f"env.kwargs.{unknown[0]}: {env_id} takes no such argument; it takes "
+        raise ValueError(f"env.kwargs.{unknown[0]}: {env_id} takes no such argument"
+                         f"{did_you_mean(unknown[0], takes, 'env.kwargs.')}; it takes "
                          f"{sorted(takes)}")
     if env_id == DATASET_ENV:  # its arguments that need no file, checked without reading one
         from envs.datasets import DatasetError, check_arguments
@@ -849,13 +854,40 @@ def set_key(data: dict[str, Any], key: str, value: Any, where: str = "override")
     node[parts[-1]] = value
 
 
-def format_errors(exc: ValidationError) -> str:
+def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """Pydantic's errors as ``key: problem; ...``; an unknown key of ``model`` (the contract
+    validated) with the closest valid key of its section (``did_you_mean``)."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err["loc"])
         if err["type"] == "value_error":  # our own message, without pydantic's "Value error, "
             msg = str(err["ctx"]["error"])
+        elif err["type"] == "extra_forbidden":
+            *section, key = (str(x) for x in err["loc"])
+            keys = _section_keys(model, section) if model is not None else []
+            msg = "unknown key" + did_you_mean(key, keys, prefix=".".join([*section, ""]))
         else:
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = err["msg"]
         parts.append(f"{loc}: {msg}" if loc else msg)  # a contract-level message names its keys
     return "; ".join(parts)
+
+
+def did_you_mean(word: str, options: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean PREFIX+OPTION?)`` naming the option closest to ``word`` (``difflib``),
+    or "" when none is close (a typo, not another word)."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _section_keys(model: type[BaseModel], path: Sequence[str]) -> list[str]:
+    """The keys of the section at ``path`` below ``model`` (``["optim"]``: ``OptimSection``'s
+    fields), or [] where ``path`` leads to no section (a free-form dict such as env.kwargs)."""
+    for part in path:
+        info = model.model_fields.get(part)
+        kinds = () if info is None else (info.annotation, *get_args(info.annotation))
+        section = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)),
+                       None)
+        if section is None:
+            return []
+        model = section
+    return list(model.model_fields)

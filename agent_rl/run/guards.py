@@ -1,7 +1,9 @@
 """Pause/abort rules, checked after every step (and after every held-out evaluation).
 
 A triggered guard stops the run cleanly: the trainer writes a checkpoint and ``guard.json``
-(the rule, the action, the evidence). ``pause`` means "look before resuming" (``--resume``
+(the rule, the action, the evidence, the message and ``keys``: the contract keys to change). The
+message names the measured value, the bound and those keys (``guards.<bound>`` first, then what
+the run would change instead, e.g. ``rollout.max_response_tokens`` for ``length_explosion``). ``pause`` means "look before resuming" (``--resume``
 continues); ``abort`` means the run is not worth resuming as is.
 
 =====================  ==========================================================  ======
@@ -84,10 +86,15 @@ def _below(value: float, limit: float) -> bool:
 
 @dataclass(frozen=True)
 class GuardTrip:
+    """A rule that fired: ``message`` names the measured value, the bound and the contract
+    keys (``keys``) that change the outcome: the rule's own ``guards.*`` bound first, then
+    what the run would change instead."""
+
     rule: str
     action: str  # pause | abort
     message: str
     evidence: dict[str, Any]
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class NothingTrained(GuardTrip):
     """Rule ``nothing_trained``: the run trained nothing, because of a limit the contract sets."""
 
 
+TRAIN_GAIN = 0.05  # rule reward_not_holdout: a train-reward rise above this counts as rising
 NOTHING_TRAINED_STEPS = 2  # the first steps the rule nothing_trained watches (module docstring)
 LIMIT_COUNTS = ("rollout/prompt_too_long", "rollout/overlong_masked")  # a step's record: episodes
 
@@ -158,38 +166,64 @@ class Guards:
         if not (math.isfinite(loss) and math.isfinite(grad)):
             self._nonfinite_streak += 1
             if self._nonfinite_streak >= self.max_nonfinite_steps:
-                return GuardTrip("nonfinite", "abort",
-                                 f"non-finite loss/gradients on {self._nonfinite_streak} consecutive steps",
-                                 {"loss/policy": loss, "optim/grad_norm": grad,
-                                  "streak": self._nonfinite_streak})
+                return GuardTrip(
+                    "nonfinite", "abort",
+                    f"loss/policy {loss} and optim/grad_norm {grad}: non-finite on "
+                    f"{self._nonfinite_streak} consecutive steps, guards.max_nonfinite_steps is "
+                    f"{self.max_nonfinite_steps}: lower optim.lr or optim.grad_clip (or raise "
+                    "guards.max_nonfinite_steps to skip more such steps)",
+                    {"loss/policy": loss, "optim/grad_norm": grad,
+                     "streak": self._nonfinite_streak},
+                    ("guards.max_nonfinite_steps", "optim.lr", "optim.grad_clip"))
             return None
         self._nonfinite_streak = 0
         entropy = m.get("policy/entropy")
         if entropy is not None and _below(entropy, self.min_entropy):
-            return GuardTrip("entropy_collapse", "abort",
-                             f"token entropy {entropy:.4f} fell below {self.min_entropy}",
-                             {"policy/entropy": entropy})
+            return GuardTrip(
+                "entropy_collapse", "abort",
+                f"token entropy (policy/entropy) {entropy:.4f} fell below guards.min_entropy "
+                f"{self.min_entropy}: lower guards.min_entropy to let it run, or keep the policy "
+                "exploring (raise rollout.temperature, lower optim.lr, raise loss.clip_high)",
+                {"policy/entropy": entropy},
+                ("guards.min_entropy", "rollout.temperature", "optim.lr", "loss.clip_high"))
         for key in ("kl/ref", "kl/update", "kl/approx"):
             kl = m.get(key)
             if kl is not None and _above(kl, self.max_kl):
-                return GuardTrip("kl_explosion", "abort", f"{key} = {kl:.4f} exceeds {self.max_kl}",
-                                 {key: kl})
+                return GuardTrip(
+                    "kl_explosion", "abort",
+                    f"{key} {kl:.4f} exceeds guards.max_kl {self.max_kl}: raise guards.max_kl, "
+                    "or take smaller steps (lower optim.lr; raise loss.kl.beta to pull towards "
+                    "the reference)", {key: kl}, ("guards.max_kl", "optim.lr", "loss.kl.beta"))
         truncated = m.get("response/truncated_frac", 0.0)  # NaN counts as long
         self._long_streak = 0 if truncated < self.max_truncated_frac else self._long_streak + 1
         if self._long_streak >= 2:
-            return GuardTrip("length_explosion", "pause",
-                             f"{truncated:.0%} of responses hit the length limit two steps running",
-                             {"response/truncated_frac": truncated,
-                              "response/length_mean": m.get("response/length_mean")})
+            return GuardTrip(
+                "length_explosion", "pause",
+                f"{truncated:.0%} of responses (response/truncated_frac) hit "
+                "rollout.max_response_tokens two steps running, at or above "
+                f"guards.max_truncated_frac {self.max_truncated_frac:.0%}: raise "
+                "rollout.max_response_tokens, or raise guards.max_truncated_frac (above 1 turns "
+                "the rule off), then --resume",
+                {"response/truncated_frac": truncated,
+                 "response/length_mean": m.get("response/length_mean")},
+                ("guards.max_truncated_frac", "rollout.max_response_tokens"))
         lag = m.get("rollout/policy_lag", 0)
         if _above(lag, self.max_policy_lag):
-            return GuardTrip("policy_lag", "abort", f"policy lag {lag} exceeds {self.max_policy_lag}",
-                             {"rollout/policy_lag": lag})
+            return GuardTrip(
+                "policy_lag", "abort",
+                f"policy lag (rollout/policy_lag) {lag} exceeds guards.max_policy_lag "
+                f"{self.max_policy_lag}: lower rollout.max_policy_lag (samples older than it are "
+                "dropped), or raise guards.max_policy_lag",
+                {"rollout/policy_lag": lag}, ("guards.max_policy_lag", "rollout.max_policy_lag"))
         errors = m.get("reward/infra_error_rate", 0.0)
         if _above(errors, self.max_verifier_error_rate):
-            return GuardTrip("verifier_errors", "pause",
-                             f"verifier/sandbox error rate {errors:.1%} exceeds "
-                             f"{self.max_verifier_error_rate:.1%}", {"reward/infra_error_rate": errors})
+            return GuardTrip(
+                "verifier_errors", "pause",
+                f"verifier/sandbox error rate (reward/infra_error_rate) {errors:.1%} exceeds "
+                f"guards.max_verifier_error_rate {self.max_verifier_error_rate:.1%}: fix the "
+                "verifier or sandbox (the faulted episodes are in rollouts.jsonl), or raise "
+                "guards.max_verifier_error_rate, then --resume",
+                {"reward/infra_error_rate": errors}, ("guards.max_verifier_error_rate",))
         return None
 
     def _nothing_trained(self, m: dict[str, Any], last: bool) -> NothingTrained | None:
@@ -210,7 +244,11 @@ class Guards:
         ev["rollout/prompt_too_long_tokens"] = max(longest, default=None)
         if ev["steps"] < self.nothing_trained_steps and not last:
             return None
-        return NothingTrained("nothing_trained", "abort", nothing_trained_message(ev), dict(ev))
+        keys = tuple(key for count, key in (("rollout/prompt_too_long", "rollout.max_prompt_tokens"),
+                                            ("rollout/overlong_masked", "rollout.max_response_tokens"))
+                     if ev.get(count))
+        return NothingTrained("nothing_trained", "abort", nothing_trained_message(ev), dict(ev),
+                              keys)
 
     def state(self) -> dict[str, Any]:
         """The streaks and evaluation history, for checkpoints: a resumed run then trips
@@ -237,9 +275,14 @@ class Guards:
             return None
         train_gain = window[-1][0] - window[0][0]
         holdout_gain = max(h for _, h in window[1:]) - window[0][1]
-        if _above(train_gain, 0.05) and not holdout_gain > 0.0:  # a NaN gain is no gain
-            return GuardTrip("reward_not_holdout", "pause",
-                             f"train reward rose by {train_gain:.3f} over {self.holdout_patience} "
-                             "evaluations while the holdout did not improve",
-                             {"train": [t for t, _ in window], "holdout": [h for _, h in window]})
+        if _above(train_gain, TRAIN_GAIN) and not holdout_gain > 0.0:  # a NaN gain is no gain
+            return GuardTrip(
+                "reward_not_holdout", "pause",
+                f"train reward rose by {train_gain:.3f} (more than {TRAIN_GAIN}) over "
+                f"guards.holdout_patience {self.holdout_patience} evaluations while the "
+                f"held-out reward did not improve (its best change {holdout_gain:+.3f}): look for "
+                "reward hacking or hints the holdout lacks, or raise guards.holdout_patience to wait "
+                "longer (eval.every sets how often it is measured), then --resume",
+                {"train": [t for t, _ in window], "holdout": [h for _, h in window]},
+                ("guards.holdout_patience", "eval.every"))
         return None

@@ -221,6 +221,22 @@ def inputs_file(run_dir: Path, content: bytes, suffix: str) -> Path:
     return path
 
 
+EVAL_EPISODES = Path("evals") / "episodes"  # <tag>.jsonl: the episodes of one held-out evaluation
+
+
+def recorded_episodes(run_dir: Path) -> Path | None:
+    """The episodes a run directory recorded (what ``agent-rl inspect RUN`` reads): its
+    training rollouts (``rollouts.jsonl``) when it holds any, else its last held-out
+    evaluation's (``evals/episodes/after.jsonl``, else the newest written: a warm start's, or
+    a run stopped before its first step); None when it recorded none."""
+    store = run_dir / "rollouts.jsonl"
+    if store.is_file() and store.stat().st_size:
+        return store
+    evals = sorted((run_dir / EVAL_EPISODES).glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
+    after = run_dir / EVAL_EPISODES / "after.jsonl"
+    return after if after in evals else (evals[-1] if evals else None)
+
+
 def write_file(path: Path, content: str | bytes) -> None:
     """Write ``content`` atomically (temp file, fsync, rename); a file that already holds it is
     left alone. The one way the run directory's files are replaced."""

@@ -23,6 +23,7 @@ from agent_rl.training.rollout import (
 )
 from envs.core import TaskSpec
 from evals.run import EvalRecord, slice_summary
+from evals.splits import Splits
 from evals.stats import paired_bootstrap
 from trajectories.display import escape_terminal
 
@@ -190,11 +191,13 @@ def note_untrained(metrics: dict[str, Any], batch: RolloutBatch, counters: Count
 
 
 
-def held_out_tasks(splits: dict[str, Any], names: list[str], n: int) -> dict[str, list[TaskSpec]]:
-    """The first ``n`` tasks (``eval.n``) of each held-out split in ``names``. A split holding
-    fewer is evaluated whole, and a warning says so (as does every evaluation's summary:
-    ``summarize_eval``'s ``n_requested`` and ``n_evaluated``)."""
-    out = {name: list(splits[name])[:n] for name in names}
+def held_out_tasks(splits: Splits, names: list[str], n: int) -> dict[str, list[TaskSpec]]:
+    """The first ``n`` tasks (``eval.n``) of each held-out split in ``names``, keyed by the
+    split evaluated (``Splits.evaluated``: ``holdout_iid`` for ``holdout`` in a pool with
+    nothing compositional to hold out). A split holding fewer is evaluated whole, and a warning
+    says so (as does every evaluation's summary: ``summarize_eval``'s ``n_requested`` and
+    ``n_evaluated``)."""
+    out = {name: list(splits[name])[:n] for name in splits.evaluated(names)}
     short = [f"{name!r} holds {len(tasks)}" for name, tasks in out.items() if 0 < len(tasks) < n]
     if short:
         warnings.warn(f"eval.n is {n}, but held-out split {', '.join(short)} tasks: those are "

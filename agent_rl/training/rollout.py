@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -369,6 +369,37 @@ def session_advantages(
                                 baseline.flat[index], baseline.stats)
     values = per_session.advantages(torch.tensor(credits, dtype=baseline.mean.dtype))  # [S]
     return Advantages(dict(zip(keys, values.tolist(), strict=True)), baseline.stats)
+
+
+def stored_advantages(
+    episodes: Iterable[Episode],
+    assigner: str = "broadcast",
+    assigner_params: dict[str, Any] | None = None,
+    std: str = "population",
+    eps: float = 1e-6,
+) -> Iterator[tuple[Episode, dict[str, float]]]:
+    """``episodes`` in the order a rollout store holds them, each with its sessions'
+    advantages ``{session_id: advantage}`` as ``build_sequences`` computed them:
+    ``session_advantages`` over the kept episodes of its group (consecutive episodes sharing
+    ``group_id``: the trainer appends each step's batch whole), scaled by the group's own
+    spread (``advantage.scale: group``; a ``batch`` run's step batches are not recorded). An
+    episode the trainer did not keep (``filter.kept`` false: a dropped group, a fault), or
+    that no trainer filtered (an evaluation's), gets ``{}``. Lazy: a group is computed once
+    the next one starts, or the episodes end."""
+
+    def scored(group: list[Episode]) -> Iterator[tuple[Episode, dict[str, float]]]:
+        kept = [e for e in group if e.filter and e.filter.get("kept")]
+        values = session_advantages(kept, assigner, assigner_params, std=std, eps=eps)
+        for e in group:
+            yield e, {sid: v for (eid, sid), v in values.items() if eid == e.episode_id}
+
+    group: list[Episode] = []
+    for episode in episodes:
+        if group and episode.group_id != group[0].group_id:
+            yield from scored(group)
+            group = []
+        group.append(episode)
+    yield from scored(group)
 
 
 def build_sequences(

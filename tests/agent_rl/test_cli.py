@@ -133,7 +133,13 @@ def test_guard_stop_exits_3_with_the_rule(tmp_path):
     result = train_tiny(tmp_path / "r", "guards.max_truncated_frac=0.9", "optim.max_steps=4")
     assert result.returncode == 3, result.stderr
     assert "stopped by guard length_explosion" in result.stderr
+    # the message names the measured share, the bound and the keys to change
+    for part in ("100% of responses", "guards.max_truncated_frac 90%",
+                 "raise rollout.max_response_tokens"):
+        assert part in result.stderr, part
     assert (tmp_path / "r" / "guard.json").is_file() and (tmp_path / "r" / "report.html").is_file()
+    guard = json.loads((tmp_path / "r" / "guard.json").read_text())
+    assert guard["keys"] == ["guards.max_truncated_frac", "rollout.max_response_tokens"]
 
 
 @pytest.mark.slow
@@ -431,3 +437,93 @@ def test_train_stores_its_held_out_episodes_beside_their_records(tiny_run):
         assert [e.episode_id for e in episodes] == [r["episode_id"] for r in records] != []
     html = (run_dir / "report.html").read_text()
     assert "<h2>Worst slices</h2>" in html and 'class="transcript"' in html
+
+
+# --- a pool with nothing compositional to hold out, end to end ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flat_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """examples/tiny.yaml, unchanged but for its env: Dataset-v0 on 40 rows of one shape (one
+    length, one entity group, no structure), under the run's own assigner terminal_only."""
+    root = tmp_path_factory.mktemp("flat")
+    rows = root / "flat.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+                            + "\n" for i in range(40)))
+    run_dir = root / "run"
+    return run_dir, train_tiny(run_dir, "env.id=agent_rl/Dataset-v0", f"env.kwargs.path={rows}",
+                               "credit.assigner=terminal_only")
+
+
+FALLBACK = "split holdout is evaluated as holdout_iid"
+
+
+def assert_one_plain_notice(stderr: str, command: str) -> None:
+    """The fallback notice once, as ``agent-rl COMMAND: warning: ...``, no Python source line."""
+    assert stderr.count(FALLBACK) == 1, stderr
+    [line] = [ln for ln in stderr.splitlines() if FALLBACK in ln]
+    assert line.startswith(f"agent-rl {command}: warning: agent_rl/Dataset-v0: the 40 tasks")
+    assert "HoldoutFallbackWarning" not in stderr and "warnings.warn(" not in stderr
+    assert ".py:" not in stderr, stderr
+
+
+@pytest.mark.slow
+def test_a_flat_dataset_trains_and_evaluates_under_the_stock_config(flat_run):
+    run_dir, result = flat_run
+    assert result.returncode == 0, result.stderr
+    assert_one_plain_notice(result.stderr, "train")
+    before = read_jsonl(run_dir / "eval.jsonl")[0]
+    assert before["n_evaluated"] == {"holdout_iid": 4}  # eval.split holdout, as holdout_iid
+
+
+@pytest.mark.slow
+def test_eval_of_a_run_uses_the_runs_eval_split(flat_run, tmp_path):
+    run_dir, _ = flat_run
+    result = agent_rl("eval", "--policy", run_dir, "--n", "2", "--out", tmp_path / "ev")
+    assert result.returncode == 0, result.stderr
+    assert_one_plain_notice(result.stderr, "eval")
+    records = read_jsonl(tmp_path / "ev" / "records.jsonl")
+    assert [r["split"] for r in records] == ["holdout_iid"] * 2
+    assert {r["env_id"] for r in records} == {"agent_rl/Dataset-v0"}
+    # the tasks are the run's own held-out ones
+    held = read_jsonl(run_dir / "eval.jsonl")[0]["task_ids"]
+    assert [r["task_id"] for r in records] == held[:2]
+
+
+@pytest.mark.slow
+def test_eval_of_a_run_evaluates_every_split_its_contract_names(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    contract = (run_dir / "contract.yaml").read_text()
+    other = tmp_path / "c.yaml"  # the run's env, evaluated on two splits
+    other.write_text(contract.replace("iid_fraction: 0.0", "iid_fraction: 0.25")
+                     .replace("split: holdout\n", "split: [holdout_iid, holdout]\n"))
+    result = agent_rl("eval", "--policy", run_dir, "--config", other, "--n", "2",
+                      "--out", tmp_path / "ev")
+    assert result.returncode == 0, result.stderr
+    records = read_jsonl(tmp_path / "ev" / "records.jsonl")
+    assert [r["split"] for r in records] == ["holdout_iid"] * 2 + ["holdout"] * 2
+    assert "split=holdout_iid" in result.stdout and "split=holdout " in result.stdout
+
+
+@pytest.mark.slow
+def test_inspect_a_run_directory_under_its_own_assigner(flat_run):
+    run_dir, _ = flat_run
+    env = {**ENV, "COLUMNS": "80"}
+    result = subprocess.run(command("inspect", run_dir, "--limit", "2"), capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"episodes: {run_dir / 'rollouts.jsonl'}" in out
+    assert "credit: terminal_only, the run's credit.assigner" in out
+    assert "credit: terminal_only (session)" in out and "advantage +0" in out
+    assert max(map(len, out.splitlines())) <= 80
+
+
+def test_version_names_the_package_and_its_libraries():
+    result = agent_rl("--version")
+    assert result.returncode == 0, result.stderr
+    from importlib.metadata import version
+
+    line = result.stdout.strip()
+    assert line.startswith(f"agent-rl {version('agent-rl')} (Python ")
+    assert f"torch {version('torch')}" in line and f"transformers {version('transformers')}" in line

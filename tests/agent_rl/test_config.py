@@ -724,3 +724,32 @@ def test_a_script_assigner_not_passed_here_reads_but_cannot_run():
     with pytest.raises(ContractError, match=r"credit.assigner: assigner '__main__:my_credit' is a "
                                             r"function that was passed from Python.*assigner=my_credit"):
         contract.contract_hash()
+
+
+# --- did you mean -------------------------------------------------------------------------------
+
+
+def test_an_unknown_key_names_the_closest_valid_key_of_its_section(tmp_path):
+    with pytest.raises(ContractError, match=r"optim\.max_step: unknown key \(did you mean "
+                                            r"optim\.max_steps\?\)"):
+        ExperimentContract.from_dict({}, ["optim.max_step=4"])  # a --set override
+    config = tmp_path / "c.yaml"
+    config.write_text("optim: {max_step: 4}\nguards: {max_truncated: 1.5}\n")
+    message = str(pytest.raises(ContractError, ExperimentContract.from_yaml, config).value)
+    assert "optim.max_step: unknown key (did you mean optim.max_steps?)" in message
+    assert "guards.max_truncated: unknown key (did you mean guards.max_truncated_frac?)" in message
+    assert "optimm: unknown key (did you mean optim?)" in contract_error({"optimm": {"lr": 1}})
+    assert ("env.holdout.structurs: unknown key (did you mean env.holdout.structures?)"
+            in contract_error(overrides=["env.holdout.structurs=[a]"]))
+    # nothing close: no guess
+    assert contract_error({"learning_rate": 0.1}).endswith("learning_rate: unknown key")
+
+
+def test_unknown_names_of_splits_assigners_env_kwargs_and_envs_get_a_suggestion():
+    assert "did you mean holdout?" in contract_error(overrides=["eval.split=holdot"])
+    assert "did you mean terminal_only?" in contract_error(
+        overrides=["credit.assigner=terminl_only"])
+    assert "env.kwargs.hintz: agent_rl/Arithmetic-v0 takes no such argument (did you mean " \
+           "env.kwargs.hints?)" in contract_error(overrides=["env.kwargs.hintz=true"])
+    assert "Did you mean ['agent_rl/Arithmetic-v0'" in contract_error(
+        overrides=["env.id=agent_rl/Arithmetc-v0"])

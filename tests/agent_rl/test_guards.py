@@ -289,3 +289,53 @@ def test_nothing_trained_resumes_where_it_was():
     after = Guards()
     after.load_state(done.state())
     assert trips(after, starved(2, too_long=2), starved(3, too_long=2)) == [None, None]
+
+
+# --- every trip names the value, the bound and the keys to change --------------------------------
+
+
+@pytest.mark.parametrize("guards, steps, rule, value, bound, keys", [
+    (Guards(max_nonfinite_steps=1), [healthy(**{"loss/policy": NAN})], "nonfinite",
+     "loss/policy nan", "guards.max_nonfinite_steps is 1",
+     ("guards.max_nonfinite_steps", "optim.lr", "optim.grad_clip")),
+    (Guards(min_entropy=0.05), [healthy(**{"policy/entropy": 0.0123})], "entropy_collapse",
+     "0.0123", "guards.min_entropy 0.05", ("guards.min_entropy", "rollout.temperature")),
+    (Guards(max_kl=0.2), [healthy(**{"kl/ref": 0.5})], "kl_explosion", "kl/ref 0.5000",
+     "guards.max_kl 0.2", ("guards.max_kl", "optim.lr", "loss.kl.beta")),
+    (Guards(max_truncated_frac=0.9), [healthy(**{"response/truncated_frac": 0.95})] * 2,
+     "length_explosion", "95% of responses", "guards.max_truncated_frac 90%",
+     ("guards.max_truncated_frac", "rollout.max_response_tokens")),
+    (Guards(max_policy_lag=2), [healthy(**{"rollout/policy_lag": 3})], "policy_lag", "lag) 3",
+     "guards.max_policy_lag 2", ("guards.max_policy_lag", "rollout.max_policy_lag")),
+    (Guards(max_verifier_error_rate=0.1), [healthy(**{"reward/infra_error_rate": 0.25})],
+     "verifier_errors", "25.0%", "guards.max_verifier_error_rate 10.0%",
+     ("guards.max_verifier_error_rate",)),
+])
+def test_a_trip_names_the_measured_value_the_bound_and_the_keys(guards, steps, rule, value,
+                                                                 bound, keys):
+    *before, last = steps
+    assert trips(guards, *before) == [None] * len(before)
+    trip = guards.after_step(last)
+    assert trip.rule == rule
+    assert value in trip.message and bound in trip.message, trip.message
+    assert trip.keys[:len(keys)] == keys
+    assert all(key in trip.message for key in trip.keys), trip.message
+
+
+def test_reward_not_holdout_names_its_patience_and_the_gain():
+    guards = Guards(holdout_patience=2)
+    for train, held in [(0.1, 0.3), (0.2, 0.3)]:
+        assert guards.after_eval(train, held) is None
+    trip = guards.after_eval(0.4, 0.2)
+    assert trip.rule == "reward_not_holdout"
+    for part in ("rose by 0.300 (more than 0.05)", "guards.holdout_patience 2",
+                 "its best change +0.000", "eval.every"):
+        assert part in trip.message, part
+    assert trip.keys == ("guards.holdout_patience", "eval.every")
+
+
+def test_nothing_trained_keys_are_the_limits_that_blocked():
+    guards = Guards(nothing_trained_steps=1)
+    trip = guards.after_step(healthy(**{"train/empty_reason": "overlong_masked",
+                                        "rollout/overlong_masked": 4}))
+    assert isinstance(trip, NothingTrained) and trip.keys == ("rollout.max_response_tokens",)

@@ -406,11 +406,18 @@ def test_no_compositional_axis_falls_back_to_unseen_tasks_with_a_notice():
     # env.iid_fraction, when > 0, is the share
     with pytest.warns(HoldoutFallbackWarning, match="10%"):
         assert len(default_splits(PoolEnv(FLAT), 40, iid_fraction=0.1).holdout_iid) == 4
-    # the compositional holdout does not exist: asking for it says what to do instead
+    # the compositional holdout does not exist: holdout is evaluated as holdout_iid, with the
+    # notice; a compositional bucket asked for by name says what to do instead
+    with pytest.warns(HoldoutFallbackWarning, match="split holdout is evaluated as holdout_iid"):
+        asked = default_splits(PoolEnv(FLAT), 40, require=["train", "holdout"])
+    assert asked.evaluated(["holdout"]) == ["holdout_iid"]
+    assert asked.evaluated(["holdout_iid", "holdout"]) == ["holdout_iid"]  # each once
     with pytest.warns(HoldoutFallbackWarning), \
-            pytest.raises(ValueError, match="split 'holdout' does not exist.*holdout_iid.*env.holdout"):
-        default_splits(PoolEnv(FLAT), 40, require=["train", "holdout"])
-    with pytest.warns(HoldoutFallbackWarning):
+            pytest.raises(ValueError, match="split 'holdout_structure' does not exist.*holdout_iid"):
+        default_splits(PoolEnv(FLAT), 40, require=["train", "holdout_structure"])
+    # a caller that asks for holdout_iid (and not holdout) gets no notice: nothing it did not ask
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert default_splits(PoolEnv(FLAT), 40, require=["train", "holdout_iid"]).holdout_iid
     # explicit holdouts never fall back
     with warnings.catch_warnings():
@@ -430,3 +437,9 @@ def test_required_splits_say_why_they_are_empty():
         default_splits(ARITH, 200, require=["holdout_entity"])
     with pytest.raises(KeyError, match="no split"):
         default_splits(ARITH, 200, require=["holdot"])
+
+
+def test_evaluated_is_the_name_asked_for_where_a_compositional_holdout_exists():
+    splits = default_splits(ARITH, 200, iid_fraction=0.2)
+    assert splits.criteria["holdouts"] == "automatic"
+    assert splits.evaluated(["holdout", "holdout_iid", "holdout"]) == ["holdout", "holdout_iid"]
