@@ -52,9 +52,11 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_policy.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_export.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/agent_rl/test_vllm_policy.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_export.py  # a process of its own: one engine each

@@ -96,6 +96,13 @@ def escaped_warnings():
 
 
 
+def ignore_library_deprecations() -> None:
+    """Deprecation notices of the model libraries (transformers, peft, torch) say nothing
+    about the user's run or model: not shown for the rest of the command."""
+    for module in ("transformers", "peft", "torch"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+
+
 @contextlib.contextmanager
 def plain_warnings(command: str):
     """Warnings print as ``agent-rl COMMAND: warning: MESSAGE``, without the source line

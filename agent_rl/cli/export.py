@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from agent_rl.cli.common import CLIError, command, echo
+from agent_rl.cli.common import CLIError, command, echo, ignore_library_deprecations
 
 
 def _export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,19 +29,20 @@ def export(args: argparse.Namespace) -> int:
     from agent_rl.policies.export import ExportError
     from agent_rl.policies.export import export as export_policy
 
+    ignore_library_deprecations()
     try:
         done = export_policy(args.source, args.out, merge_lora=args.merge_lora, force=args.force,
                              model_id=args.model)
     except ExportError as exc:
         raise CLIError(str(exc)) from exc
-    what = ("a PEFT adapter (adapter_config.json, adapter_model.safetensors) over "
-            f"{done.base_model}" if done.adapter else
-            f"full weights, LoRA merged ({done.dtype})" if done.merged else
-            f"full weights ({done.dtype})")
+    weights = (f"a PEFT adapter over {done.base_model}" if done.adapter else
+               f"full, LoRA merged, {done.dtype}" if done.merged else f"full, {done.dtype}")
+    loader = "AutoPeftModelForCausalLM" if done.adapter else "AutoModelForCausalLM"
     echo(f"exported {done.bundle} (step {done.step})\n"
-         f"  to {done.out}: {what}, tokenizer with its chat template, README.md model card")
-    loader = "peft.AutoPeftModelForCausalLM" if done.adapter else "AutoModelForCausalLM"
-    echo(f"  load it: {loader}.from_pretrained({str(done.out)!r})")
+         f"  to:        {done.out}\n"
+         f"  weights:   {weights}\n"
+         "  also:      tokenizer with its chat template, generation config, README.md card\n"
+         f"  load with: {loader}.from_pretrained({str(done.out)!r})")
     if args.merge_lora and not done.merged:
         echo("  (the run trained every weight: --merge-lora had no adapter to merge)")
     return 0

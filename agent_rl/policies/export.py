@@ -43,7 +43,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent_rl.policies.load import BundleModel, load_bundle_model, resolve_bundle, run_dir_of
+from agent_rl.policies.load import (
+    BundleModel,
+    base_model_id,
+    contract_of,
+    holds_lora,
+    load_bundle_model,
+    resolve_bundle,
+    run_dir_of,
+)
 from agent_rl.run import checkpoint
 
 BUILTIN_MODELS = ("smollm2-135m", "tiny")  # ids no from_pretrained outside agent-rl loads
@@ -76,11 +84,14 @@ def export(source: str | os.PathLike, out: str | os.PathLike, merge_lora: bool =
     out = Path(out).expanduser()
     bundle = resolve_bundle(source)
     check_out(out, bundle, force)
+    contract = contract_of(bundle)
+    is_lora = holds_lora(bundle)
+    adapter = is_lora and not merge_lora
+    base = base_model_id(contract, model_id)
+    if adapter:  # refused before the model is loaded when nothing could apply the adapter
+        base = adapter_base(bundle, base, contract)
     loaded = load_bundle_model(bundle, model_id)
     step = json.loads((bundle / checkpoint.META_FILE).read_text())["step"]
-    is_lora = hasattr(loaded.model, "merge_and_unload")
-    adapter = is_lora and not merge_lora
-    base = adapter_base(loaded) if adapter else loaded.model_id
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -126,18 +137,18 @@ def check_out(out: Path, bundle: Path, force: bool) -> None:
                           "to replace its contents")
 
 
-def adapter_base(loaded: BundleModel) -> str:
-    """The base reference of a PEFT adapter folder: ``model.id`` when it is a Hub id, the
+def adapter_base(bundle: Path, model_id: str, contract: Any) -> str:
+    """The base reference of a PEFT adapter folder: ``model_id`` when it is a Hub id, the
     absolute path of its folder when it is a local one; refused for a base that nothing
     outside agent-rl loads (``BUILTIN_MODELS``) or that the run's ``model.init`` replaced."""
-    init = loaded.contract.model.init if loaded.contract is not None else None
-    why = (f"the built-in model {loaded.model_id!r}, which from_pretrained cannot load"
-           if loaded.model_id in BUILTIN_MODELS else
-           f"the weights of model.init ({init}), not {loaded.model_id!r}" if init else None)
+    init = contract.model.init if contract is not None else None
+    why = (f"the built-in model {model_id!r}, which from_pretrained cannot load"
+           if model_id in BUILTIN_MODELS else
+           f"the weights of model.init ({init}), not {model_id!r}" if init else None)
     if why:
-        raise ExportError(f"{loaded.bundle} holds a LoRA adapter over {why}: an adapter folder "
+        raise ExportError(f"{bundle} holds a LoRA adapter over {why}: an adapter folder "
                           "could not be applied. Pass --merge-lora to export the merged weights")
-    return hub_id_of(loaded.model_id) or str(Path(loaded.model_id).expanduser().resolve())
+    return hub_id_of(model_id) or str(Path(model_id).expanduser().resolve())
 
 
 @contextlib.contextmanager

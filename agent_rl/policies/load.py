@@ -93,6 +93,24 @@ def response_limit(contract) -> int:
     return section.max_response_tokens
 
 
+def base_model_id(contract, model_id: str | None = None) -> str:
+    """The base model of a bundle: ``model_id`` when given, else its run's ``model.id``, else
+    ``DEFAULT_MODEL``."""
+    return model_id or (contract.model.id if contract else DEFAULT_MODEL)
+
+
+def parameter_names(bundle: Path) -> list[str]:
+    """The names of the tensors a bundle holds (its meta's ``parameter_names``)."""
+    from agent_rl.run.checkpoint import META_FILE
+
+    return json.loads((bundle / META_FILE).read_text()).get("parameter_names", [])
+
+
+def holds_lora(bundle: Path) -> bool:
+    """Does the bundle hold LoRA adapters (a training checkpoint under model.adapter: lora)?"""
+    return any("lora_" in name for name in parameter_names(bundle))
+
+
 def lora_rank(bundle: Path, names: list[str]) -> int:
     """The LoRA rank of a bundle without a contract: rows of its first ``lora_A`` weight."""
     from safetensors import safe_open
@@ -127,15 +145,15 @@ def load_bundle_model(path: str | Path, model_id: str | None = None) -> BundleMo
 
     bundle = resolve_bundle(path)
     contract = contract_of(bundle)
-    model_id = model_id or (contract.model.id if contract else DEFAULT_MODEL)
+    model_id = base_model_id(contract, model_id)
     model, tokenizer = load_base_model(model_id, contract.model.dtype if contract else "float32")
     if contract is not None and contract.model.init is not None:  # the run's starting weights
         try:
             checkpoint.load_init(contract.model.init, model, model_fingerprint(model_id))
         except checkpoint.BundleError as exc:
             raise PolicyLoadError(f"the run's model.init: {exc}") from exc
-    names = json.loads((bundle / checkpoint.META_FILE).read_text()).get("parameter_names", [])
-    if any("lora_" in n for n in names):
+    names = parameter_names(bundle)
+    if holds_lora(bundle):
         section = contract.model if contract else ModelSection()
         rank = section.lora_rank if contract else lora_rank(bundle, names)
         model = add_lora(model, rank, section.lora_alpha)
