@@ -239,10 +239,22 @@ def test_export_keeps_the_chat_template(exported_full):
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_the_smollm2_tokenizer_chat_template_survives_save_and_load(tmp_path):
-    tokenizer = models.smollm2_tokenizer()
-    tokenizer.save_pretrained(tmp_path)
-    again = AutoTokenizer.from_pretrained(tmp_path)
+def test_the_embedded_gguf_model_exports_dense_with_its_chat_template(tmp_path):
+    """smollm2-135m as the trainer holds it (de-quantized, float32, a weight changed as
+    training would) comes out as a plain safetensors folder, SmolLM2's template intact."""
+    model, tokenizer = models.load_smollm2()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)  # [H] so the exported weights are not the GGUF's
+    bundle = checkpoint.save_bundle(tmp_path / "checkpoints", 1, model=model, meta={})
+    done = export(bundle, tmp_path / "out", model_id="smollm2-135m")
+    assert (done.adapter, done.dtype, done.base_model) == (False, "float32", "smollm2-135m")
+    assert not list((tmp_path / "out").glob("*.gguf"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    again = AutoTokenizer.from_pretrained(tmp_path / "out")
+    torch.testing.assert_close(logits(exported, again), logits(model, tokenizer), rtol=0,
+                               atol=FULL_ATOL)
     assert again.chat_template == tokenizer.chat_template
     for generation_prompt in (False, True):
         assert again.apply_chat_template(PROMPT, add_generation_prompt=generation_prompt,
