@@ -21,6 +21,7 @@ The public Python API is importable from here, whatever module holds it::
     VLLMPolicy (needs the vllm extra)                            policies/vllm_policy.py
     OpenAIPolicy                                                 policies/openai_policy.py
     load_policy("base" | RUN | BUNDLE | "openai:URL")            policies/load.py
+    export(RUN_OR_BUNDLE, OUT, merge_lora=False) -> Exported     policies/export.py
 
 Each is imported on first use (a module ``__getattr__``), so ``import agent_rl`` pulls in
 neither torch nor transformers and ``agent-rl inspect`` stays fast.
@@ -44,6 +45,7 @@ PUBLIC = {
     "VLLMPolicy": "agent_rl.policies.vllm_policy",
     "OpenAIPolicy": "agent_rl.policies.openai_policy",
     "load_policy": "agent_rl.policies.load",
+    "export": "agent_rl.policies.export",
 }
 
 __all__ = sorted(PUBLIC)

@@ -61,7 +61,10 @@ fi
 
 "$PY" -m pytest -q -rs | tee "$LOGS/pytest.log"
 status=$?  # pytest's own (pipefail)
-"$VLLM_PY" -m pytest -q -rs -m vllm tests/agent_rl/test_vllm_policy.py || status=$?
+# the vLLM engine tests: one engine per process, so one pytest per file
+for file in tests/agent_rl/test_vllm_policy.py tests/agent_rl/test_export.py; do
+    "$VLLM_PY" -m pytest -q -rs -m vllm "$file" || status=$?
+done
 
 skipped=$(grep -c '^SKIPPED' "$LOGS/pytest.log" || true)
 echo

@@ -236,6 +236,8 @@ def check_cli(command: Command) -> None:
         check_read(args[1], command, "the run directory")
     if sub == "inspect":
         check_read(args[1], command, "the rollout store")
+    if sub == "export":
+        check_read(args[1], command, "the run or bundle")
     if args[:2] == ["envs", "check"]:
         assert args[2] in registered, f"{command}\n  no environment {args[2]!r}"
 
@@ -301,6 +303,7 @@ def test_the_checks_catch_what_does_not_exist(monkeypatch):
            parse_command("x.md", "python examples/nope.py"),
            parse_command("x.md", "make nope"),
            parse_command("x.md", "agent-rl report runs/never"),
+           parse_command("x.md", "agent-rl export runs/never exported/never"),
            parse_command("x.md", "agent-rl trian examples/tiny.yaml"),
            parse_command("x.md", "agent-rl eval --policy base --nn 4"),
            parse_command("x.md", "python benchmarks/vs_trl.py --no-such-flag")]

@@ -146,6 +146,12 @@ def escaped_warnings():
         warnings.formatwarning = original
 
 
+def ignore_library_deprecations() -> None:
+    """Deprecation notices of the model libraries (transformers, peft, torch) say nothing
+    about the user's run or model: not shown for the rest of the command."""
+    for module in ("transformers", "peft", "torch"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+
 
 _SHOWN: set[tuple[type, str]] = set()  # (category, message) of the warnings printed so far
 

@@ -33,7 +33,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
                              "iid_fraction) defines the tasks (default: the run's, when --policy "
                              "is a run; e.g. evaluate the base model on a run's held-out tasks)")
     parser.add_argument("--model", default=None, metavar="ID",
-                        help="smollm2-135m | tiny | a local HF folder (default: the run's model, "
+                        help="smollm2-135m | tiny | a local HF folder | a Hub id in the local HF cache (default: the run's model, "
                              f"else {DEFAULT_MODEL}); for openai:URL the served model's name")
     parser.add_argument("--n", type=int, default=64, help="tasks evaluated (default: 64)")
     parser.add_argument("--seed", type=int, default=1234, help="sampling and episode seed")

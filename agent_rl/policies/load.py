@@ -63,18 +63,25 @@ def resolve_bundle(path: str | Path) -> Path:
         raise PolicyLoadError(str(exc)) from None
 
 
+def run_dir_of(bundle: Path) -> Path | None:
+    """The run directory a bundle belongs to (``RUN_DIR/checkpoints/step-N``): the nearest of
+    its parents, or itself, that holds a ``contract.yaml``; None for a bundle on its own."""
+    return next((folder for folder in (bundle.parent.parent, bundle.parent, bundle)
+                 if (folder / "contract.yaml").is_file()), None)
+
+
 def contract_of(bundle: Path):
-    """The contract of the run a bundle belongs to (``RUN_DIR/checkpoints/step-N``): an
+    """The contract of the run a bundle belongs to (``run_dir_of``): an
     ``ExperimentContract``, or an ``SFTContract`` for a warm start's bundle; or None."""
     from agent_rl.run.contract import ContractError, read_contract
 
-    for folder in (bundle.parent.parent, bundle.parent, bundle):
-        if (folder / "contract.yaml").is_file():
-            try:
-                return read_contract(folder / "contract.yaml")
-            except ContractError as exc:
-                raise PolicyLoadError(f"the run's contract is unreadable: {exc}") from exc
-    return None
+    run_dir = run_dir_of(bundle)
+    if run_dir is None:
+        return None
+    try:
+        return read_contract(run_dir / "contract.yaml")
+    except ContractError as exc:
+        raise PolicyLoadError(f"the run's contract is unreadable: {exc}") from exc
 
 
 def response_limit(contract) -> int:
@@ -84,6 +91,24 @@ def response_limit(contract) -> int:
         return 128
     section = getattr(contract, "rollout", None) or contract.limits
     return section.max_response_tokens
+
+
+def base_model_id(contract, model_id: str | None = None) -> str:
+    """The base model of a bundle: ``model_id`` when given, else its run's ``model.id``, else
+    ``DEFAULT_MODEL``."""
+    return model_id or (contract.model.id if contract else DEFAULT_MODEL)
+
+
+def parameter_names(bundle: Path) -> list[str]:
+    """The names of the tensors a bundle holds (its meta's ``parameter_names``)."""
+    from agent_rl.run.checkpoint import META_FILE
+
+    return json.loads((bundle / META_FILE).read_text()).get("parameter_names", [])
+
+
+def holds_lora(bundle: Path) -> bool:
+    """Does the bundle hold LoRA adapters (a training checkpoint under model.adapter: lora)?"""
+    return any("lora_" in name for name in parameter_names(bundle))
 
 
 def lora_rank(bundle: Path, names: list[str]) -> int:
@@ -97,27 +122,38 @@ def lora_rank(bundle: Path, names: list[str]) -> int:
         return int(f.get_slice(name).get_shape()[0])
 
 
-def load_bundle_policy(path: str | Path, model_id: str | None = None,
-                       device: str | None = None) -> LoadedPolicy:
-    """A bundle loaded onto its base model. LoRA bundles (parameter names with ``lora_``) get
-    the adapter first, with the rank and alpha of the run's contract (rank read off the
-    tensors, alpha the contract default, when the contract is gone)."""
-    from agent_rl.policies.hf import HFPolicy
+@dataclass
+class BundleModel:
+    """A checkpoint bundle's weights on the model they were trained from."""
+
+    model: Any  # a transformers causal LM, or a peft model (LoRA bundles), on the CPU
+    tokenizer: Any
+    bundle: Path
+    contract: Any  # the run's ExperimentContract or SFTContract, or None
+    model_id: str  # the base model's id (model.id)
+
+
+def load_bundle_model(path: str | Path, model_id: str | None = None) -> BundleModel:
+    """A bundle (``path``: the bundle, or a run directory: ``resolve_bundle``) loaded onto its
+    base model (the run's ``model.id`` and dtype, else ``model_id``, else ``DEFAULT_MODEL``;
+    the run's ``model.init`` weights first when set). LoRA bundles (parameter names with
+    ``lora_``) get the adapter first, with the rank and alpha of the run's contract (rank read
+    off the tensors, alpha the contract default, when the contract is gone)."""
     from agent_rl.policies.models import add_lora, model_fingerprint
     from agent_rl.run import checkpoint
     from agent_rl.run.contract import ModelSection
 
     bundle = resolve_bundle(path)
     contract = contract_of(bundle)
-    model_id = model_id or (contract.model.id if contract else DEFAULT_MODEL)
+    model_id = base_model_id(contract, model_id)
     model, tokenizer = load_base_model(model_id, contract.model.dtype if contract else "float32")
     if contract is not None and contract.model.init is not None:  # the run's starting weights
         try:
             checkpoint.load_init(contract.model.init, model, model_fingerprint(model_id))
         except checkpoint.BundleError as exc:
             raise PolicyLoadError(f"the run's model.init: {exc}") from exc
-    names = json.loads((bundle / checkpoint.META_FILE).read_text()).get("parameter_names", [])
-    if any("lora_" in n for n in names):
+    names = parameter_names(bundle)
+    if holds_lora(bundle):
         section = contract.model if contract else ModelSection()
         rank = section.lora_rank if contract else lora_rank(bundle, names)
         model = add_lora(model, rank, section.lora_alpha)
@@ -128,9 +164,20 @@ def load_bundle_policy(path: str | Path, model_id: str | None = None,
         if "does not fit the model" in text:
             text += f" (is {model_id!r} the model this bundle was trained from? pass --model)"
         raise PolicyLoadError(text) from exc
-    digest = checkpoint.bundle_hash(bundle)
-    return LoadedPolicy(HFPolicy(model.eval(), tokenizer, device=device or default_device()),
-                        f"{bundle.parent.parent.name}/{bundle.name}", bundle, digest, contract)
+    return BundleModel(model.eval(), tokenizer, bundle, contract, model_id)
+
+
+def load_bundle_policy(path: str | Path, model_id: str | None = None,
+                       device: str | None = None) -> LoadedPolicy:
+    """``load_bundle_model`` as an ``HFPolicy`` on ``device``, with the bundle's hash."""
+    from agent_rl.policies.hf import HFPolicy
+    from agent_rl.run import checkpoint
+
+    loaded = load_bundle_model(path, model_id)
+    bundle = loaded.bundle
+    return LoadedPolicy(HFPolicy(loaded.model, loaded.tokenizer, device=device or default_device()),
+                        f"{bundle.parent.parent.name}/{bundle.name}", bundle,
+                        checkpoint.bundle_hash(bundle), loaded.contract)
 
 
 def load_policy(spec: str, model_id: str | None = None, device: str | None = None,

