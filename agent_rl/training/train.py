@@ -110,6 +110,7 @@ from agent_rl.training.metrics import (
 from agent_rl.training.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.training.rollout import (
     RolloutBatch,
+    RolloutSettings,
     TrainSequence,
     hint_share,
     hinted_jobs,
@@ -290,6 +291,8 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     def scheduled_hints(step: int) -> float | None:  # the contract's hints: step's share
         return hint_share(step, **contract.hints.model_dump()) if contract.hints else None
 
+    settings = RolloutSettings.from_contract(contract)
+
     def rollout(step: int):  # rollout -> assign -> advantages (rollout.py does the three)
         t0 = time.perf_counter()
         tasks = sampler.for_step(step, contract.rollout.tasks_per_step)
@@ -300,22 +303,9 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
             shown = hinted_jobs(share, len(tasks) * group, contract.optim.seed, step)
             shown = shown[lo * group:hi * group]
             note = {"schedule": contract.hints.schedule, "step": step, "share": share}
-        batch = rollout_batch(
-            rollout_policy, rollout_policy.tokenizer, contract.env.id, tasks[lo:hi],
-            group_size=contract.rollout.group_size,
-            sampling=Sampling(temperature=contract.rollout.temperature,
-                              top_p=contract.rollout.top_p,
-                              max_new_tokens=contract.rollout.max_response_tokens,
-                              seed=seed, max_prompt_tokens=contract.rollout.max_prompt_tokens),
-            seed=seed + lo * contract.rollout.group_size, env_kwargs=contract.env.kwargs,
-            truncation=contract.rollout.truncation,
-            truncation_penalty=contract.rollout.truncation_penalty,
-            length_weight=contract.reward_shaping.length,
-            dynamic_sampling=contract.rollout.dynamic_sampling,
-            assigner=contract.credit.assigner, assigner_params=contract.credit.params,
-            session_weighting=contract.credit.session_weighting,
-            std=contract.advantage.std, scale=contract.advantage.scale,
-            eps=contract.advantage.eps, group_prefix=f"step{step}/", hints=shown, hint_note=note)
+        batch = rollout_batch(rollout_policy, rollout_policy.tokenizer, tasks[lo:hi],
+                              settings.seeded(seed), seed=seed + lo * group,
+                              group_prefix=f"step{step}/", hints=shown, hint_note=note)
         return batch, time.perf_counter() - t0
 
     # --- 5. the loop: rollouts come from this thread (max_policy_lag 0) or run ahead on a
@@ -444,10 +434,8 @@ def estimate_band(contract: ExperimentContract, policy, backend: Backend,
     cur, r = contract.curriculum, curriculum.round_of(step, contract.curriculum.every)
     pool = curriculum.estimation_pool(train_tasks, cur.pool, contract.optim.seed, r)
     lo, hi = shard(len(pool), backend.rank, backend.world_size)
-    sampling = curriculum.round_sampling(Sampling(
-        temperature=contract.rollout.temperature, top_p=contract.rollout.top_p,
-        max_new_tokens=contract.rollout.max_response_tokens,
-        max_prompt_tokens=contract.rollout.max_prompt_tokens), contract.optim.seed, r)
+    sampling = curriculum.round_sampling(RolloutSettings.from_contract(contract).sampling,
+                                         contract.optim.seed, r)
     mine = curriculum.estimate_pass_rates(
         policy, contract.env.id, pool[lo:hi], k=cur.k, sampling=sampling, seed=lo * cur.k,
         env_kwargs=contract.env.kwargs, group_prefix=f"curriculum{r}/",

@@ -875,15 +875,16 @@ def test_kl_update_measures_the_update_not_the_rollout_mismatch(tmp_path):
 
     from agent_rl.policies.hf import HFPolicy
     from agent_rl.run.distributed import TorchBackend
-    from agent_rl.training.rollout import rollout_batch
+    from agent_rl.training.rollout import RolloutSettings, rollout_batch
     from envs.runner import Sampling
 
     contract = make_contract(tmp_path / "r")
     model, tokenizer = tiny_model(0)
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer,
                           envs.make(toy_env.ENV_ID).unwrapped.task_pool(2, seed=0),
-                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
+                          RolloutSettings(toy_env.ENV_ID, group_size=4,
+                                          sampling=Sampling(max_new_tokens=6, seed=0),
+                                          dynamic_sampling=False, truncation="keep"), seed=0)
     off = [dataclasses.replace(q, advantage=1.0, rendered=dataclasses.replace(
         q.rendered, old_logprobs=q.rendered.old_logprobs - 0.5 * q.rendered.loss_mask))
         for q in batch.sequences]
@@ -901,14 +902,15 @@ def test_update_kl_is_k3_of_old_policy_samples(tmp_path):
     estimator for the new policy's samples, exp(old - new) - 1 - (old - new), would read
     e^5 - 6 = 142.41)."""
     from agent_rl.policies.hf import HFPolicy
-    from agent_rl.training.rollout import rollout_batch
+    from agent_rl.training.rollout import RolloutSettings, rollout_batch
     from envs.runner import Sampling
 
     model, tokenizer = tiny_model(0)
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer,
                           envs.make(toy_env.ENV_ID).unwrapped.task_pool(2, seed=0),
-                          group_size=2, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
+                          RolloutSettings(toy_env.ENV_ID, group_size=2,
+                                          sampling=Sampling(max_new_tokens=6, seed=0),
+                                          dynamic_sampling=False, truncation="keep"), seed=0)
     rendered = [q.rendered for q in batch.sequences]
     bins = train.micro_batches(train.pack(train.share_prefixes(rendered)), 512)[0]
     kl = functools.partial(train.update_kl, model, bins, rendered, 0, 1.0)
@@ -1094,13 +1096,14 @@ def test_half_activations_inside_the_trainers_kernels():
 def graded_sequences(model, tokenizer) -> list:
     """A rolled-out batch of tests/Digits-v0 (4 tasks x 4 samples), advantages +1 / -0.5."""
     from agent_rl.policies.hf import HFPolicy
-    from agent_rl.training.rollout import rollout_batch
+    from agent_rl.training.rollout import RolloutSettings, rollout_batch
     from envs.runner import Sampling
 
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer,
                           envs.make(toy_env.ENV_ID).unwrapped.task_pool(4, seed=0),
-                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
+                          RolloutSettings(toy_env.ENV_ID, group_size=4,
+                                          sampling=Sampling(max_new_tokens=6, seed=0),
+                                          dynamic_sampling=False, truncation="keep"), seed=0)
     return [dataclasses.replace(q, advantage=1.0 if i % 2 else -0.5)
             for i, q in enumerate(batch.sequences)]
 
