@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import json
 import math
 import time
@@ -53,13 +52,10 @@ import torch
 import torch.utils.checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-import envs
 from agent_rl import accel
 from agent_rl.policies.hf import HFPolicy, scoring_temperature
 from agent_rl.policies.logprobs import picked_logprobs, picked_logprobs_and_entropy
 from agent_rl.policies.models import (
-    add_lora,
-    initial_model,
     load_model,
     model_fingerprint,
     rollout_copy,
@@ -101,11 +97,9 @@ from agent_rl.training import curriculum
 from agent_rl.training.grpo import KL_ESTIMATORS, behaviour_correction, policy_loss
 from agent_rl.training.metrics import (
     compare,
-    held_out_tasks,
     note_untrained,
     progress_bar,
     step_metrics,
-    summarize_eval,
 )
 from agent_rl.training.pipeline import RolloutPipeline, SyncedPolicy, Synchronous, split_stale
 from agent_rl.training.rollout import (
@@ -117,10 +111,18 @@ from agent_rl.training.rollout import (
     merge_batches,
     rollout_batch,
 )
-from agent_rl.training.shared import check_data, check_resumable, device_batch, seed_everything
+from agent_rl.training.shared import (
+    check_resumable,
+    device_batch,
+    eval_sampling,
+    evaluate_held_out,
+    load_data,
+    seed_everything,
+    shard,
+    template_hash,
+    trainable_model,
+)
 from envs.core import TaskSpec
-from envs.runner import Sampling
-from evals.run import run_eval, write_episodes, write_records
 from trajectories import RolloutStore
 
 # how a decoder layer recomputes its activations in backward (``recompute_layers``)
@@ -156,17 +158,14 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     # --- 0. data: the train split and the held-out splits come from evals; checked (empty
     # splits, leakage between train and evaluation, context budget vs. prompt limit) before
     # anything is written ----------------------------------------------------------------------
-    env = envs.make(contract.env.id, **contract.env.kwargs)
-    splits = contract.env.splits(env, require=[contract.env.split, *contract.eval.splits])
-    train_tasks = list(splits[contract.env.split])
-    eval_sets = held_out_tasks(splits, contract.eval.splits, contract.eval.n)
-    check_data(contract.env, env, train_tasks, eval_sets, contract.rollout.max_prompt_tokens)
+    data = load_data(contract.env, contract.eval, contract.rollout.max_prompt_tokens)
+    train_tasks = data.train_tasks
     check_hints(contract.env, contract.hints is not None, train_tasks)
     sampler = TaskSampler(train_tasks, seed=contract.optim.seed)
     device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
     check_world(contract, launched_world_size())
     check_engines(contract)
-    verifier_id = f"{contract.env.id}@{env.unwrapped.version}"
+    verifier_id = f"{contract.env.id}@{data.env.unwrapped.version}"
 
     # --- 1. run directory: checked, writing nothing, to be empty or a run of this contract and
     # base model (the content hashes of its files) whose logs hold what its checkpoint committed
@@ -179,22 +178,17 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
 
     # --- 2. model (fp32 master weights on the device; started from model.init's bundle when
     # set), optional fixed reference, optimizer ------------------------------------------------
-    model, tokenizer = initial_model(contract.model)
-    if contract.model.adapter == "lora":
-        model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
-    model.to(device)
+    model, tokenizer = trainable_model(contract.model, device)
     reference = load_reference(contract, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(params, contract.optim.lr, contract.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     store = RolloutStore(run_dir / "rollouts.jsonl")
     tensorboard = TensorBoardLog(run_dir / "tensorboard")
-    template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
+    template = template_hash(tokenizer)
     guards = Guards(**contract.guards.model_dump())
-    eval_sampling = Sampling(temperature=contract.eval.temperature, top_p=1.0,
-                             max_new_tokens=contract.rollout.max_response_tokens,
-                             seed=contract.eval.seed,
-                             max_prompt_tokens=contract.rollout.max_prompt_tokens)
+    sampling = eval_sampling(contract.eval, contract.rollout.max_prompt_tokens,
+                             contract.rollout.max_response_tokens)
 
     # --- 3. resume from the newest complete bundle (into the plain model, before a backend
     # partitions it). The policy that evaluates (and rolls out, when synchronous) shares the
@@ -205,7 +199,7 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     start_step, counters, before, revision = 0, Counter(), None, 0
     if latest is not None:
         meta = checkpoint.load_bundle(latest, model, scheduler=scheduler)
-        check_resumable(meta, contract_hash, template_hash, latest)
+        check_resumable(meta, contract_hash, template, latest)
         start_step, counters = meta["step"], Counter(meta["counters"])
         revision = meta.get("policy_revision", start_step)
         before = meta.get("before")
@@ -257,24 +251,13 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
                    else TaskSampler(selection.tasks(train_tasks), seed=contract.optim.seed))
 
     def evaluate_policy(tag: str) -> dict[str, Any]:  # hint-free, whatever env.kwargs say
-        records, episodes = [], []
-        for name, tasks in eval_sets.items():  # rank r evaluates its slice, seeded as a whole
-            lo, hi = shard(len(tasks), rank, world)
-            mine = run_eval(policy, contract.env.id, tasks[lo:hi], eval_sampling,
-                            seed=contract.eval.seed + lo, env_kwargs=contract.env.kwargs,
-                            policy_name=tag, split=name)
-            for part in backend.all_gather_object(mine):
-                records += part.records
-                episodes += part.episodes
-        if main:  # one record per episode, and the episodes (`agent-rl inspect` shows them)
-            write_records(records, run_dir / "evals" / f"{tag}.jsonl")
-            write_episodes(episodes, run_dir / "evals" / "episodes" / f"{tag}.jsonl")
-        return summarize_eval(records, contract.eval.n)
+        return evaluate_held_out(policy, data, contract.env, contract.eval, sampling, tag,
+                                 run_dir, backend)
 
     def save(step: int, extra: dict[str, Any] | None = None) -> None:  # every rank
         write_bundle(backend, run_dir / "checkpoints", step, scheduler=scheduler, meta={
             "step": step, "counters": dict(counters),
-            "contract_hash": contract_hash, "template_hash": template_hash,
+            "contract_hash": contract_hash, "template_hash": template,
             "base_model": base_model, "reference": contract.reference, "verifier": verifier_id,
             "sampler_position": step * contract.rollout.tasks_per_step,  # TaskSampler.for_step
             "store_cursor": store.cursor if main else None, "before": before,
@@ -698,15 +681,6 @@ def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
         return torch.zeros(shape, dtype=values.dtype, device=seq.device).index_put((seq, batch["rank"]), values)
 
     return dense
-
-
-def shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rank ``rank``'s contiguous slice ``[lo, hi)`` of n items; the first n % world_size ranks
-    take one more. Seeding jobs by their global index (``seed + lo * samples``) makes the
-    shards sample what one process would."""
-    per, extra = divmod(n, world_size)
-    lo = rank * per + min(rank, extra)
-    return lo, lo + per + (rank < extra)
 
 
 def gather_batch(backend: Backend, batch: RolloutBatch, rollout_s: float) -> tuple[RolloutBatch, float]:
