@@ -67,7 +67,7 @@ from agent_rl.policies.render import (
 )
 from agent_rl.run.contract import ExperimentContract
 from agent_rl.run.distributed import TorchBackend, adamw
-from agent_rl.training.rollout import rollout_batch
+from agent_rl.training.rollout import RolloutSettings, rollout_batch
 from agent_rl.training.train import policy_update
 from envs.runner import Sampling
 
@@ -78,8 +78,9 @@ MICRO_TOKENS = (512, 2048)  # optim.micro_batch_tokens' default, and a larger on
 def relay_batch(policy: HFPolicy, tasks: int, seed: int):
     specs = envs.make(ENV).unwrapped.task_pool(tasks, seed=seed)
     sampling = Sampling(temperature=0.7, max_new_tokens=32, seed=seed, max_prompt_tokens=1536)
-    return rollout_batch(policy, policy.tokenizer, ENV, specs, group_size=8, sampling=sampling,
-                         seed=seed, dynamic_sampling=False, truncation="keep")
+    settings = RolloutSettings(ENV, group_size=8, sampling=sampling, dynamic_sampling=False,
+                               truncation="keep")
+    return rollout_batch(policy, policy.tokenizer, specs, settings, seed=seed)
 
 
 def padding(rendered) -> dict[str, Any]:
