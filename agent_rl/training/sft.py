@@ -80,7 +80,7 @@ from agent_rl.training.shared import (
     template_hash,
     trainable_model,
 )
-from agent_rl.training.train import trained_logprobs, trained_token_logits
+from agent_rl.training.update import trained_logprobs, trained_token_logits
 from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
 from evals.run import write_episodes
