@@ -4,7 +4,7 @@ micro-batches carry, with and without packing, on a real multi-session batch.
 
 The batch: one GRPO step of Relay-v0 (``--tasks`` tasks x 8 samples, two sessions per
 episode) rolled out by the model itself, every group kept. One optimizer step of the trainer
-(``agent_rl.training.train.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
+(``agent_rl.training.update.policy_update``, full fine-tune, token-mean loss) is timed in each dtype,
 best of ``--repeats`` after ``--warmup`` untimed ones, against the best of the matmul peaks
 measured before every timed step and after the last (``matmul_peaks_gflop_s``: the
 machine's speed drifts by half within minutes). FLOPs counted: 6 x (parameters outside the
@@ -16,7 +16,7 @@ backward), and the fraction counting all the work done: attention's pairs as com
 trainer's blocked attention, ``accel.plan_blocks``: a few more than allowed; in bf16 the
 pairs its kernel's tiles cover, ``kernel_pairs``) and the
 forward work a row longer than ``optim.micro_batch_tokens`` recomputes in backward
-(``train.recompute_layers``; its share of the layer work, ``train/recomputed_frac``, times
+(``update.recompute_layers``; its share of the layer work, ``train/recomputed_frac``, times
 the forward's FLOPs). The pairs SDPA over whole rows would compute are printed too.
 
 The step is ``policy_update`` whole: its micro-batches' forward and backward passes, the
@@ -67,8 +67,8 @@ from agent_rl.policies.render import (
 )
 from agent_rl.run.contract import ExperimentContract
 from agent_rl.run.distributed import TorchBackend, adamw
-from agent_rl.training.rollout import rollout_batch
-from agent_rl.training.train import policy_update
+from agent_rl.training.rollout import RolloutSettings, rollout_batch
+from agent_rl.training.update import policy_update
 from envs.runner import Sampling
 
 ENV = "agent_rl/Relay-v0"
@@ -78,8 +78,9 @@ MICRO_TOKENS = (512, 2048)  # optim.micro_batch_tokens' default, and a larger on
 def relay_batch(policy: HFPolicy, tasks: int, seed: int):
     specs = envs.make(ENV).unwrapped.task_pool(tasks, seed=seed)
     sampling = Sampling(temperature=0.7, max_new_tokens=32, seed=seed, max_prompt_tokens=1536)
-    return rollout_batch(policy, policy.tokenizer, ENV, specs, group_size=8, sampling=sampling,
-                         seed=seed, dynamic_sampling=False, truncation="keep")
+    settings = RolloutSettings(ENV, group_size=8, sampling=sampling, dynamic_sampling=False,
+                               truncation="keep")
+    return rollout_batch(policy, policy.tokenizer, specs, settings, seed=seed)
 
 
 def padding(rendered) -> dict[str, Any]:

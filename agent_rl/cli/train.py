@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from agent_rl.cli.common import (
@@ -15,6 +14,7 @@ from agent_rl.cli.common import (
     console,
     echo,
     holding,
+    ignore_library_deprecations,
     interval,
     no_space,
     number,
@@ -120,61 +120,86 @@ def _arrow(summaries: list[dict], key: str, form: str) -> str:
 
 @command("train", "run GRPO training from an experiment contract", _train_arguments)
 def train(args: argparse.Namespace) -> int:
-    from agent_rl.run.contract import ContractError, ExperimentContract
+    from agent_rl.run.contract import ExperimentContract
 
-    try:  # a broken contract fails before torch is imported
-        contract = ExperimentContract.from_yaml(args.config, args.overrides)
-        run_dir = contract.check_run_dir()
-    except ContractError as exc:
-        raise CLIError(str(exc)) from exc
+    contract, run_dir = read_contract(ExperimentContract, args)
     with holding(run_dir, args.resume):  # before the model loads: a busy or unwritable run_dir fails at once
         return train_held(args, contract, run_dir)
 
 
 def train_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
     """``agent-rl train`` once its run directory is held."""
-    import gymnasium
-
-    from agent_rl.run import checkpoint
     from agent_rl.training import train as trainer
     from evals.report import write_run_report
 
-    # Deprecation notices from the model libraries say nothing about this run.
-    for module in ("transformers", "peft", "torch"):
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-    load_base_model(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
-    out = console()
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun / deepspeed: rank 0 reports
-    try:
-        with StopSignal(), plain_warnings("train"):
-            result = trainer.run(contract, resume=args.resume, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        if not main_rank:
-            return 130
-        latest = checkpoint.latest_complete(run_dir / "checkpoints")
-        where = f"from {latest}" if latest else "from the start (no complete checkpoint yet)"
-        echo(f"agent-rl train: interrupted; `agent-rl train {args.config} --resume` (same "
-             f"--set options) continues {where}", file=sys.stderr)
-        if (run_dir / "contract.sha256").is_file():  # the run got as far as pinning its folder
+
+    def report_so_far() -> None:  # the run got as far as pinning its folder
+        if (run_dir / "contract.sha256").is_file():
             write_run_report(run_dir)
+
+    result = run_trainer("train", args, contract, run_dir, run_dir / "checkpoints",
+                         trainer.run, "no complete checkpoint yet", main_rank, report_so_far)
+    if result is None:
         return 130
-    except OSError as exc:  # a full disk while writing a log line
-        if (error := no_space(exc, run_dir, run_dir / "checkpoints")) is None:
-            raise
-        raise error from exc
-    except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
-        raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
     if not main_rank:
         return stopped_code(result.stopped)
     report = write_run_report(run_dir)
     if result.before or result.after:
-        show(out, before_after_table(result), before_after_lines(result))
+        show(console(), before_after_table(result), before_after_lines(result))
     echo(f"report: {report}\nrun dir: {run_dir}")
     if result.stopped is not None:
         trip = result.stopped
         echo(f"agent-rl train: stopped by guard {trip.rule} ({trip.action}) at step "
              f"{result.steps}: {trip.message}", file=sys.stderr)
     return stopped_code(result.stopped)
+
+
+def read_contract(kind, args: argparse.Namespace):
+    """``(contract, run_dir)``: ``kind.from_yaml`` of CONFIG with the --set overrides, and its
+    run directory; a broken contract is a CLIError before torch is imported."""
+    from agent_rl.run.contract import ContractError
+
+    try:
+        contract = kind.from_yaml(args.config, args.overrides)
+        return contract, contract.check_run_dir()
+    except ContractError as exc:
+        raise CLIError(str(exc)) from exc
+
+
+def run_trainer(name: str, args: argparse.Namespace, contract, run_dir: Path, checkpoints: Path,
+                run, none_yet: str, main_rank: bool = True, on_interrupt=None):
+    """``run(contract, resume=..., progress=...)`` (a trainer's ``run``) for ``agent-rl
+    NAME`` once its run directory is held: the model libraries' deprecation notices silenced,
+    the base model loaded first (a bad model id fails before the run dir is touched). Its
+    result, or None when interrupted (Ctrl-C, SIGTERM): the main rank then prints how to
+    resume from the newest complete bundle under ``checkpoints`` (``none_yet``: what it says
+    when there is none) and calls ``on_interrupt``. A full disk names the last complete
+    bundle; a bad env id, run dir, resume point or missing extra is a CLIError."""
+    import gymnasium
+
+    from agent_rl.run import checkpoint
+
+    ignore_library_deprecations()
+    load_base_model(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
+    try:
+        with StopSignal(), plain_warnings(name):
+            return run(contract, resume=args.resume, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        if main_rank:
+            latest = checkpoint.latest_complete(checkpoints)
+            where = f"from {latest}" if latest else f"from the start ({none_yet})"
+            echo(f"agent-rl {name}: interrupted; `agent-rl {name} {args.config} --resume` (same "
+                 f"--set options) continues {where}", file=sys.stderr)
+            if on_interrupt is not None:
+                on_interrupt()
+        return None
+    except OSError as exc:  # a full disk while writing a log line
+        if (error := no_space(exc, run_dir, checkpoints)) is None:
+            raise
+        raise error from exc
+    except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
+        raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
 
 
 def stopped_code(trip) -> int:
@@ -201,42 +226,21 @@ def _sft_arguments(parser: argparse.ArgumentParser) -> None:
 @command("sft", "supervised warm start on episodes (solver or a rollout store); writes a bundle "
          "`train` starts from with model.init", _sft_arguments)
 def sft(args: argparse.Namespace) -> int:
-    from agent_rl.run.contract import ContractError, SFTContract
+    from agent_rl.run.contract import SFTContract
 
-    try:  # a broken contract fails before torch is imported
-        contract = SFTContract.from_yaml(args.config, args.overrides)
-        run_dir = contract.check_run_dir()
-    except ContractError as exc:
-        raise CLIError(str(exc)) from exc
+    contract, run_dir = read_contract(SFTContract, args)
     with holding(run_dir, args.resume):  # before the model loads: a busy or unwritable run_dir fails at once
         return sft_held(args, contract, run_dir)
 
 
 def sft_held(args: argparse.Namespace, contract, run_dir: Path) -> int:
     """``agent-rl sft`` once its run directory is held."""
-    import gymnasium
-
-    from agent_rl.run import checkpoint
     from agent_rl.training import sft as warm_start
 
-    for module in ("transformers", "peft", "torch"):
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-    load_base_model(contract.model.id, contract.model.dtype)
-    try:
-        with StopSignal(), plain_warnings("sft"):
-            result = warm_start.run(contract, resume=args.resume, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        latest = checkpoint.latest_complete(run_dir / warm_start.RESUME_DIR)
-        where = f"from {latest}" if latest else "from the start (no resume bundle yet)"
-        print(f"agent-rl sft: interrupted; `agent-rl sft {args.config} --resume` (same --set "
-              f"options) continues {where}", file=sys.stderr)
+    result = run_trainer("sft", args, contract, run_dir, run_dir / warm_start.RESUME_DIR,
+                         warm_start.run, "no resume bundle yet")
+    if result is None:
         return 130
-    except OSError as exc:  # a full disk while writing a log line
-        if (error := no_space(exc, run_dir, run_dir / warm_start.RESUME_DIR)) is None:
-            raise
-        raise error from exc
-    except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
-        raise CLIError(str(exc)) from exc
     data = result.data
     out = console()
     losses = result.losses or [float("nan")]

@@ -253,7 +253,7 @@ class OptimSection(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     updates_per_batch: int = Field(1, ge=1)
-    micro_batch_tokens: int = Field(512, ge=1, description="tokens per trainer micro-batch, padding included: the activations one forward keeps for backward. A longer row (a shared prompt with its samples, never split) is a micro-batch of its own and recomputes ceil(L (1 - B / T)) of its L decoder layers in backward (train.recompute_layers), so it keeps as much as B tokens would in float32 (under bf16 autocast a token keeps less: B / train.HALF_ACTIVATIONS tokens there, more where the CPU accelerator's kernels run)")
+    micro_batch_tokens: int = Field(512, ge=1, description="tokens per trainer micro-batch, padding included: the activations one forward keeps for backward. A longer row (a shared prompt with its samples, never split) is a micro-batch of its own and recomputes ceil(L (1 - B / T)) of its L decoder layers in backward (training.update.recompute_layers), so it keeps as much as B tokens would in float32 (under bf16 autocast a token keeps less: B / update.HALF_ACTIVATIONS tokens there, more where the CPU accelerator's kernels run)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward pass instead of keeping them (transformers' gradient checkpointing, non-reentrant): the same losses and gradients, less memory per micro-batch, ~30-60% more training time (without it, only rows longer than micro_batch_tokens recompute, and only as many layers as that bound needs)")
     max_steps: int = Field(20, ge=0)
     seed: int = 0

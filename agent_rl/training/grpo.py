@@ -258,19 +258,8 @@ def policy_loss(
     multiply each token's policy term. With no valid token the loss is 0.0 (graph intact) and
     the metrics are neutral: fractions and KLs 0.0, ratio stats 1.0, tokens 0.0.
     """
-    _choice("aggregation", aggregation, AGGREGATIONS)
-    _choice("ratio", ratio, RATIOS)
-    _choice("objective", objective, OBJECTIVES)
-    _choice("kl", kl, tuple(KL_ESTIMATORS))
-    if beta > 0 and ref_logprobs is None:
-        raise ValueError("beta > 0 needs ref_logprobs (the fixed reference policy)")
-    if aggregation == "seq_mean_token_sum_norm" and not (max_len and max_len > 0):
-        raise ValueError("aggregation 'seq_mean_token_sum_norm' needs max_len > 0")
-    if not logprobs.shape == old_logprobs.shape == mask.shape or logprobs.dim() != 2:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
-            f"mask {tuple(mask.shape)} must share one [B, T] shape"
-        )
+    _check_loss_arguments(logprobs, old_logprobs, mask, aggregation, ratio, objective, kl,
+                          beta, ref_logprobs, max_len)
     B = logprobs.shape[0]
     valid = mask.bool()  # [B, T]
     m = valid.to(logprobs.dtype)  # [B, T]
@@ -296,45 +285,80 @@ def policy_loss(
         loss_t = -q.detach().clamp(lo, hi) * adv * logp  # [B, T]
     if token_weights is not None:
         loss_t = loss_t * token_weights.detach().to(loss_t.dtype)  # [B, T]
+    kl_ref = None
     if ref_logprobs is not None:
         d_ref = torch.where(valid, ref_logprobs.detach() - logprobs, 0.0)  # [B, T]
         kl_ref = KL_ESTIMATORS[kl](d_ref)  # [B, T]
         if beta > 0:
             loss_t = loss_t + beta * kl_ref  # [B, T]
+    loss = _aggregate(loss_t, m, w, aggregation, max_len)  # []
+    with torch.no_grad():
+        metrics = _loss_metrics(q, adv, valid, log_ratio, lo, hi, objective, kl_ref, entropy)
+    return loss, metrics
 
+
+def _check_loss_arguments(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                          aggregation: str, ratio: str, objective: str, kl: str, beta: float,
+                          ref_logprobs: torch.Tensor | None, max_len: int | None) -> None:
+    """``policy_loss``'s arguments: known names, what beta and seq_mean_token_sum_norm need,
+    one ``[B, T]`` shape."""
+    _choice("aggregation", aggregation, AGGREGATIONS)
+    _choice("ratio", ratio, RATIOS)
+    _choice("objective", objective, OBJECTIVES)
+    _choice("kl", kl, tuple(KL_ESTIMATORS))
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs (the fixed reference policy)")
+    if aggregation == "seq_mean_token_sum_norm" and not (max_len and max_len > 0):
+        raise ValueError("aggregation 'seq_mean_token_sum_norm' needs max_len > 0")
+    if not logprobs.shape == old_logprobs.shape == mask.shape or logprobs.dim() != 2:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"mask {tuple(mask.shape)} must share one [B, T] shape"
+        )
+
+
+def _aggregate(loss_t: torch.Tensor, m: torch.Tensor, w: torch.Tensor, aggregation: str,
+               max_len: int | None) -> torch.Tensor:
+    """The per-token loss ``[B, T]`` (mask ``m``, sequence weights ``w`` ``[B]``) as one scalar
+    under ``aggregation`` (module docstring)."""
+    B = loss_t.shape[0]
     seq_sum = (loss_t * m).sum(-1)  # [B]
     seq_len = m.sum(-1)  # [B]
     if aggregation == "token_mean":
-        loss = (w * seq_sum).sum() / seq_len.sum().clamp(min=1)  # []
-    elif aggregation == "seq_mean_token_mean":
+        return (w * seq_sum).sum() / seq_len.sum().clamp(min=1)  # []
+    if aggregation == "seq_mean_token_mean":
         has_tokens = (seq_len > 0).to(m.dtype)  # [B]
         per_seq = w * seq_sum / seq_len.clamp(min=1)  # [B]
-        loss = (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)  # []
-    else:
-        loss = (w * seq_sum / max_len).sum() / max(B, 1)  # []
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)  # []
+    return (w * seq_sum / max_len).sum() / max(B, 1)  # []
 
-    with torch.no_grad():
-        n = int(valid.sum())
-        r = q[valid]  # [n] r_bt, or s_b once per token
-        a = adv[valid]  # [n]
-        denom = max(n, 1)
-        low, high = r < lo, r > hi  # [n] clipped weights (cispo)
-        if objective == "ppo_clip":  # only where the clip binds (no gradient)
-            low, high = low & (a < 0), high & (a > 0)
-        metrics = {
-            "clip/low_frac": float(low.sum()) / denom,
-            "clip/high_frac": float(high.sum()) / denom,
-            "ratio/min": float(r.min()) if n else 1.0,
-            "ratio/mean": float(r.mean()) if n else 1.0,
-            "ratio/max": float(r.max()) if n else 1.0,
-            "kl/approx": float(KL_ESTIMATORS["k3"](log_ratio[valid]).sum()) / denom,
-            "tokens": float(n),
-        }
-        if ref_logprobs is not None:
-            metrics["kl/ref"] = float(kl_ref[valid].sum()) / denom
-        if entropy is not None:
-            metrics["entropy"] = float(entropy[valid].sum()) / denom
-    return loss, metrics
+
+def _loss_metrics(q: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor,
+                  log_ratio: torch.Tensor, lo: float, hi: float, objective: str,
+                  kl_ref: torch.Tensor | None, entropy: torch.Tensor | None) -> dict[str, float]:
+    """``policy_loss``'s metrics over the valid tokens (all ``[B, T]``): clip fractions, ratio
+    statistics, ``kl/approx`` (k3 against the old policy), ``kl/ref``, entropy, tokens."""
+    n = int(valid.sum())
+    r = q[valid]  # [n] r_bt, or s_b once per token
+    a = adv[valid]  # [n]
+    denom = max(n, 1)
+    low, high = r < lo, r > hi  # [n] clipped weights (cispo)
+    if objective == "ppo_clip":  # only where the clip binds (no gradient)
+        low, high = low & (a < 0), high & (a > 0)
+    metrics = {
+        "clip/low_frac": float(low.sum()) / denom,
+        "clip/high_frac": float(high.sum()) / denom,
+        "ratio/min": float(r.min()) if n else 1.0,
+        "ratio/mean": float(r.mean()) if n else 1.0,
+        "ratio/max": float(r.max()) if n else 1.0,
+        "kl/approx": float(KL_ESTIMATORS["k3"](log_ratio[valid]).sum()) / denom,
+        "tokens": float(n),
+    }
+    if kl_ref is not None:
+        metrics["kl/ref"] = float(kl_ref[valid].sum()) / denom
+    if entropy is not None:
+        metrics["entropy"] = float(entropy[valid].sum()) / denom
+    return metrics
 
 
 CORRECTIONS = ("none", "tis", "mask")

@@ -46,10 +46,7 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
     ``hint/used_frac`` is the share that did. ``train/empty_step`` is 1 on a step that trained
     on no token, ``train/empty_reason`` says why (``rollout.empty_reason``)."""
     episodes = batch.episodes
-    hinted = [e.reward.total for e in episodes if shown_hint(e)]
-    unhinted = [e.reward.total for e in episodes if not shown_hint(e)]
     groups = batch.advantage_stats  # over every valid episode, dropped groups included
-    compressed = [s for e in episodes for s in e.compressed_sessions()]
     rewards = [e.reward.total for e in episodes]
     responses = [t for e in episodes for s in e.sessions for t in s.turns if t.token_ids]
     outcomes = Counter(e.reward.outcome.value for e in episodes)
@@ -87,19 +84,7 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "response/length_mean": float(np.mean([len(t.token_ids) for t in responses])) if responses else 0.0,
         "response/truncated_frac": (sum(t.finish_reason == "length" for t in responses)
                                     / max(len(responses), 1)),
-        "sessions/per_episode": float(np.mean([len(e.sessions) for e in episodes])),
-        "sessions/compressions": sum(s.origin == "compression" for e in episodes for s in e.sessions),
-        "sessions/compressions_per_episode": len(compressed) / max(len(episodes), 1),
-        "sessions/branches": sum(s.origin == "branch" for e in episodes for s in e.sessions),
-        "sessions/summary_tokens": (float(np.mean([len(s.last_reply.token_ids or []) for s in compressed]))
-                                    if compressed else 0.0),
-        "sessions/summary_used_frac": (sum(bool(s.used_by_final) for s in compressed) / len(compressed)
-                                       if compressed else 0.0),
-        "reward/hinted_mean": float(np.mean(hinted)) if hinted else None,
-        "reward/unhinted_mean": float(np.mean(unhinted)) if unhinted else None,
-        "hint/used_frac": len(hinted) / max(len(episodes), 1),
-        **({"hint/share": len(hinted) / max(len(episodes), 1), "hint/scheduled_share": hint_share}
-           if hint_share is not None else {}),
+        **session_and_hint_metrics(episodes, hint_share),
         "rollout/tokens_generated": report["tokens_generated"],
         "rollout/tokens_discarded": report["tokens_discarded"],
         "rollout/tokens_per_s": report["tokens_generated"] / max(rollout_s, 1e-9),
@@ -129,6 +114,29 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "rollout/acceptance": report["acceptance"],
     }
 
+
+
+def session_and_hint_metrics(episodes: list, hint_share: float | None) -> dict[str, Any]:
+    """``step_metrics``' sessions (compressions, branches, notes and their use) and hints
+    (the reward split by whether a hint was shown, the share shown and scheduled)."""
+    hinted = [e.reward.total for e in episodes if shown_hint(e)]
+    unhinted = [e.reward.total for e in episodes if not shown_hint(e)]
+    compressed = [s for e in episodes for s in e.compressed_sessions()]
+    return {
+        "sessions/per_episode": float(np.mean([len(e.sessions) for e in episodes])),
+        "sessions/compressions": sum(s.origin == "compression" for e in episodes for s in e.sessions),
+        "sessions/compressions_per_episode": len(compressed) / max(len(episodes), 1),
+        "sessions/branches": sum(s.origin == "branch" for e in episodes for s in e.sessions),
+        "sessions/summary_tokens": (float(np.mean([len(s.last_reply.token_ids or []) for s in compressed]))
+                                    if compressed else 0.0),
+        "sessions/summary_used_frac": (sum(bool(s.used_by_final) for s in compressed) / len(compressed)
+                                       if compressed else 0.0),
+        "reward/hinted_mean": float(np.mean(hinted)) if hinted else None,
+        "reward/unhinted_mean": float(np.mean(unhinted)) if unhinted else None,
+        "hint/used_frac": len(hinted) / max(len(episodes), 1),
+        **({"hint/share": len(hinted) / max(len(episodes), 1), "hint/scheduled_share": hint_share}
+           if hint_share is not None else {}),
+    }
 
 
 # what a step that trained on no token says, by its cause (``guards.EmptyStep``), where no limit

@@ -85,8 +85,8 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -97,6 +97,9 @@ from agent_rl.training.grpo import GroupBaseline, group_baseline
 from envs.core import TaskSpec
 from envs.runner import Policy, Sampling, run_episodes
 from trajectories import Episode, Outcome, RewardBreakdown, assign, session_weights
+
+if TYPE_CHECKING:
+    from agent_rl.run.contract import ExperimentContract
 
 
 @dataclass
@@ -494,43 +497,83 @@ def empty_reason(report: dict[str, Any], trained_tokens: int, stale: int) -> Emp
     return EmptyStep.nothing_generated
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How ``rollout_batch`` turns tasks into a training batch (steps 1-8 of the module
+    docstring): what stays fixed for a whole run, built once from the contract
+    (``from_contract``). What changes per step (the tasks, the seed, the hints) is an argument
+    of ``rollout_batch``."""
+
+    env_id: str
+    group_size: int  # G samples per task form a group
+    sampling: Sampling  # the sampling seed: ``seeded`` sets each step's
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    truncation: str = "mask"  # step 2: mask | penalize | keep
+    truncation_penalty: float = 0.0
+    length_weight: float = 0.0  # step 4: 0 is off
+    dynamic_sampling: bool = True  # step 5
+    assigner: str = "broadcast"  # step 6: a trajectories.ASSIGNERS name
+    assigner_params: dict[str, Any] = field(default_factory=dict)
+    session_weighting: str = "per_episode"
+    std: str = "population"  # step 7: population | sample | none
+    scale: str = "group"  # group | batch
+    eps: float = 1e-6
+
+    @classmethod
+    def from_contract(cls, contract: ExperimentContract) -> RolloutSettings:
+        """The settings an experiment contract's rollout, reward_shaping, credit and advantage
+        sections give (the sampling seed unset: ``seeded``)."""
+        rollout = contract.rollout
+        return cls(
+            env_id=contract.env.id, group_size=rollout.group_size,
+            sampling=Sampling(temperature=rollout.temperature, top_p=rollout.top_p,
+                              max_new_tokens=rollout.max_response_tokens,
+                              max_prompt_tokens=rollout.max_prompt_tokens),
+            env_kwargs=contract.env.kwargs, truncation=rollout.truncation,
+            truncation_penalty=rollout.truncation_penalty,
+            length_weight=contract.reward_shaping.length,
+            dynamic_sampling=rollout.dynamic_sampling, assigner=contract.credit.assigner,
+            assigner_params=contract.credit.params,
+            session_weighting=contract.credit.session_weighting,
+            std=contract.advantage.std, scale=contract.advantage.scale, eps=contract.advantage.eps)
+
+    def seeded(self, seed: int) -> RolloutSettings:
+        """These settings with ``seed`` as the sampling seed (the trainer's: one per step)."""
+        return replace(self, sampling=replace(self.sampling, seed=seed))
+
+
 def rollout_batch(
     policy: Policy,
     tokenizer,
-    env_id: str,
     tasks: Sequence[TaskSpec],
+    settings: RolloutSettings,
     *,
-    group_size: int,
-    sampling: Sampling,
     seed: int,
-    env_kwargs: dict[str, Any] | None = None,
-    truncation: str = "mask",
-    truncation_penalty: float = 0.0,
-    length_weight: float = 0.0,
-    dynamic_sampling: bool = True,
-    assigner: str = "broadcast",
-    assigner_params: dict[str, Any] | None = None,
-    session_weighting: str = "per_episode",
-    std: str = "population",
-    scale: str = "group",
-    eps: float = 1e-6,
     group_prefix: str = "",
     hints: Sequence[bool] | None = None,
     hint_note: dict[str, Any] | None = None,
 ) -> RolloutBatch:
-    """Steps 0-8 of the module docstring, in order. ``hints``: one bool per job (task i,
-    sample j -> i * group_size + j; ``hinted_jobs``), None: as the envs are built;
-    ``hint_note``: recorded on every shown hint (``note_hints``)."""
-    episodes = run_episodes(env_id, tasks, policy, sampling=sampling, samples_per_task=group_size,
-                            num_envs=len(tasks) * group_size, seed=seed, env_kwargs=env_kwargs,
-                            group_prefix=group_prefix, hints=hints)
+    """Steps 0-8 of the module docstring, in order, for ``tasks`` under ``settings``.
+    ``seed``: the jobs' seed (job k of the call draws from ``seed + k``); ``group_prefix``
+    starts every group id; ``hints``: one bool per job (task i, sample j -> i * group_size +
+    j; ``hinted_jobs``), None: as the envs are built; ``hint_note``: recorded on every shown
+    hint (``note_hints``)."""
+    s = settings
+    # 1. collect: G episodes of every task, [len(tasks) * G], a group's members side by side
+    episodes = run_episodes(s.env_id, tasks, policy, sampling=s.sampling,
+                            samples_per_task=s.group_size, num_envs=len(tasks) * s.group_size,
+                            seed=seed, env_kwargs=s.env_kwargs, group_prefix=group_prefix,
+                            hints=hints)
     episodes = note_hints(episodes, hint_note)
-    episodes = [apply_truncation(e, truncation, truncation_penalty) for e in episodes]
-    episodes = apply_length_reward(episodes, length_weight)
-    episodes, drops = filter_groups(episodes, dynamic_sampling)
-    sequences, _ = build_sequences(tokenizer, episodes, assigner, assigner_params or {},
-                                   session_weighting, std, scale, eps)
-    return RolloutBatch(episodes, sequences, budget_report(episodes, drops, truncation),
+    # 2-4. overlong responses, infrastructure faults, the length reward
+    episodes = [apply_truncation(e, s.truncation, s.truncation_penalty) for e in episodes]
+    episodes = apply_length_reward(episodes, s.length_weight)
+    # 5. keep or drop each group (every episode records why)
+    episodes, drops = filter_groups(episodes, s.dynamic_sampling)
+    # 6-8. credit -> advantages -> the loss batch: [S] rendered sessions of the kept episodes
+    sequences, _ = build_sequences(tokenizer, episodes, s.assigner, s.assigner_params,
+                                   s.session_weighting, s.std, s.scale, s.eps)
+    return RolloutBatch(episodes, sequences, budget_report(episodes, drops, s.truncation),
                         contrast_stats(episodes), drops)
 
 

@@ -31,7 +31,6 @@ bundle are set aside (``rewind_logs``); a finished run resumed again writes noth
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import Counter
@@ -45,7 +44,7 @@ import torch
 import envs
 from agent_rl import accel
 from agent_rl.policies.hf import HFPolicy
-from agent_rl.policies.models import add_lora, initial_model, model_fingerprint, rollout_copy
+from agent_rl.policies.models import model_fingerprint, rollout_copy
 from agent_rl.policies.render import (
     ROW_TOKENS,
     Rendered,
@@ -69,19 +68,23 @@ from agent_rl.run.rundir import (
     write_file,
 )
 from agent_rl.run.runlock import hold_if_main
-from agent_rl.training.metrics import (
-    compare,
-    held_out_tasks,
-    peak_rss_mb,
-    progress_bar,
-    summarize_eval,
-)
+from agent_rl.training.metrics import compare, peak_rss_mb, progress_bar
 from agent_rl.training.rollout import prompt_too_long, task_total
-from agent_rl.training.shared import check_data, check_resumable, device_batch, seed_everything
-from agent_rl.training.train import trained_logprobs, trained_token_logits
+from agent_rl.training.shared import (
+    RunData,
+    check_resumable,
+    device_batch,
+    eval_sampling,
+    evaluate_held_out,
+    load_data,
+    seed_everything,
+    template_hash,
+    trainable_model,
+)
+from agent_rl.training.update import trained_logprobs, trained_token_logits
 from envs.core import TaskSpec
 from envs.runner import Completion, Sampling, run_episodes
-from evals.run import run_eval, write_episodes, write_records
+from evals.run import write_episodes
 from evals.splits import SPLIT_NAMES
 from trajectories import Episode, RolloutStore, Session
 
@@ -110,12 +113,8 @@ def run(contract: SFTContract, resume: bool = False, progress: bool = True) -> S
 
 def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     # --- 0. data: the splits `train` would use, checked (empty splits, leakage, prompt limit)
-    env = envs.make(contract.env.id, **contract.env.kwargs)
-    splits = contract.env.splits(env, require=[contract.env.split, *contract.eval.splits])
-    train_tasks = list(splits[contract.env.split])
-    eval_sets = held_out_tasks(splits, contract.eval.splits, contract.eval.n)
-    check_data(contract.env, env, train_tasks, eval_sets, contract.limits.max_prompt_tokens,
-               limit_key="limits.max_prompt_tokens")
+    data = load_data(contract.env, contract.eval, contract.limits.max_prompt_tokens,
+                     limit_key="limits.max_prompt_tokens")
     if launched_world_size() > 1:
         raise ValueError("agent-rl sft runs in one process (CPU or one GPU); run it without "
                          "torchrun / deepspeed")
@@ -131,123 +130,69 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     seed_everything(contract.optim.seed)
 
     # --- 2. model (fp32 on the device, from model.init when set), optional LoRA, optimizer
-    model, tokenizer = initial_model(contract.model)
-    if contract.model.adapter == "lora":
-        model = add_lora(model, contract.model.lora_rank, contract.model.lora_alpha)
-    model.to(device)
+    model, tokenizer = trainable_model(contract.model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     backend = TorchBackend(model, adamw(params, contract.optim.lr, contract.optim.weight_decay),
                            contract.optim.grad_clip)  # clip, skip a non-finite step, as train
     policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype)
 
     # --- 3. episodes -> kept (reward filter, never a held-out task) -> rendered sessions ---
-    held_out = {t.task_id for name in SPLIT_NAMES if name != contract.env.split
-                for t in splits[name]}
-    if contract.data.source == "solver":
-        episodes = solver_episodes(contract.env.id, train_tasks, tokenizer,
-                                   contract.data.episodes_per_task, contract.env.kwargs,
-                                   seed=contract.optim.seed)
-    else:
-        episodes = store_episodes(contract.data.store)
-    kept, data = select_episodes(episodes, contract.env.id, held_out, contract.data.min_reward,
-                                 contract.data.max_episodes)
-    rendered = render_sessions(tokenizer, kept, contract.limits.max_prompt_tokens
-                               + contract.limits.max_response_tokens)
-    data |= {"sessions": len(rendered), "skipped_sessions": skipped_sessions(kept),
-             "trained_tokens_per_epoch": sum(r.num_trained for r in rendered),
-             "tokens_per_epoch": sum(map(len, rendered))}
-    if not rendered:
-        raise ValueError(no_session_message(data))
+    kept, rendered, counts = training_sessions(contract, data, tokenizer)
 
     # --- 4. resume: weights, optimizer and RNG states of the newest resume bundle, the step
     # (the data cursor: ``batch_of_step``) and the held-out result before training; then the
     # run directory is pinned and its logs cut back to that bundle -------------------------
-    template_hash = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
-    step, before = 0, None
-    if latest is not None:
-        meta = checkpoint.load_bundle(latest, model)
-        check_resumable(meta, contract_hash, template_hash, latest)
-        backend.load_state(latest)
-        step, before = meta["step"], meta["before"]
+    pins = {"contract_hash": contract_hash, "template_hash": template_hash(tokenizer),
+            "base_model": base_model}
+    step, before = resume_point(latest, backend, pins)
     pin_run_dir(run_dir, contract, contract_hash, base_model)
     if resume:  # steps a killed run logged after its last resume bundle are redone
         rewind_logs(run_dir, step if latest else -1, 0)
-    write_file(run_dir / "data.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_file(run_dir / "data.json", json.dumps(counts, indent=2, sort_keys=True) + "\n")
     write_episodes(kept, run_dir / "episodes.jsonl")  # what was trained on, for inspect
+    sampling = eval_sampling(contract.eval, contract.limits.max_prompt_tokens,
+                             contract.limits.max_response_tokens)
 
-    eval_sampling = Sampling(temperature=contract.eval.temperature, top_p=1.0,
-                             max_new_tokens=contract.limits.max_response_tokens,
-                             seed=contract.eval.seed,
-                             max_prompt_tokens=contract.limits.max_prompt_tokens)
-
-    def evaluate(tag: str) -> dict[str, Any]:  # hint-free, as `train` evaluates
+    def evaluate(tag: str, step: int) -> dict[str, Any]:  # hint-free, as `train` evaluates
         model.eval()
-        records, episodes = [], []
-        for name, tasks in eval_sets.items():
-            part = run_eval(policy, contract.env.id, tasks, eval_sampling, seed=contract.eval.seed,
-                            env_kwargs=contract.env.kwargs, policy_name=tag, split=name)
-            records += part.records
-            episodes += part.episodes
-        write_records(records, run_dir / "evals" / f"{tag}.jsonl")
-        write_episodes(episodes, run_dir / "evals" / "episodes" / f"{tag}.jsonl")
-        summary = summarize_eval(records, contract.eval.n)
+        summary = evaluate_held_out(policy, data, contract.env, contract.eval, sampling, tag,
+                                    run_dir, backend)
         log_json(run_dir / "eval.jsonl", {"step": step, "tag": tag, **summary})
         return summary
 
-    def save(step: int) -> None:  # a resume bundle: trained weights, optimizer, RNG, cursor
-        write_bundle(backend, run_dir / RESUME_DIR, step, meta={
-            "kind": "sft-resume", "step": step, "contract_hash": contract_hash,
-            "template_hash": template_hash, "base_model": base_model, "before": before,
-            "store_cursor": 0})
-        checkpoint.apply_retention(run_dir / RESUME_DIR, contract.checkpoint.keep)
-
     # --- 5. evaluate the starting policy (once: a resumed run has it from its bundle) -------
     if before is None:
-        before = evaluate("before")
+        before = evaluate("before", step)
 
-    # --- 6. the loop: epochs over the sessions, each in a seeded order (``batch_of_step``) --
-    result = SFTResult(run_dir, None, None, step, data, before, None)
-    per_epoch = -(-len(rendered) // contract.optim.batch_sessions)
-    total_steps = contract.optim.epochs * per_epoch
-    pad_id = tokenizer.pad_token_id or 0
-    every, done = contract.checkpoint.every, step
+    # --- 6. the loop: epochs over the sessions, each in a seeded order (``batch_of_step``),
+    # a resume bundle every checkpoint.every steps and after the last ---------------------
+    result = SFTResult(run_dir, None, None, step, counts, before, None)
+    total_steps = contract.optim.epochs * -(-len(rendered) // contract.optim.batch_sessions)
+    pad_id, every, done = tokenizer.pad_token_id or 0, contract.checkpoint.every, step
     loggers = open_loggers(contract, run_dir)  # metrics.jsonl and log.to's mirrors
     with progress_bar(progress, total_steps, done, label="sft", status=lambda m: (
             f"loss {m['loss/sft']:.4f}  token accuracy {m['token_accuracy']:.2f}")) as advance:
         for step in range(done + 1, total_steps + 1):
-            t0 = time.perf_counter()
-            epoch, picked = batch_of_step(step, len(rendered), contract.optim.batch_sessions,
-                                          contract.optim.seed)
-            metrics = sft_update(backend, [rendered[k] for k in picked], pad_id,
-                                 contract.optim.micro_batch_tokens, device, contract.model.dtype)
-            metrics |= {"step": step, "epoch": epoch, "step/seconds":
-                        time.perf_counter() - t0, "memory/peak_rss_mb": peak_rss_mb()}
+            metrics = sft_step(contract, backend, rendered, step, pad_id, device)
             loggers.log(metrics, step)
             result.losses.append(metrics["loss/sft"])
             advance(metrics)
             if every and step % every == 0:
-                save(step)
+                save_resume(backend, run_dir, step, pins, before, contract.checkpoint.keep)
     loggers.close()
     result.steps = step = total_steps
     if not (run_dir / RESUME_DIR / f"step-{step:06d}" / checkpoint.COMPLETE_FILE).exists():
-        save(step)  # a kill from here on resumes after the last step
+        save_resume(backend, run_dir, step, pins, before, contract.checkpoint.keep)
 
     # --- 7. evaluate the result (once: a finished run resumed re-reports what it logged),
     # then the bundle: full weights (a LoRA adapter merged) ---------------------------------
-    after = logged_eval(run_dir, "after", step) or evaluate("after")
-    result.after, result.comparison = after, compare(before, after)
-    result.bundle = run_dir / "checkpoints" / f"step-{step:06d}"
-    if not (result.bundle / checkpoint.COMPLETE_FILE).exists():
-        plain = rollout_copy(model, "float32") if contract.model.adapter == "lora" else model
-        checkpoint.save_bundle(
-            run_dir / "checkpoints", step, model=plain, trainable_only=False,
-            meta={"kind": "sft", "contract_hash": contract_hash, "base_model": base_model,
-                  "template_hash": template_hash, "init": contract.model.init, "data": data,
-                  "before": strip(before), "after": strip(after)})
-    result.bundle_hash = checkpoint.bundle_hash(result.bundle)
+    result.after = logged_eval(run_dir, "after", step) or evaluate("after", step)
+    result.comparison = compare(before, result.after)
+    result.bundle, result.bundle_hash = write_sft_bundle(contract, model, run_dir, step, pins,
+                                                         counts, before, result.after)
     write_file(run_dir / "result.json", json.dumps(
-        {"before": before, "after": after, "comparison": result.comparison, "data": data,
-         "bundle": str(result.bundle), "bundle_hash": result.bundle_hash},
+        {"before": before, "after": result.after, "comparison": result.comparison,
+         "data": counts, "bundle": str(result.bundle), "bundle_hash": result.bundle_hash},
         indent=2, sort_keys=True))
     return result
 
@@ -264,6 +209,82 @@ def batch_of_step(step: int, n: int, batch_sessions: int, seed: int) -> tuple[in
     epoch, k = divmod(step - 1, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(n)
     return epoch + 1, [int(i) for i in order[k * batch_sessions:(k + 1) * batch_sessions]]
+
+
+def resume_point(latest: Path | None, backend: TorchBackend, pins: dict[str, Any]
+                 ) -> tuple[int, dict[str, Any] | None]:
+    """``(step, before)`` of the newest resume bundle ``latest``, its weights, optimizer and
+    RNG states loaded (a bundle of another contract or chat template refused); ``(0, None)``
+    for a new run."""
+    if latest is None:
+        return 0, None
+    meta = checkpoint.load_bundle(latest, backend.module)
+    check_resumable(meta, pins["contract_hash"], pins["template_hash"], latest)
+    backend.load_state(latest)
+    return meta["step"], meta["before"]
+
+
+def sft_step(contract: SFTContract, backend: TorchBackend, rendered: list[Rendered], step: int,
+             pad_id: int, device: torch.device) -> dict[str, Any]:
+    """Optimizer step ``step``: its batch of sessions (``batch_of_step``) trained
+    (``sft_update``), and its record for ``metrics.jsonl``."""
+    t0 = time.perf_counter()
+    epoch, picked = batch_of_step(step, len(rendered), contract.optim.batch_sessions,
+                                  contract.optim.seed)
+    metrics = sft_update(backend, [rendered[k] for k in picked], pad_id,
+                         contract.optim.micro_batch_tokens, device, contract.model.dtype)
+    return metrics | {"step": step, "epoch": epoch, "step/seconds": time.perf_counter() - t0,
+                      "memory/peak_rss_mb": peak_rss_mb()}
+
+
+def training_sessions(contract: SFTContract, data: RunData, tokenizer
+                      ) -> tuple[list[Episode], list[Rendered], dict[str, Any]]:
+    """The episodes trained on (the scripted solver's, or a store's; never a held-out task;
+    ``select_episodes``), their sessions rendered as the RL trainer renders them, and what was
+    read, kept, dropped and skipped (``data.json``). No session left is an error saying why."""
+    held_out = {t.task_id for name in SPLIT_NAMES if name != contract.env.split
+                for t in data.splits[name]}
+    if contract.data.source == "solver":
+        episodes = solver_episodes(contract.env.id, data.train_tasks, tokenizer,
+                                   contract.data.episodes_per_task, contract.env.kwargs,
+                                   seed=contract.optim.seed)
+    else:
+        episodes = store_episodes(contract.data.store)
+    kept, counts = select_episodes(episodes, contract.env.id, held_out, contract.data.min_reward,
+                                   contract.data.max_episodes)
+    rendered = render_sessions(tokenizer, kept, contract.limits.max_prompt_tokens
+                               + contract.limits.max_response_tokens)
+    counts |= {"sessions": len(rendered), "skipped_sessions": skipped_sessions(kept),
+               "trained_tokens_per_epoch": sum(r.num_trained for r in rendered),
+               "tokens_per_epoch": sum(map(len, rendered))}
+    if not rendered:
+        raise ValueError(no_session_message(counts))
+    return kept, rendered, counts
+
+
+def save_resume(backend: TorchBackend, run_dir: Path, step: int, pins: dict[str, Any],
+                before: dict[str, Any] | None, keep: int | None) -> None:
+    """A resume bundle (``run_dir/resume/step-N``): trained weights, optimizer and RNG states,
+    the step (the data cursor), the run's pins (contract, template, base model) and the
+    held-out result before training; the oldest beyond ``checkpoint.keep`` removed."""
+    write_bundle(backend, run_dir / RESUME_DIR, step, meta={
+        "kind": "sft-resume", "step": step, **pins, "before": before, "store_cursor": 0})
+    checkpoint.apply_retention(run_dir / RESUME_DIR, keep)
+
+
+def write_sft_bundle(contract: SFTContract, model, run_dir: Path, step: int,
+                     pins: dict[str, Any], counts: dict[str, Any], before: dict[str, Any],
+                     after: dict[str, Any]) -> tuple[Path, str]:
+    """The warm start's bundle (``run_dir/checkpoints/step-N``: full weights, a LoRA adapter
+    merged; once: a finished run resumed keeps it) and its hash."""
+    bundle = run_dir / "checkpoints" / f"step-{step:06d}"
+    if not (bundle / checkpoint.COMPLETE_FILE).exists():
+        plain = rollout_copy(model, "float32") if contract.model.adapter == "lora" else model
+        checkpoint.save_bundle(
+            run_dir / "checkpoints", step, model=plain, trainable_only=False,
+            meta={"kind": "sft", **pins, "init": contract.model.init, "data": counts,
+                  "before": strip(before), "after": strip(after)})
+    return bundle, checkpoint.bundle_hash(bundle)
 
 
 class SolverPolicy:

@@ -30,7 +30,7 @@ import torch
 
 from agent_rl.policies.models import tiny_model
 from agent_rl.run import checkpoint, distributed
-from agent_rl.training import train
+from agent_rl.training import update
 
 LENGTHS = (9, 13, 6, 11)
 ADVANTAGES = (1.0, -0.5, 0.7, -1.2)
@@ -88,7 +88,7 @@ def run(spec: dict, out_dir: Path) -> None:
         for k in range(n):
             members, weight = (mine[k], 1.0) if k < len(mine) else (mine[0], 0.0)
             if spec.get("recompute"):  # every decoder layer recomputed in backward
-                train.recompute_layers(backend.module, {"input_ids": seqs[members[0]]}, 1, every=True)
+                update.recompute_layers(backend.module, {"input_ids": seqs[members[0]]}, 1, every=True)
             loss, tokens = micro_loss(backend.model, seqs, members)
             if step == spec.get("poison_step"):
                 loss = loss * float("inf")

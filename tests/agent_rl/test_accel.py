@@ -16,7 +16,7 @@ from agent_rl import accel
 from agent_rl.accel import kernels
 from agent_rl.policies.models import tiny_model
 from agent_rl.run.distributed import TorchBackend
-from agent_rl.training import train
+from agent_rl.training import update
 
 
 def no_build():
@@ -59,8 +59,8 @@ def test_off_the_cpu_the_step_builds_nothing_and_patches_nothing(monkeypatch, wh
         if where != "meta":  # a forward runs through the plain path, no kernel asked for
             batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "position_ids": torch.arange(4)[None],
                      "attention_mask": None, "row": torch.tensor([0, 0]), "predictor": torch.tensor([1, 2])}
-            logits = train.trained_token_logits(model, batch, fast)  # [2, V]
-            logp, _ = train.trained_logprobs(logits, torch.tensor([7, 8]), 1.0, fast)
+            logits = update.trained_token_logits(model, batch, fast)  # [2, V]
+            logp, _ = update.trained_logprobs(logits, torch.tensor([7, 8]), 1.0, fast)
             assert logp.shape == (2,) and "TokenLogprobs" not in logp.grad_fn.name()
     assert patched_state(model) == before
 

@@ -15,7 +15,7 @@ from agent_rl.accel.attention import BLOCKED, blocked, blocked_attention_forward
 from agent_rl.policies.models import tiny_model
 from agent_rl.policies.render import packed_attention_mask
 from agent_rl.run.distributed import TorchBackend
-from agent_rl.training import train
+from agent_rl.training import update
 
 
 def shared_row_mask(dtype=torch.bool) -> torch.Tensor:
@@ -169,7 +169,7 @@ def test_the_trainer_forward_runs_blocked_chunks_with_the_same_logits_and_gradie
 
     def run(fast=None):
         model.zero_grad()
-        logits = train.trained_token_logits(model, batch, fast)  # [5, V]
+        logits = update.trained_token_logits(model, batch, fast)  # [5, V]
         logits.logsumexp(-1).sum().backward()
         if fast is not None:
             fast.flush()  # the head's deferred weight gradient

@@ -586,7 +586,7 @@ def test_train_run_takes_the_recipe_keys_for_one_step(tmp_path, monkeypatch, rat
     """One step of the tiny model on tests/Digits-v0 (reward contrast, so a real gradient): the
     contract keys reach policy_update, the first update sees ratio 1 and the step is taken."""
     from agent_rl.run.contract import ExperimentContract
-    from agent_rl.training import train
+    from agent_rl.training import train, update
     from tests.agent_rl import toy_env
 
     seen = []
@@ -595,7 +595,7 @@ def test_train_run_takes_the_recipe_keys_for_one_step(tmp_path, monkeypatch, rat
         seen.append((kwargs["ratio"], kwargs["objective"]))
         return policy_loss(*args, **kwargs)
 
-    monkeypatch.setattr(train, "policy_loss", recording_loss)
+    monkeypatch.setattr(update, "policy_loss", recording_loss)
     toy_env.register()
     try:
         contract = ExperimentContract.from_dict({

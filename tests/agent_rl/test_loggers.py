@@ -15,7 +15,7 @@ from agent_rl import cli
 from agent_rl.run import contract as contract_module
 from agent_rl.run import loggers
 from agent_rl.run.contract import ContractError, ExperimentContract, SFTContract
-from agent_rl.training import sft, train
+from agent_rl.training import sft, shared, train
 from tests.agent_rl import toy_env
 
 RUN = {
@@ -171,7 +171,7 @@ def test_the_log_section_is_not_hashed():
 def test_a_missing_package_is_refused_before_the_model_loads(digits_env, tmp_path, monkeypatch,
                                                              capsys):
     monkeypatch.setattr(contract_module, "installed", lambda package: package != "wandb")
-    monkeypatch.setattr(train, "initial_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(shared, "initial_model", lambda *a, **k: pytest.fail("the model loaded"))
     contract = ExperimentContract.from_dict({**RUN, "run_dir": str(tmp_path / "r")},
                                             ["log.to=[tensorboard,wandb]"])
     with pytest.raises(ContractError, match=r"log\.to: wandb is not installed: pip install "

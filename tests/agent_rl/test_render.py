@@ -294,7 +294,7 @@ def test_pack_is_first_fit_decreasing_and_keeps_a_long_row_alone():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_prefix_rows_give_the_unpacked_log_probs_and_gradients(attn):
     from agent_rl.policies.logprobs import picked_logprobs
-    from agent_rl.training.train import trained_token_logits
+    from agent_rl.training.update import trained_token_logits
 
     model, tok = tiny_model(seed=0)
     model.set_attn_implementation(attn)

@@ -19,6 +19,7 @@ from agent_rl.training.metrics import step_metrics
 from agent_rl.training.rollout import (
     LENGTH,
     RolloutBatch,
+    RolloutSettings,
     apply_length_reward,
     apply_truncation,
     budget_report,
@@ -618,14 +619,44 @@ def test_scripted_long_records_group_builds_sequences_by_hand(tiny, long_episode
 # --- rollout_batch end to end ------------------------------------------------------------------
 
 
+def test_rollout_settings_from_a_contract_carry_every_section_that_shapes_the_batch():
+    """RolloutSettings.from_contract: one key of each section that shapes a batch (env,
+    rollout, reward_shaping, credit, advantage) reaches its field; the sampling seed is unset
+    until ``seeded`` gives the step's, leaving the rest alone."""
+    from agent_rl.run.contract import ExperimentContract
+
+    contract = ExperimentContract.model_validate({
+        "env": {"id": "agent_rl/Arithmetic-v0", "kwargs": {"hints": True}},
+        "rollout": {"group_size": 3, "temperature": 0.7, "top_p": 0.9, "max_prompt_tokens": 300,
+                    "max_response_tokens": 40, "truncation": "penalize",
+                    "truncation_penalty": -0.5, "dynamic_sampling": False},
+        "reward_shaping": {"length": 0.1},
+        "credit": {"assigner": "discounted", "params": {"gamma": 0.5},
+                   "session_weighting": "per_session"},
+        "advantage": {"std": "none", "scale": "batch", "eps": 0.01}})
+    settings = RolloutSettings.from_contract(contract)
+    assert settings == RolloutSettings(
+        "agent_rl/Arithmetic-v0", group_size=3,
+        sampling=Sampling(temperature=0.7, top_p=0.9, max_new_tokens=40, max_prompt_tokens=300),
+        env_kwargs={"hints": True}, truncation="penalize", truncation_penalty=-0.5,
+        length_weight=0.1, dynamic_sampling=False, assigner="discounted",
+        assigner_params={"gamma": 0.5}, session_weighting="per_session", std="none",
+        scale="batch", eps=0.01)
+    assert settings.sampling.seed is None
+    step = settings.seeded(17)
+    assert step.sampling.seed == 17 and settings.sampling.seed is None
+    assert step == RolloutSettings(**{**settings.__dict__,
+                                      "sampling": Sampling(**{**settings.sampling.__dict__, "seed": 17})})
+
+
 def test_rollout_batch_end_to_end_with_the_tiny_model(tiny, tmp_path):
     model, tok = tiny
     policy = HFPolicy(model, tok)
     tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(2, seed=0)
     store = RolloutStore(tmp_path / "rollouts.jsonl")
     sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=0)
-    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
-                          sampling=sampling, seed=5, group_prefix="step0/")
+    batch = rollout_batch(policy, tok, tasks, RolloutSettings(
+        "agent_rl/Arithmetic-v0", group_size=2, sampling=sampling), seed=5, group_prefix="step0/")
     store.append(batch.episodes)  # as the trainer does when it takes the batch
 
     assert len(batch.episodes) == 4
@@ -653,8 +684,9 @@ def test_rollout_batch_end_to_end_with_the_tiny_model(tiny, tmp_path):
 
     # Without dynamic sampling and with keep, every episode trains; the rollout's log-probs are
     # the trainer's (ratio 1 on the rendered sequences).
-    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
-                          sampling=sampling, seed=5, truncation="keep", dynamic_sampling=False)
+    batch = rollout_batch(policy, tok, tasks, RolloutSettings(
+        "agent_rl/Arithmetic-v0", group_size=2, sampling=sampling, truncation="keep",
+        dynamic_sampling=False), seed=5)
     assert len(batch.sequences) == 4 and all(q.weight == 1.0 for q in batch.sequences)
     for q in batch.sequences:
         with torch.no_grad():
@@ -807,11 +839,14 @@ def test_rollout_batch_with_the_length_reward(tiny):
     policy = HFPolicy(model, tok)
     tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(2, seed=0)
     sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=0)
-    common = {"group_size": 3, "sampling": sampling, "seed": 7, "truncation": "keep",
+    common = {"group_size": 3, "sampling": sampling, "truncation": "keep",
               "dynamic_sampling": False}
-    plain = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, **common)
-    off = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, length_weight=0.0, **common)
-    on = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, length_weight=0.1, **common)
+    plain = rollout_batch(policy, tok, tasks, RolloutSettings("agent_rl/Arithmetic-v0", **common),
+                          seed=7)
+    off = rollout_batch(policy, tok, tasks, RolloutSettings(
+        "agent_rl/Arithmetic-v0", length_weight=0.0, **common), seed=7)
+    on = rollout_batch(policy, tok, tasks, RolloutSettings(
+        "agent_rl/Arithmetic-v0", length_weight=0.1, **common), seed=7)
     # off: the very same batch as before the length reward existed
     assert [e.content_hash for e in off.episodes] == [e.content_hash for e in plain.episodes]
     assert [q.advantage for q in off.sequences] == [q.advantage for q in plain.sequences]
@@ -876,9 +911,10 @@ def test_rollout_batch_shows_hints_on_the_chosen_jobs_with_their_provenance(tiny
     tasks[2] = tasks[2].model_copy(update={"hint": None})  # a task with no hint
     note = {"schedule": "linear", "step": 3, "share": 0.5}
     shown = [True, False, False, True, True, True]
-    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
-                          sampling=Sampling(temperature=1.0, max_new_tokens=4, seed=0), seed=5,
-                          truncation="keep", dynamic_sampling=False, hints=shown, hint_note=note)
+    settings = RolloutSettings("agent_rl/Arithmetic-v0", group_size=2,
+                               sampling=Sampling(temperature=1.0, max_new_tokens=4, seed=0),
+                               truncation="keep", dynamic_sampling=False)
+    batch = rollout_batch(policy, tok, tasks, settings, seed=5, hints=shown, hint_note=note)
     # job i * 2 + j is task i's sample j; task 2 has no hint, so its jobs are unhinted anyway
     assert [e.hint is not None for e in batch.episodes] == [True, False, False, True, False, False]
     for e, task in zip(batch.episodes, [t for t in tasks for _ in range(2)], strict=True):
@@ -894,9 +930,7 @@ def test_rollout_batch_shows_hints_on_the_chosen_jobs_with_their_provenance(tiny
     assert m["reward/hinted_mean"] == pytest.approx((rewards[0] + rewards[3]) / 2)
     assert m["reward/unhinted_mean"] == pytest.approx((sum(rewards) - rewards[0] - rewards[3]) / 4)
 
-    plain = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
-                          sampling=Sampling(temperature=1.0, max_new_tokens=4, seed=0), seed=5,
-                          truncation="keep", dynamic_sampling=False)
+    plain = rollout_batch(policy, tok, tasks, settings, seed=5)
     assert not any(e.hint for e in plain.episodes)  # no hints given: as the envs are built
 
 
@@ -931,9 +965,10 @@ def test_a_prompt_over_the_limit_is_recorded_with_its_length(tiny):
     model, tok = tiny
     policy = HFPolicy(model, tok)
     tasks = envs.make("agent_rl/Arithmetic-v0").unwrapped.task_pool(2, seed=0)
-    batch = rollout_batch(policy, tok, "agent_rl/Arithmetic-v0", tasks, group_size=2,
-                          sampling=Sampling(max_new_tokens=4, seed=0, max_prompt_tokens=8), seed=0,
-                          truncation="keep", dynamic_sampling=False)
+    batch = rollout_batch(policy, tok, tasks, RolloutSettings(
+        "agent_rl/Arithmetic-v0", group_size=2,
+        sampling=Sampling(max_new_tokens=4, seed=0, max_prompt_tokens=8), truncation="keep",
+        dynamic_sampling=False), seed=0)
     env = envs.make("agent_rl/Arithmetic-v0")
     lengths = {t.task_id: policy.count_tokens(env.reset(options={"task": t})[0]) for t in tasks}
     assert all(n > 8 for n in lengths.values())

@@ -36,7 +36,7 @@ from agent_rl.run import checkpoint
 from agent_rl.run.contract import ExperimentContract
 from agent_rl.run.distributed import TorchBackend
 from agent_rl.run.guards import NothingTrained
-from agent_rl.training import shared, train
+from agent_rl.training import shared, train, update
 from agent_rl.training.rollout import TrainSequence, session_advantages
 from tests.agent_rl import toy_env
 from trajectories import Outcome, RolloutStore
@@ -404,8 +404,8 @@ def test_nonfinite_loss_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
         loss, metrics = real_loss(*args, **kwargs)
         return loss * float("nan"), metrics
 
-    real_loss = train.policy_loss
-    monkeypatch.setattr(train, "policy_loss", nan_loss)
+    real_loss = update.policy_loss
+    monkeypatch.setattr(update, "policy_loss", nan_loss)
     result = train.run(make_contract(tmp_path / "run", "checkpoint.every=0"), progress=False)
 
     assert result.stopped is not None and result.stopped.rule == "nonfinite"
@@ -423,8 +423,8 @@ def test_nonfinite_loss_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_entropy_collapse_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "trained_logprobs", lambda logits, targets, temperature, fast=None: (
-        train.picked_logprobs(logits, targets, temperature), torch.zeros(logits.shape[:1])))
+    monkeypatch.setattr(update, "trained_logprobs", lambda logits, targets, temperature, fast=None: (
+        update.picked_logprobs(logits, targets, temperature), torch.zeros(logits.shape[:1])))
     result = train.run(make_contract(tmp_path / "run"), progress=False)
     assert result.stopped is not None and result.stopped.rule == "entropy_collapse"
     assert result.steps == 1
@@ -875,21 +875,22 @@ def test_kl_update_measures_the_update_not_the_rollout_mismatch(tmp_path):
 
     from agent_rl.policies.hf import HFPolicy
     from agent_rl.run.distributed import TorchBackend
-    from agent_rl.training.rollout import rollout_batch
+    from agent_rl.training.rollout import RolloutSettings, rollout_batch
     from envs.runner import Sampling
 
     contract = make_contract(tmp_path / "r")
     model, tokenizer = tiny_model(0)
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer,
                           envs.make(toy_env.ENV_ID).unwrapped.task_pool(2, seed=0),
-                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
+                          RolloutSettings(toy_env.ENV_ID, group_size=4,
+                                          sampling=Sampling(max_new_tokens=6, seed=0),
+                                          dynamic_sampling=False, truncation="keep"), seed=0)
     off = [dataclasses.replace(q, advantage=1.0, rendered=dataclasses.replace(
         q.rendered, old_logprobs=q.rendered.old_logprobs - 0.5 * q.rendered.loss_mask))
         for q in batch.sequences]
     params = [p for p in model.parameters() if p.requires_grad]
     backend = TorchBackend(model, torch.optim.SGD(params, lr=0.0), grad_clip=1.0)
-    m = train.policy_update(backend, None, off, contract, pad_id=0, prox={})
+    m = update.policy_update(backend, None, off, contract, pad_id=0, prox={})
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.5, abs=1e-4)
     assert m["kl/update"] == pytest.approx(0.0, abs=1e-9)
 
@@ -901,27 +902,28 @@ def test_update_kl_is_k3_of_old_policy_samples(tmp_path):
     estimator for the new policy's samples, exp(old - new) - 1 - (old - new), would read
     e^5 - 6 = 142.41)."""
     from agent_rl.policies.hf import HFPolicy
-    from agent_rl.training.rollout import rollout_batch
+    from agent_rl.training.rollout import RolloutSettings, rollout_batch
     from envs.runner import Sampling
 
     model, tokenizer = tiny_model(0)
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer,
                           envs.make(toy_env.ENV_ID).unwrapped.task_pool(2, seed=0),
-                          group_size=2, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
+                          RolloutSettings(toy_env.ENV_ID, group_size=2,
+                                          sampling=Sampling(max_new_tokens=6, seed=0),
+                                          dynamic_sampling=False, truncation="keep"), seed=0)
     rendered = [q.rendered for q in batch.sequences]
-    bins = train.micro_batches(train.pack(train.share_prefixes(rendered)), 512)[0]
-    kl = functools.partial(train.update_kl, model, bins, rendered, 0, 1.0)
+    bins = update.micro_batches(update.pack(update.share_prefixes(rendered)), 512)[0]
+    kl = functools.partial(update.update_kl, model, bins, rendered, 0, 1.0)
     tensors = shared.device_batch(bins, rendered, 0, torch.device("cpu"))
     with torch.no_grad():
-        own = train.picked_logprobs(train.trained_token_logits(model, tensors), tensors["target"], 1.0)
+        own = update.picked_logprobs(update.trained_token_logits(model, tensors), tensors["target"], 1.0)
     assert kl(own) == pytest.approx(0.0, abs=1e-6)
     assert kl(own + 5.0) == pytest.approx(math.exp(-5) - 1 + 5, rel=1e-4)
     assert kl(own - 5.0) == pytest.approx(math.exp(5) - 1 - 5, rel=1e-4)  # probability rose
 
 
 def test_kl_micro_batch_picks_rank_zeros_densest_micro_batch():
-    """train.kl_micro_batch: the micro-batch of rank 0's share with the most trained tokens per
+    """update.kl_micro_batch: the micro-batch of rank 0's share with the most trained tokens per
     token computed, padding included (hand-computed: 2/10, 6/12, 5/8, and 2/8 for two bins of
     4 and 3 tokens padded to 2 x 4), only rank 0's (0, k, 2k, ... of k ranks), the earliest of
     a tie."""
@@ -940,11 +942,11 @@ def test_kl_micro_batch_picks_rank_zeros_densest_micro_batch():
 
     sessions = [rendered(t) for t in (2, 6, 5, 1, 1)]
     micro = [[[row(10, 0)]], [[row(12, 1)]], [[row(8, 2)]], [[row(4, 3)], [row(3, 4)]]]
-    assert train.kl_micro_batch(micro, sessions, 1) == 2  # 5/8 beats 6/12 and 2/8
-    assert train.kl_micro_batch(micro, sessions, 2) == 2  # rank 0's: 0 and 2
-    assert train.kl_micro_batch(micro, sessions, 3) == 3  # rank 0's: 0 and 3; 2/8 beats 2/10
-    assert train.kl_micro_batch(micro[:2] + [[[row(24, 1)]]], sessions, 1) == 1  # 6/12 beats 6/24
-    assert train.kl_micro_batch([micro[1], micro[1]], sessions, 1) == 0  # a tie: the earliest
+    assert update.kl_micro_batch(micro, sessions, 1) == 2  # 5/8 beats 6/12 and 2/8
+    assert update.kl_micro_batch(micro, sessions, 2) == 2  # rank 0's: 0 and 2
+    assert update.kl_micro_batch(micro, sessions, 3) == 3  # rank 0's: 0 and 3; 2/8 beats 2/10
+    assert update.kl_micro_batch(micro[:2] + [[[row(24, 1)]]], sessions, 1) == 1  # 6/12 beats 6/24
+    assert update.kl_micro_batch([micro[1], micro[1]], sessions, 1) == 0  # a tie: the earliest
 
     # render.padded_tokens, which both this and render.micro_batches count with: rows padded to
     # the longest bin; bins of 4, 3 and 5 tokens in micro-batches of at most 10: 2 x 4 = 8
@@ -957,7 +959,7 @@ def test_kl_micro_batch_picks_rank_zeros_densest_micro_batch():
 
 
 def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gradients():
-    """train.recompute_layers: for T tokens over a budget of B, ceil(L (1 - B / T)) of the L
+    """update.recompute_layers: for T tokens over a budget of B, ceil(L (1 - B / T)) of the L
     decoder layers recompute in backward (hand-computed for the tiny model's L = 2), all of
     them under optim.activation_checkpointing; the activations kept for backward shrink and
     the gradients stay bit for bit the same."""
@@ -970,16 +972,16 @@ def test_recompute_layers_keeps_the_activations_of_micro_batch_tokens_and_the_gr
     def batch(rows, cols):
         return {"input_ids": torch.randint(3, 60, (rows, cols), generator=torch.Generator().manual_seed(1))}
 
-    assert train.recompute_layers(model, batch(1, 10), 10) == 0  # within the budget
-    assert train.recompute_layers(model, batch(1, 15), 10) == 1  # ceil(2 * (1 - 10/15)) = ceil(0.67)
+    assert update.recompute_layers(model, batch(1, 10), 10) == 0  # within the budget
+    assert update.recompute_layers(model, batch(1, 15), 10) == 1  # ceil(2 * (1 - 10/15)) = ceil(0.67)
     assert [layer.gradient_checkpointing for layer in layers] == [True, False]
-    assert train.recompute_layers(model, batch(2, 20), 10) == 2  # ceil(2 * 0.75); padding counts
-    assert train.recompute_layers(model, batch(1, 4), 10, every=True) == 2
+    assert update.recompute_layers(model, batch(2, 20), 10) == 2  # ceil(2 * 0.75); padding counts
+    assert update.recompute_layers(model, batch(1, 4), 10, every=True) == 2
 
     ids = batch(1, 15)["input_ids"]
     kept, grads = {}, {}
     for budget in (100, 10):  # no layer recomputed, then one
-        train.recompute_layers(model, batch(1, 15), budget)
+        update.recompute_layers(model, batch(1, 15), budget)
         model.zero_grad()
         kept[budget] = 0
 
@@ -1007,15 +1009,15 @@ def test_recompute_layers_under_bf16_allows_the_tokens_that_keep_as_much_as_floa
     def batch(cols):
         return {"input_ids": torch.randint(3, 60, (1, cols), generator=torch.Generator().manual_seed(1))}
 
-    assert train.recompute_layers(model, batch(13), 10) == 1
-    assert train.recompute_layers(model, batch(13), 10, dtype="bfloat16") == 0
-    assert train.recompute_layers(model, batch(20), 10, dtype="bfloat16") == 1
-    assert train.recompute_layers(model, batch(40), 10, dtype="bfloat16") == 2
+    assert update.recompute_layers(model, batch(13), 10) == 1
+    assert update.recompute_layers(model, batch(13), 10, dtype="bfloat16") == 0
+    assert update.recompute_layers(model, batch(20), 10, dtype="bfloat16") == 1
+    assert update.recompute_layers(model, batch(40), 10, dtype="bfloat16") == 2
 
     backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0))
 
     def kept_bytes(dtype, tokens):
-        train.recompute_layers(model, batch(tokens), tokens)  # nothing recomputed
+        update.recompute_layers(model, batch(tokens), tokens)  # nothing recomputed
         storages = {}
 
         def keep(t):
@@ -1025,7 +1027,7 @@ def test_recompute_layers_under_bf16_allows_the_tokens_that_keep_as_much_as_floa
 
         ids = batch(tokens)["input_ids"]
         with accel_casts.step_cast_cache(backend, getattr(torch, dtype)), patches.kernel_norms(backend, model), \
-                train.autocast(torch.device("cpu"), dtype):
+                update.autocast(torch.device("cpu"), dtype):
             model.model(input_ids=ids, use_cache=False)  # the weights' casts, made and cached
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 model.model(input_ids=ids, use_cache=False)
@@ -1034,7 +1036,7 @@ def test_recompute_layers_under_bf16_allows_the_tokens_that_keep_as_much_as_floa
     per_token = {dtype: (kept_bytes(dtype, 400) - kept_bytes(dtype, 200)) / 200
                  for dtype in ("float32", "bfloat16")}
     assert per_token["float32"] > 0
-    assert per_token["bfloat16"] <= train.HALF_ACTIVATIONS * per_token["float32"]
+    assert per_token["bfloat16"] <= update.HALF_ACTIVATIONS * per_token["float32"]
 
 
 def test_half_activations_inside_the_trainers_kernels():
@@ -1051,7 +1053,7 @@ def test_half_activations_inside_the_trainers_kernels():
     small, _ = tiny_model(seed=0)
     backend = TorchBackend(small, torch.optim.SGD(small.parameters(), lr=0.0))
     with accel.step(backend, small, torch.bfloat16) as fast:
-        assert fast.half_activations is None  # autocast's own share: train.HALF_ACTIVATIONS
+        assert fast.half_activations is None  # autocast's own share: update.HALF_ACTIVATIONS
     if not kernels.fits_chunks(32):
         pytest.skip("this CPU has no AVX-512 BF16: the kernels' share does not apply")
     config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
@@ -1070,7 +1072,7 @@ def test_half_activations_inside_the_trainers_kernels():
         batch = {"input_ids": ids, "position_ids": torch.arange(tokens)[None],
                  "attention_mask": packed_attention_mask(torch.zeros(1, tokens, dtype=torch.long), torch.float32),
                  "row": torch.zeros(tokens // 2, dtype=torch.long), "predictor": torch.arange(tokens // 2)}
-        train.recompute_layers(model, batch, tokens)  # nothing recomputed
+        update.recompute_layers(model, batch, tokens)  # nothing recomputed
         storages = {}
 
         def keep(t):
@@ -1079,10 +1081,10 @@ def test_half_activations_inside_the_trainers_kernels():
             return t
 
         with accel.step(backend, model, getattr(torch, dtype)) as fast, \
-                train.autocast(torch.device("cpu"), dtype):
-            train.trained_token_logits(model, batch, fast)  # the weights' casts, made and cached
+                update.autocast(torch.device("cpu"), dtype):
+            update.trained_token_logits(model, batch, fast)  # the weights' casts, made and cached
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                train.trained_token_logits(model, batch, fast)
+                update.trained_token_logits(model, batch, fast)
         return sum(storages.values())
 
     per_token = {dtype: (kept_bytes(dtype, 512) - kept_bytes(dtype, 256)) / 256
@@ -1094,13 +1096,14 @@ def test_half_activations_inside_the_trainers_kernels():
 def graded_sequences(model, tokenizer) -> list:
     """A rolled-out batch of tests/Digits-v0 (4 tasks x 4 samples), advantages +1 / -0.5."""
     from agent_rl.policies.hf import HFPolicy
-    from agent_rl.training.rollout import rollout_batch
+    from agent_rl.training.rollout import RolloutSettings, rollout_batch
     from envs.runner import Sampling
 
-    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer, toy_env.ENV_ID,
+    batch = rollout_batch(HFPolicy(model, tokenizer), tokenizer,
                           envs.make(toy_env.ENV_ID).unwrapped.task_pool(4, seed=0),
-                          group_size=4, sampling=Sampling(max_new_tokens=6, seed=0), seed=0,
-                          dynamic_sampling=False, truncation="keep")
+                          RolloutSettings(toy_env.ENV_ID, group_size=4,
+                                          sampling=Sampling(max_new_tokens=6, seed=0),
+                                          dynamic_sampling=False, truncation="keep"), seed=0)
     return [dataclasses.replace(q, advantage=1.0 if i % 2 else -0.5)
             for i, q in enumerate(batch.sequences)]
 
@@ -1117,7 +1120,7 @@ def step_grads(model, sequences, contract) -> dict[str, torch.Tensor]:
     """policy_update's summed gradient of one step over ``sequences``, in micro-batches of 16
     tokens (several, some rows recomputed in backward)."""
     backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    train.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
+    update.policy_update(backend, None, sequences, contract, pad_id=0, prox={}, micro_tokens=16)
     return backend.grads
 
 
@@ -1506,7 +1509,7 @@ def test_bf16_weights_are_cast_once_a_step_with_the_same_gradient(tmp_path, monk
     def step():
         backend = GradCapture(model, torch.optim.SGD(model.parameters(), lr=0.0))
         with CountCasts() as counted:
-            m = train.policy_update(backend, None, sequences, contract, pad_id=0, prox={},
+            m = update.policy_update(backend, None, sequences, contract, pad_id=0, prox={},
                                     micro_tokens=16)
         return backend.grads, counted.casts, m
 
@@ -1554,7 +1557,7 @@ def test_the_loop_gives_the_same_losses_with_the_cpu_accelerator_off(tmp_path, m
         backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.5), grad_clip=1.0)
         prox = {}
         with context:
-            metrics = [train.policy_update(backend, None, sequences, contract, pad_id=0, prox=prox,
+            metrics = [update.policy_update(backend, None, sequences, contract, pad_id=0, prox=prox,
                                            micro_tokens=16) for _ in range(2)]
         return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}
 

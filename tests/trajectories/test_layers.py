@@ -282,7 +282,8 @@ def test_import_agent_rl_is_light_and_its_public_names_resolve():
 # --- agent_rl.accel: entered through its package, and by the trainer through accel.step only --
 
 ACCEL = ROOT / "agent_rl" / "accel"
-TRAINERS = ("training/train.py", "training/sft.py")  # under agent_rl/
+# under agent_rl/: the loop, and the trainers whose passes enter the accelerator (one step each)
+LOOP, TRAINERS = "training/train.py", ("training/update.py", "training/sft.py")
 
 
 def accel_submodules(folder: Path = ACCEL) -> set[str]:
@@ -341,6 +342,7 @@ def test_the_trainer_names_nothing_from_the_accelerator_but_its_entry_point():
     assert all(p.is_file() for p in trainers)
     for path in trainers:
         assert accel_names_used(path.read_text()) == {"step"}, path
+    assert accel_names_used((ROOT / "agent_rl" / LOOP).read_text()) <= {"step", "disabled"}
 
 
 def test_the_accel_checkers_catch_every_form():
