@@ -13,7 +13,8 @@ The public Python API is importable from here, whatever module holds it::
 
     train(contract | dict | path, reward=, dataset=, assigner=,
           peft_config=, **overrides) -> RunResult             training/api.py
-    ExperimentContract, read_contract, ContractError             run/contract.py
+    ExperimentContract, read_contract                            run/contract.py
+    ContractError                                                run/overrides.py
     RunResult                                                    training/train.py
     session_advantages                                           training/rollout.py
     group_advantages, policy_loss                                training/grpo.py
@@ -36,7 +37,7 @@ PUBLIC = {
     "train": "agent_rl.training.api",
     "ExperimentContract": "agent_rl.run.contract",
     "read_contract": "agent_rl.run.contract",
-    "ContractError": "agent_rl.run.contract",
+    "ContractError": "agent_rl.run.overrides",
     "RunResult": "agent_rl.training.train",
     "session_advantages": "agent_rl.training.rollout",
     "group_advantages": "agent_rl.training.grpo",

@@ -21,9 +21,9 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import yaml
 from pydantic import (
@@ -36,6 +36,21 @@ from pydantic import (
     model_validator,
 )
 
+from agent_rl.run.overrides import (
+    ContractError,
+    apply_override,
+    did_you_mean,
+    format_errors,
+    set_key,
+)
+from agent_rl.run.pins import (
+    DATASET_ENV,
+    content_hash,
+    env_pins,
+    function_pin,
+    init_bundle_hash,
+    pin_text,
+)
 from trajectories.hashing import canonical_hash
 
 if TYPE_CHECKING:
@@ -458,8 +473,8 @@ class _Contract(_Section):
         ``input_pins`` a run directory recorded): what ``changes_from`` cannot see, since the
         key's value is the same and the file's content is not."""
         mine = self.input_pins()
-        return [f"{key}: content changed ({_pin_text(pinned.get(key))} -> "
-                f"{_pin_text(mine.get(key))})"
+        return [f"{key}: content changed ({pin_text(pinned.get(key))} -> "
+                f"{pin_text(mine.get(key))})"
                 for key in sorted(set(mine) | set(pinned)) if mine.get(key) != pinned.get(key)]
 
 
@@ -577,101 +592,6 @@ class ExperimentContract(_Contract):
         except ValueError as exc:
             raise ValueError(f"credit.params: {exc}") from None
         return self
-
-DATASET_ENV = "agent_rl/Dataset-v0"  # kwargs.path: the tasks' file; kwargs.reward: maybe code
-
-
-def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
-    """The files an env section makes the run read, by dotted key, each as ``{path, sha256}``
-    (a user reward as ``{function, sha256}`` of the file that defines it): the module that
-    defines an env registered from outside agent-rl (``env.id`` as ``{id, sha256}``: a
-    scaffolded or plugin env's scoring is its code), the holdout's
-    ``task_ids_file``, and for Dataset-v0 the data (``env.kwargs.path``) and a user reward
-    function (``env.kwargs.reward``: ``path/file.py:fn`` pins that file, ``module:fn`` the
-    module's source file). Editing any of them is a new contract."""
-    pins: dict[str, dict[str, Any]] = {}
-    source = user_env_source(env.id)
-    if source is not None:
-        pins["env.id"] = {"id": env.id, "sha256": content_hash(str(source), "env.id")}
-    if env.holdout is not None and env.holdout.task_ids_file is not None:
-        path = env.holdout.task_ids_file
-        pins["env.holdout.task_ids_file"] = {
-            "path": path, "sha256": content_hash(path, "env.holdout.task_ids_file")}
-    if env.id != DATASET_ENV:
-        return pins
-    path, reward = env.kwargs.get("path"), env.kwargs.get("reward")
-    if isinstance(path, str):
-        pins["env.kwargs.path"] = {"path": path, "sha256": content_hash(path, "env.kwargs.path")}
-    if isinstance(reward, str) and ":" in reward:
-        pins["env.kwargs.reward"] = function_pin(reward, "reward", "env.kwargs.reward")
-    return pins
-
-
-def function_pin(spec: str, what: str, key: str) -> dict[str, str]:
-    """``{function, sha256}`` of a user function ``spec`` (``trajectories.functions``: its
-    source file, or a function passed from Python, its source); a ``ContractError`` naming
-    ``key`` when it cannot be found (a passed function not passed again says so)."""
-    from trajectories.functions import function_digest
-
-    try:
-        return {"function": spec, "sha256": function_digest(spec, what)}
-    except (ImportError, ValueError) as exc:
-        raise ContractError(f"{key}: {exc}") from None
-
-
-def user_env_source(env_id: str) -> Path | None:
-    """The source file of ``env_id``'s class or factory when it lies outside the agent-rl
-    packages (a plugin, a scaffolded package, a test's env), else None: a built-in env's code
-    is the installed agent-rl, pinned by its version in every episode's verifier id."""
-    import envs
-    from envs.registry import entry_point_source
-
-    try:
-        source = entry_point_source(env_id)
-    except (LookupError, ImportError) as exc:
-        raise ContractError(f"env.id: {exc}") from None
-    root = Path(envs.__file__).resolve().parent.parent
-    ours = [root / package for package in ("envs", "agent_rl", "evals", "trajectories")]
-    if source is None or any(source.is_relative_to(package) for package in ours):
-        return None
-    return source
-
-
-def _pin_text(pin: dict[str, Any] | None) -> str:
-    if pin is None:
-        return "not pinned"
-    what = pin.get("path", pin.get("function", pin.get("id")))
-    digest = pin.get("sha256", pin.get("bundle", ""))
-    return f"{what} sha256 {digest[:12]}"
-
-
-def content_hash(path: str, key: str) -> str:
-    """sha256 of a file's bytes, or of a folder's files (relative names and their hashes, in
-    order; a ``datasets`` folder); unreadable is a ``ContractError`` naming ``key``."""
-    import hashlib
-
-    root = Path(path)
-    try:
-        if root.is_dir():
-            digest = hashlib.sha256()
-            for file in sorted(p for p in root.rglob("*") if p.is_file()):
-                digest.update(f"{file.relative_to(root)}\0".encode())
-                digest.update(hashlib.sha256(file.read_bytes()).digest())
-            return digest.hexdigest()
-        return hashlib.sha256(root.read_bytes()).hexdigest()
-    except OSError as exc:
-        raise ContractError(f"{key}: cannot read {path} ({exc.strerror or exc})") from None
-
-
-def init_bundle_hash(path: str) -> str:
-    """The content hash of the bundle ``model.init`` names (``checkpoint.resolve_bundle``)."""
-    from agent_rl.run import checkpoint
-
-    try:
-        return checkpoint.bundle_hash(checkpoint.resolve_bundle(path))
-    except checkpoint.BundleError as exc:
-        raise ContractError(f"model.init: {exc}") from None
-
 
 def _nonfinite(value: Any, key: str):
     """Dotted keys of the NaN or infinite floats inside a free-form value (dicts and lists)."""
@@ -819,75 +739,3 @@ def _leaves(section: BaseModel, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class ContractError(ValueError):
-    """The experiment contract is broken; the message names the key."""
-
-
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict in place."""
-    if "=" not in item:
-        raise ContractError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.max_steps=4")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ContractError(f"--set {item!r}: the key has an empty part; expected KEY=VALUE, "
-                            "e.g. optim.max_steps=4")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ContractError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
-    set_key(data, key, value, "--set")
-
-
-def set_key(data: dict[str, Any], key: str, value: Any, where: str = "override") -> None:
-    """Set the dotted ``key`` (``optim.max_steps``) of a nested dict to ``value`` in place,
-    making the sections on its way; ``where`` names the override in an error (``--set``)."""
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ContractError(f"{where} {key!r}: the key has an empty part, e.g. optim.max_steps")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ContractError(f"{where} {key}: {part!r} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
-    """Pydantic's errors as ``key: problem; ...``; an unknown key of ``model`` (the contract
-    validated) with the closest valid key of its section (``did_you_mean``)."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        if err["type"] == "value_error":  # our own message, without pydantic's "Value error, "
-            msg = str(err["ctx"]["error"])
-        elif err["type"] == "extra_forbidden":
-            *section, key = (str(x) for x in err["loc"])
-            keys = _section_keys(model, section) if model is not None else []
-            msg = "unknown key" + did_you_mean(key, keys, prefix=".".join([*section, ""]))
-        else:
-            msg = err["msg"]
-        parts.append(f"{loc}: {msg}" if loc else msg)  # a contract-level message names its keys
-    return "; ".join(parts)
-
-
-def did_you_mean(word: str, options: Iterable[str], prefix: str = "") -> str:
-    """`` (did you mean PREFIX+OPTION?)`` naming the option closest to ``word`` (``difflib``),
-    or "" when none is close (a typo, not another word)."""
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
-
-
-def _section_keys(model: type[BaseModel], path: Sequence[str]) -> list[str]:
-    """The keys of the section at ``path`` below ``model`` (``["optim"]``: ``OptimSection``'s
-    fields), or [] where ``path`` leads to no section (a free-form dict such as env.kwargs)."""
-    for part in path:
-        info = model.model_fields.get(part)
-        kinds = () if info is None else (info.annotation, *get_args(info.annotation))
-        section = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)),
-                       None)
-        if section is None:
-            return []
-        model = section
-    return list(model.model_fields)

@@ -268,7 +268,7 @@ def test_import_agent_rl_is_light_and_its_public_names_resolve():
     light, where, cli_imported = json.loads(result.stdout)
     assert light == []  # before any public name is used
     assert where == {
-        "ContractError": "agent_rl.run.contract", "ExperimentContract": "agent_rl.run.contract",
+        "ContractError": "agent_rl.run.overrides", "ExperimentContract": "agent_rl.run.contract",
         "HFPolicy": "agent_rl.policies.hf", "OpenAIPolicy": "agent_rl.policies.openai_policy",
         "RunResult": "agent_rl.training.train", "VLLMPolicy": "agent_rl.policies.vllm_policy",
         "export": "agent_rl.policies.export",
