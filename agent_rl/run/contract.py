@@ -579,6 +579,7 @@ class ExperimentContract(_Contract):
         return self
 
 DATASET_ENV = "agent_rl/Dataset-v0"  # kwargs.path: the tasks' file; kwargs.reward: maybe code
+AGENT_ENV = "agent_rl/Agent-v0"  # kwargs.agent: code; kwargs.tasks: a file or dataset spec
 
 
 def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
@@ -588,7 +589,9 @@ def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
     scaffolded or plugin env's scoring is its code), the holdout's
     ``task_ids_file``, and for Dataset-v0 the data (``env.kwargs.path``) and a user reward
     function (``env.kwargs.reward``: ``path/file.py:fn`` pins that file, ``module:fn`` the
-    module's source file). Editing any of them is a new contract."""
+    module's source file); for Agent-v0 the agent (``env.kwargs.agent``, as a reward), the
+    tasks (``env.kwargs.tasks``, or ``env.kwargs.tasks.path`` of a dataset spec) and a user
+    reward. Editing any of them is a new contract."""
     pins: dict[str, dict[str, Any]] = {}
     source = user_env_source(env.id)
     if source is not None:
@@ -597,11 +600,18 @@ def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
         path = env.holdout.task_ids_file
         pins["env.holdout.task_ids_file"] = {
             "path": path, "sha256": content_hash(path, "env.holdout.task_ids_file")}
-    if env.id != DATASET_ENV:
+    if env.id not in (DATASET_ENV, AGENT_ENV):
         return pins
     path, reward = env.kwargs.get("path"), env.kwargs.get("reward")
+    path_key = "env.kwargs.path"
+    if env.id == AGENT_ENV:
+        agent, path, path_key = env.kwargs.get("agent"), env.kwargs.get("tasks"), "env.kwargs.tasks"
+        if isinstance(path, dict):
+            path, path_key = path.get("path"), "env.kwargs.tasks.path"
+        if isinstance(agent, str):
+            pins["env.kwargs.agent"] = function_pin(agent, "agent", "env.kwargs.agent")
     if isinstance(path, str):
-        pins["env.kwargs.path"] = {"path": path, "sha256": content_hash(path, "env.kwargs.path")}
+        pins[path_key] = {"path": path, "sha256": content_hash(path, path_key)}
     if isinstance(reward, str) and ":" in reward:
         pins["env.kwargs.reward"] = function_pin(reward, "reward", "env.kwargs.reward")
     return pins
@@ -708,12 +718,14 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"env.kwargs.{unknown[0]}: {env_id} takes no such argument"
                          f"{did_you_mean(unknown[0], takes, 'env.kwargs.')}; it takes "
                          f"{sorted(takes)}")
-    if env_id == DATASET_ENV:  # its arguments that need no file, checked without reading one
+    if env_id in (DATASET_ENV, AGENT_ENV):  # arguments checked without reading a file
+        from envs.agent_env import AgentSpecError
+        from envs.agent_env import check_arguments as check_agent
         from envs.datasets import DatasetError, check_arguments
 
         try:
-            check_arguments(**kwargs)
-        except DatasetError as exc:
+            (check_arguments if env_id == DATASET_ENV else check_agent)(**kwargs)
+        except (DatasetError, AgentSpecError) as exc:
             raise ValueError(f"env.kwargs.{exc.key}: {exc}" if exc.key else
                              f"env.kwargs: {exc}") from None
 
