@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,73 @@ def test_each_call_samples_from_its_jobs_own_stream():
     run_episodes(ENV_ID, tasks, policy, Sampling(seed=3), samples_per_task=2, seed=40,
                  env_kwargs=kwargs)
     assert sorted(policy.streams) == [(40 + k, c) for k in range(4) for c in range(4)]
+
+
+# --- examples/agents/relay_agent.py -------------------------------------------------------------
+
+EXAMPLES = HERE.parents[1] / "examples"
+RELAY_TASKS = EXAMPLES / "agents" / "relay_tasks.jsonl"
+
+
+def test_the_relay_agent_imports_nothing_from_agent_rl():
+    import ast
+
+    tree = ast.parse((EXAMPLES / "agents" / "relay_agent.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported == {"__future__", "argparse", "json", "openai"}
+
+
+def test_the_relay_tasks_file_is_what_its_script_writes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_relay_tasks",
+                                                  EXAMPLES / "agents" / "make_relay_tasks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = [json.loads(line) for line in RELAY_TASKS.read_text().splitlines()]
+    assert rows == script.rows(384, 0)
+
+
+class CopyingModel:
+    """A Policy that writes correct notes (the lines the request names, copied from the
+    message) and then ``answer``."""
+
+    def __init__(self, answer: int):
+        self.answer = answer
+
+    def generate(self, batch, sampling):
+        out = []
+        for messages in batch:
+            text = messages[-1]["content"]
+            if "Question:" in text:
+                reply = str(self.answer)
+            else:
+                heads = text.rsplit("\n\n", 1)[1].split('"')[1::2]  # the lines to copy
+                reply = " ".join(re.search(re.escape(h) + r" \d+[^.\n]*\.", text).group(0)
+                                 for h in heads)
+            out.append(Completion(reply, token_ids=[1, 2], logprobs=[-0.1, -0.2]))
+        return out
+
+
+def test_the_relay_agent_relays_its_notes_through_a_chain_of_compressions():
+    """With correct notes and answers every task scores 1; each episode is as many sessions
+    as the task's length, each a compression of the one before."""
+    from agent_rl.run.contract import ExperimentContract
+
+    kwargs = ExperimentContract.from_yaml(EXAMPLES / "smollm2_agent.yaml").env.kwargs
+    kwargs = {**kwargs, "agent": f"{EXAMPLES / 'agents' / 'relay_agent.py'}:run",
+              "tasks": {**kwargs["tasks"], "path": str(RELAY_TASKS)}}
+    pool = envs.make(ENV_ID, **kwargs).unwrapped.task_pool(6, seed=0)
+    assert {t.meta.length for t in pool} == {2, 3}
+    for task in pool:
+        (episode,) = run_episodes(ENV_ID, [task], CopyingModel(task.target), env_kwargs=kwargs)
+        assert episode.reward.total == 1.0, task.task_id
+        sessions = episode.sessions
+        assert len(sessions) == task.meta.length
+        assert [s.origin for s in sessions] == ["root"] + ["compression"] * (len(sessions) - 1)
+        assert all(child.parent_id == parent.session_id
+                   for parent, child in zip(sessions, sessions[1:], strict=False))
+        assert all(s.used_by_final for s in sessions)
