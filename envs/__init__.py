@@ -31,6 +31,7 @@ register("agent_rl/PIIMask-v0", "envs.piimask:PIIMaskEnv")
 register("agent_rl/Relay-v0", "envs.relay:RelayEnv")
 register("agent_rl/CodeTests-v0", "envs.codetests.env:CodeTestsEnv")
 register("agent_rl/Dataset-v0", "envs.datasets.env:DatasetEnv")
+register("agent_rl/Agent-v0", "envs.agent_env:AgentEnv")
 
 __all__ = [
     "accepted_kwargs",

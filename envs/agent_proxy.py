@@ -31,7 +31,11 @@ sessions_from_calls`` turns ``EpisodeLink.calls()`` into the session tree.
 ``max_batch``) go to the policy as one ``generate`` call per distinct sampling setting.
 Sampling: the server's ``Sampling``, with the request's ``temperature``, ``top_p`` and
 ``max_tokens`` / ``max_completion_tokens`` where given (``fixed_sampling=True`` ignores them:
-a trainer samples as its contract says).
+a trainer samples as its contract says). Random streams: an episode opened with a ``stream``
+key k samples its c-th call (in arrival order) from the stream ``(k, c)``
+(``Sampling.streams``), as ``envs.runner.run_episodes`` keys the t-th call of job k, so no
+call replays another's random numbers and what a call samples does not depend on the
+batch it lands in; an episode opened without one samples from its row of the batch.
 
 **Refused (400, the field named in ``error.param``).** Bad JSON, a body that is not an object,
 no messages, an unknown role, a non-text content part, ``n`` other than 1, ``logit_bias``,
@@ -375,6 +379,7 @@ class EpisodeLink:
     token: str
     base_url: str
     _server: PolicyServer
+    stream: int | None = None  # the key of this episode's random streams (module docstring)
     _calls: list[ModelCall] = field(default_factory=list)
     refused: list[dict[str, Any]] = field(default_factory=list)
     _replies: dict = field(default_factory=dict)
@@ -430,6 +435,7 @@ class EpisodeLink:
 class _Job:
     messages: list[dict[str, Any]]
     sampling: Sampling
+    stream: tuple[int, ...] | None = None  # the call's random stream; None: its batch row
     future: Future = field(default_factory=Future)
 
 
@@ -443,8 +449,9 @@ class _Batcher:
         self.thread = threading.Thread(target=self._run, name="agent-proxy-batcher", daemon=True)
         self.thread.start()
 
-    def submit(self, messages: list[dict[str, Any]], sampling: Sampling) -> Future:
-        job = _Job(messages, sampling)
+    def submit(self, messages: list[dict[str, Any]], sampling: Sampling,
+               stream: tuple[int, ...] | None = None) -> Future:
+        job = _Job(messages, sampling, stream)
         self.jobs.put(job)
         return job.future
 
@@ -484,8 +491,11 @@ class _Batcher:
 
     def _generate(self, sampling: Sampling, group: list[_Job]) -> None:
         self.batches.append(len(group))
+        streams = tuple(job.stream if job.stream is not None else (row,)
+                        for row, job in enumerate(group))
         try:
-            completions = self.policy.generate([job.messages for job in group], sampling)
+            completions = self.policy.generate([job.messages for job in group],
+                                               replace(sampling, streams=streams))
             if len(completions) != len(group):
                 raise RuntimeError(f"the policy returned {len(completions)} completions for "
                                    f"{len(group)} conversations")
@@ -511,7 +521,8 @@ class PolicyServer:
                  fixed_sampling: bool = False, request_timeout_s: float = 600.0):
         if window_s < 0 or max_batch < 1:
             raise ValueError(f"window_s must be >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
-        self.policy, self.sampling = policy, sampling or Sampling()
+        # streams are the server's to name, per call (module docstring)
+        self.policy, self.sampling = policy, replace(sampling or Sampling(), streams=None)
         self.model, self.fixed_sampling = model, fixed_sampling
         self.window_s, self.max_batch, self.request_timeout_s = window_s, max_batch, request_timeout_s
         self.port = port
@@ -556,14 +567,15 @@ class PolicyServer:
         return list(self._batcher.batches) if self._batcher else []
 
     # --- episodes ----------------------------------------------------------------------------
-    def open_episode(self) -> EpisodeLink:
-        """A new episode with its own unguessable base URL."""
+    def open_episode(self, stream: int | None = None) -> EpisodeLink:
+        """A new episode with its own unguessable base URL; ``stream``: the key of its random
+        streams (module docstring)."""
         if self._http is None:
             raise RuntimeError("PolicyServer.open_episode: start the server first (a `with` "
                                "block or start())")
         token = secrets.token_urlsafe(24)
         link = EpisodeLink(token=token, base_url=f"http://127.0.0.1:{self.port}/e/{token}/v1",
-                           _server=self)
+                           _server=self, stream=stream)
         with self._lock:
             self._links[token] = link
         return link
@@ -596,7 +608,8 @@ class PolicyServer:
             replies = dict(link._replies)
         request = parse_request(body, replies)
         index = link._arrive()
-        future = self._batcher.submit(request.shown, self._sampling(request))
+        stream = (link.stream, index) if link.stream is not None else None
+        future = self._batcher.submit(request.shown, self._sampling(request), stream)
         try:
             completion = future.result(timeout=self.request_timeout_s)
         except TimeoutError:

@@ -23,22 +23,21 @@ running after ``timeout_s`` cannot be killed: it is left behind (a daemon), and 
 404 from then on.
 
 ``run_agent_episodes`` runs many (task, sample) jobs at once on threads against one server,
-which batches their calls into the policy's ``generate``.
+which batches their calls into the policy's ``generate``; job k's episode is seeded
+``seed + k`` and its c-th call samples from the random stream ``(seed + k, c)``, as
+``envs.runner.run_episodes`` seeds and samples job k. ``envs.agent_env.AgentEnv``
+(``agent_rl/Agent-v0``) is how the trainer and evaluation reach it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from envs.agent_proxy import EpisodeLink, PolicyServer
@@ -49,6 +48,7 @@ from envs.sessions import used_by_data_flow
 from envs.tools import HermesParser
 from trajectories import Episode, Outcome, RewardBreakdown, Session, Turn, sessions_from_calls
 from trajectories.calls import ModelCall
+from trajectories.functions import load_function
 
 ENV_ID = "agent_rl/Agent-v0"
 TIMEOUT_S = 300.0
@@ -69,26 +69,9 @@ class AgentFaultWarning(RuntimeWarning):
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
-    """The agent function ``"package.module:function"`` or ``"path/to/file.py:function"``."""
-    where, _, name = str(spec).rpartition(":")
-    if not where or not name.isidentifier():
-        raise ValueError(f"agent {spec!r}: name it 'module:function' or "
-                         "'path/to/file.py:function'")
-    if where.endswith(".py") or "/" in where:
-        file = Path(where).resolve()
-        if not file.is_file():
-            raise ImportError(f"agent {spec!r}: no file {file} (relative paths are read from "
-                              f"the working directory {Path.cwd()})")
-        module_spec = importlib.util.spec_from_file_location(f"agent_rl_agent_{file.stem}", file)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ImportError(f"agent {spec!r}: {where} has no function {name!r}")
-    return fn
+    """The agent function ``"package.module:function"`` or ``"path/to/file.py:function"``
+    (``trajectories.functions.load_function``: a file is imported once per process)."""
+    return load_function(str(spec), "agent")
 
 
 def task_dict(task: TaskSpec) -> dict[str, Any]:
@@ -141,10 +124,11 @@ def agent_episode(agent: Callable[..., Any], task: TaskSpec, server: PolicyServe
                   scorer: DatasetEnv, timeout_s: float = TIMEOUT_S, **fields: Any) -> Episode:
     """One episode of ``agent`` on ``task`` (module docstring). ``fields``: the other
     ``Episode`` fields (``episode_id``, ``group_id``, ``sample_id``, ``seed``, ``split``,
-    ``generation``); ``episode_id`` defaults to the task id."""
+    ``generation``); ``episode_id`` defaults to the task id. The episode's ``seed`` keys its
+    calls' random streams (``PolicyServer.open_episode``)."""
     episode_id = fields.pop("episode_id", task.task_id)
     fields.setdefault("group_id", task.task_id)
-    link = server.open_episode()
+    link = server.open_episode(stream=fields.get("seed"))
     answer, fault, reason = call_agent(agent, task_dict(task), link, timeout_s)
     calls = link.calls()
     sessions, session_of = [], {}

@@ -66,7 +66,7 @@ def accepted_kwargs(id: str) -> set[str] | None:
     (following ``**kwargs`` up the ``__init__`` chain) without building the environment;
     ``None`` for a factory taking ``**kwargs``, whose names are not knowable. Raises
     ``UnregisteredEnv`` (a ``LookupError``) or ``ImportError`` for an id that cannot be built."""
-    creator = _creator(id)
+    creator = env_creator(id)
     inits = ([vars(k)["__init__"] for k in creator.__mro__[:-1] if "__init__" in vars(k)]
              if inspect.isclass(creator) else [creator])
     takes: set[str] = set()
@@ -82,7 +82,7 @@ def entry_point_source(id: str) -> Path | None:
     """The source file that defines the class or factory ``make(id)`` builds from (None when
     it has none, e.g. a compiled one), importing it but building nothing. Raises as
     ``accepted_kwargs`` does for an id that cannot be built."""
-    creator = _creator(id)
+    creator = env_creator(id)
     try:
         source = inspect.getsourcefile(creator)
     except TypeError:
@@ -90,7 +90,9 @@ def entry_point_source(id: str) -> Path | None:
     return Path(source).resolve() if source else None
 
 
-def _creator(id: str) -> Any:
+def env_creator(id: str) -> Any:
+    """The class or factory ``make(id)`` builds from, imported, nothing built. Raises as
+    ``accepted_kwargs`` does for an id that cannot be built."""
     _check_registered(id)
     entry = _REGISTERED[id]["entry_point"]
     return entry if callable(entry) else gymnasium.envs.registration.load_env_creator(entry)

@@ -26,6 +26,16 @@ pool does, a round's steps run on up to ``step_workers`` threads at once. Their 
 taken in the same order as one after another, so the episodes are the same either way. Such an
 env must keep its state in its own instance: the token counter is the only thing the runner
 shares between them, and it is called under a lock.
+
+Environments that run whole episodes. An environment whose unwrapped instance has a
+``run_whole_episodes`` method is not stepped: its episodes are driven by code that is not the
+runner's (``agent_rl/Agent-v0``: a user's agent calling the policy through the policy server,
+which batches the calls of many agents). ``run_episodes`` hands it the whole batch, once: the
+same tasks, policy, sampling, ``samples_per_task``, ``seed``, ``group_prefix`` and ``split``,
+and the pool size (``num_envs``, or the envs given) as the number of episodes run at once. It
+returns the episodes in job order, ids and seeds as named here (job k seeded ``seed + k``, its
+t-th policy call sampled from the stream ``(seed + k, t)``). ``hints`` do not apply (its tasks
+carry none), ``step_workers`` neither, and ``on_round`` is called once, when all are done.
 """
 
 from __future__ import annotations
@@ -157,11 +167,22 @@ def run_episodes(
         raise ValueError(f"hints: {len(hints)} values for {len(jobs)} jobs ({len(tasks)} tasks x "
                          f"{samples_per_task} samples); give one per job, or one bool for all")
     if isinstance(envs, str):
-        pool = [make(envs, **(env_kwargs or {})) for _ in range(min(num_envs, len(jobs)))]
+        pool = [make(envs, **(env_kwargs or {}))]
+        size = min(num_envs, len(jobs))
+        if not hasattr(pool[0].unwrapped, "run_whole_episodes"):  # one env per slot
+            pool += [make(envs, **(env_kwargs or {})) for _ in range(size - 1)]
     else:
         pool = list(envs)
         if not pool:
             raise ValueError("run_episodes needs at least one environment")
+        size = len(pool)
+    whole = getattr(pool[0].unwrapped, "run_whole_episodes", None)
+    if whole is not None:  # the env runs its episodes itself (module docstring)
+        episodes = whole(tasks, policy, sampling, samples_per_task=samples_per_task, seed=seed,
+                         group_prefix=group_prefix, split=split, concurrency=size)
+        if on_round is not None:
+            on_round(len(episodes), len(jobs))
+        return episodes
     if step_workers is not None and (isinstance(step_workers, bool) or not isinstance(step_workers, int)
                                      or step_workers < 1):
         raise ValueError(f"step_workers must be a positive int or None, got {step_workers!r}")

@@ -28,16 +28,23 @@ def envs_(args: argparse.Namespace) -> int:
 
 
 def describe_env(env_id: str) -> tuple[str, str]:
-    """(version, first docstring line) of an env's class (its module's, when it has none)."""
-    import envs
+    """(version, first docstring line) of an env's class (its module's, when it has none),
+    read off the class without building it (an env such as Agent-v0 needs arguments); a
+    factory entry point is built to find its class."""
+    import inspect
 
-    env = envs.make(env_id)
+    import envs
+    from envs.registry import env_creator
+
+    cls = env_creator(env_id)
+    env = None if inspect.isclass(cls) else envs.make(env_id)
     try:
-        cls = type(env.unwrapped)
+        cls = cls if env is None else type(env.unwrapped)
         doc = cls.__doc__ or sys.modules[cls.__module__].__doc__ or ""
         return f"v{getattr(cls, 'version', '?')}", (doc.strip().splitlines() or [""])[0]
     finally:
-        env.close()
+        if env is not None:
+            env.close()
 
 
 def envs_list(args: argparse.Namespace) -> int:

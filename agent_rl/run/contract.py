@@ -44,6 +44,7 @@ from agent_rl.run.overrides import (
     set_key,
 )
 from agent_rl.run.pins import (
+    AGENT_ENV,
     DATASET_ENV,
     content_hash,
     env_pins,
@@ -628,12 +629,14 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"env.kwargs.{unknown[0]}: {env_id} takes no such argument"
                          f"{did_you_mean(unknown[0], takes, 'env.kwargs.')}; it takes "
                          f"{sorted(takes)}")
-    if env_id == DATASET_ENV:  # its arguments that need no file, checked without reading one
+    if env_id in (DATASET_ENV, AGENT_ENV):  # arguments checked without reading a file
+        from envs.agent_env import AgentSpecError
+        from envs.agent_env import check_arguments as check_agent
         from envs.datasets import DatasetError, check_arguments
 
         try:
-            check_arguments(**kwargs)
-        except DatasetError as exc:
+            (check_arguments if env_id == DATASET_ENV else check_agent)(**kwargs)
+        except (DatasetError, AgentSpecError) as exc:
             raise ValueError(f"env.kwargs.{exc.key}: {exc}" if exc.key else
                              f"env.kwargs: {exc}") from None
 

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from agent_rl.run.contract import EnvSection
 
 DATASET_ENV = "agent_rl/Dataset-v0"  # kwargs.path: the tasks' file; kwargs.reward: maybe code
+AGENT_ENV = "agent_rl/Agent-v0"  # kwargs.agent: code; kwargs.tasks: a file or dataset spec
 
 
 def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
@@ -22,7 +23,9 @@ def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
     scaffolded or plugin env's scoring is its code), the holdout's
     ``task_ids_file``, and for Dataset-v0 the data (``env.kwargs.path``) and a user reward
     function (``env.kwargs.reward``: ``path/file.py:fn`` pins that file, ``module:fn`` the
-    module's source file). Editing any of them is a new contract."""
+    module's source file); for Agent-v0 the agent (``env.kwargs.agent``, as a reward), the
+    tasks (``env.kwargs.tasks``, or ``env.kwargs.tasks.path`` of a dataset spec) and a user
+    reward. Editing any of them is a new contract."""
     pins: dict[str, dict[str, Any]] = {}
     source = user_env_source(env.id)
     if source is not None:
@@ -31,11 +34,18 @@ def env_pins(env: EnvSection) -> dict[str, dict[str, Any]]:
         path = env.holdout.task_ids_file
         pins["env.holdout.task_ids_file"] = {
             "path": path, "sha256": content_hash(path, "env.holdout.task_ids_file")}
-    if env.id != DATASET_ENV:
+    if env.id not in (DATASET_ENV, AGENT_ENV):
         return pins
     path, reward = env.kwargs.get("path"), env.kwargs.get("reward")
+    path_key = "env.kwargs.path"
+    if env.id == AGENT_ENV:
+        agent, path, path_key = env.kwargs.get("agent"), env.kwargs.get("tasks"), "env.kwargs.tasks"
+        if isinstance(path, dict):
+            path, path_key = path.get("path"), "env.kwargs.tasks.path"
+        if isinstance(agent, str):
+            pins["env.kwargs.agent"] = function_pin(agent, "agent", "env.kwargs.agent")
     if isinstance(path, str):
-        pins["env.kwargs.path"] = {"path": path, "sha256": content_hash(path, "env.kwargs.path")}
+        pins[path_key] = {"path": path, "sha256": content_hash(path, path_key)}
     if isinstance(reward, str) and ":" in reward:
         pins["env.kwargs.reward"] = function_pin(reward, "reward", "env.kwargs.reward")
     return pins

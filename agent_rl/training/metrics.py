@@ -64,6 +64,7 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         **{f"reward/{k}": v for k, v in components.items()},
         **{f"outcome/{k}": v / len(episodes) for k, v in outcomes.items()},
         "reward/infra_error_rate": report["infrastructure_faults"] / max(len(episodes), 1),
+        **{f"faults/agent_{reason}": n for reason, n in sorted(report["agent_faults"].items())},
         "groups/total": report["groups"],
         "groups/dropped": report["groups_dropped"],
         "groups/all_correct": groups.get("all_correct", 0),

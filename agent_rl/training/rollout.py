@@ -468,6 +468,10 @@ def budget_report(episodes: list[Episode], drops: list[dict], truncation: str) -
         "prompt_too_long_tokens": max((n for n in too_long if n is not None), default=None),
         "truncation": truncation,
         "infrastructure_faults": sum(e.reward.is_infrastructure_fault for e in episodes),
+        # of which an agent written as code failed (Agent-v0), by reason (envs.agents.AgentFault)
+        "agent_faults": dict(Counter(e.reward.audit["agent_fault"] for e in episodes
+                                     if e.reward.is_infrastructure_fault
+                                     and "agent_fault" in e.reward.audit)),
         "acceptance": acceptance(episodes, drops),
     }
 

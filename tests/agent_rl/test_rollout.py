@@ -254,7 +254,8 @@ def test_budget_report_counts_every_generated_token(tok):
     assert set(report) == {"episodes", "episodes_kept", "groups", "groups_dropped", "drop_reasons",
                            "tokens_generated", "tokens_kept", "tokens_discarded", "overlong",
                            "overlong_masked", "prompt_too_long", "prompt_too_long_tokens",
-                           "truncation", "infrastructure_faults", "acceptance"}
+                           "truncation", "infrastructure_faults", "agent_faults", "acceptance"}
+    assert report["agent_faults"] == {}  # no agent written as code here
 
 
 # --- truncation --------------------------------------------------------------------------------

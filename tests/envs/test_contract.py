@@ -2,7 +2,11 @@
 the registry, plus what agent-rl adds): scripted episodes reach the maximum reward, nothing the
 agent sends raises, seeds repeat, budgets truncate, and the runner returns one episode per job.
 
-New environments are picked up from ``envs.list_envs()`` without editing this file.
+New environments are picked up from ``envs.list_envs()`` without editing this file. An
+environment that is not stepped (its class has ``run_whole_episodes``: ``agent_rl/Agent-v0``
+runs a user's agent, which makes its own calls; ``envs.runner``) has no actions to send: its
+contract is tests/envs/test_contract_whole_episodes.py, which fails for any such id it does not
+cover.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ from envs.runner import Completion, Sampling, run_episodes
 from envs.tools import ToolCall
 from trajectories import Episode, Outcome
 
-ENV_IDS = envs.list_envs()
+
+def runs_whole_episodes(env_id: str) -> bool:
+    """Is ``env_id`` an environment the runner hands whole batches to, never steps?"""
+    return hasattr(envs.registry.env_creator(env_id), "run_whole_episodes")
+
+
+ENV_IDS = [env_id for env_id in envs.list_envs() if not runs_whole_episodes(env_id)]
 REFERENCE_SEEDS = range(30)
 MAX_REFERENCE_STEPS = 200
 
