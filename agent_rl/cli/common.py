@@ -148,9 +148,15 @@ def escaped_warnings():
 
 def ignore_library_deprecations() -> None:
     """Deprecation notices of the model libraries (transformers, peft, torch) say nothing
-    about the user's run or model: not shown for the rest of the command."""
+    about the user's run or model: not shown for the rest of the command. Their own progress
+    bars (loading and writing weights) are left out of a log, where each redraw would be a
+    line of carriage returns: only on a terminal are they drawn."""
     for module in ("transformers", "peft", "torch"):
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 _SHOWN: set[tuple[type, str]] = set()  # (category, message) of the warnings printed so far

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 from types import SimpleNamespace
 
 from rich.console import Console
@@ -198,3 +199,22 @@ def test_progress_on_an_80_column_terminal_fits_its_line(monkeypatch, capsys):
     last = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.split("\r")[-1]).strip()  # the final redraw
     assert last == "train  10/180 reward 0.250  held-out 0.625 (step 10)  90 tok/s  ETA 0:00"
     assert len(last) <= 80 and "…" not in out
+
+
+def test_library_progress_bars_stay_out_of_a_log(monkeypatch):
+    """transformers' weight-loading bars are carriage-return redraws: off when stderr is not
+    a terminal (a log), left on where one is."""
+    from transformers.utils import logging as transformers_logging
+
+    from agent_rl.cli.common import ignore_library_deprecations
+
+    try:
+        transformers_logging.enable_progress_bar()
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+        ignore_library_deprecations()
+        assert transformers_logging.is_progress_bar_enabled()
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+        ignore_library_deprecations()
+        assert not transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()
