@@ -130,10 +130,12 @@ class StaticDecoder:
         """``a`` [A, kvh, g, m] times the shared prompt's ``b`` (its keys transposed, [U, kvh,
         d, L], or its values, [U, kvh, L, d]), each row by its own prompt's: ``[A, kvh, g, n]``."""
         A, kvh, g, m = a.shape
-        out = a.new_empty((A, kvh, g, b.shape[-1]))
+        out = None  # in the products' dtype: bf16 under autocast, whatever ``a``'s
         for u, rows in self.groups:  # the group's rows as one [kvh, rows * g, m] block
             block = a.index_select(0, rows).permute(1, 0, 2, 3).reshape(kvh, -1, m)
             product = torch.matmul(block, b[u])  # [kvh, rows * g, n]
+            if out is None:
+                out = product.new_empty((A, kvh, g, b.shape[-1]))
             out.index_copy_(0, rows, product.view(kvh, len(rows), g, -1).permute(1, 0, 2, 3))
         return out
 

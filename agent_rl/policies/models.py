@@ -356,7 +356,7 @@ def hub_snapshot(repo_id: str) -> Path:
     fix = (f"on a machine with internet run `{DOWNLOAD_HINT} {repo_id}` and copy its cache "
            f"folder (models--{repo_id.replace('/', '--')}/) into {cache} here (or point "
            "HF_HUB_CACHE or HF_HOME at a copy of that cache); or set model.id to a local folder "
-           "written by save_pretrained")
+           f"written by save_pretrained or a built-in model ({', '.join(MODEL_IDS)})")
     try:
         folder = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
     except LocalEntryNotFoundError:

@@ -1,6 +1,7 @@
 """HFPolicy on the tiny model (and once on SmolLM2): sampling, stopping, and log-probs that the
 trainer recomputes to the same values (the PPO ratio is 1 on the first update)."""
 
+import math
 from unittest import mock
 
 import pytest
@@ -269,8 +270,9 @@ def test_tiny_model_is_deterministic_and_loads_by_id(tmp_path):
     assert torch.equal(loaded.lm_head.weight, a.lm_head.weight)
     assert loaded_tok.encode("hello") == tok.encode("hello")
     assert next(load_model("tiny", dtype="bfloat16")[0].parameters()).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="smollm2-135m, tiny"):
-        load_model("no-such-model")
+    with pytest.raises(FileNotFoundError, match=r"not in the Hugging Face cache.*built-in "
+                                                r"model \(smollm2-135m, tiny\)"):
+        load_model("no-such-model")  # a bare name is a Hub id: absent from the cache
 
 
 def test_missing_smollm2_package_says_the_fix(monkeypatch):
@@ -639,3 +641,18 @@ def test_prefill_equals_each_prompts_forward(kind, monkeypatch):
     assert (len(plans) == 2) == (kind != "llama-eager")  # one plan per prefill, SDPA only
     if kind == "llama-chunked":
         assert all(len(row.query_counts) > 1 for plan in plans for row in plan.rows)
+
+
+def test_bf16_autocast_samples_on_the_shared_prompt_layout(monkeypatch):
+    """Under bf16 autocast the shared-prompt product comes back in bf16 while the query is
+    float32 (the float32 rotary promotes it): the shared layout's output buffer takes the
+    product's dtype. Forced here (SHARED_MIN_BYTES 0) where a real run reaches it once a
+    group's prompt is long (SmolLM2: ~97 tokens in a group of 8)."""
+    monkeypatch.setattr(decode, "SHARED_MIN_BYTES", 0)
+    model, tok = tiny_llama_d64(bias=3.0)
+    policy = HFPolicy(model, tok, compute_dtype="bfloat16")
+    batch = CONVS * 4
+    out = policy.generate(batch, Sampling(temperature=1.0, max_new_tokens=10, seed=5))
+    assert len(out) == len(batch) and all(c.token_ids for c in out)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in out)
+    assert all(math.isfinite(lp) and lp <= 0 for c in out for lp in c.logprobs)
