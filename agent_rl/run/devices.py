@@ -3,6 +3,8 @@ autocast context of a compute dtype (``model.dtype``)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -29,22 +31,33 @@ def check_device_spec(spec: str) -> str:
 
 def resolve_device(spec: str) -> torch.device:
     """The torch device for a ``model.device`` spec: ``auto`` is ``cuda`` when torch sees a GPU,
-    else ``cpu``. Asking for a GPU this machine does not have is an error that says so."""
+    else ``cpu``. Under a launcher (``WORLD_SIZE`` > 1) ``cuda`` is this rank's own GPU,
+    ``cuda:LOCAL_RANK``, made the current device before anything is allocated on a GPU.
+    Asking for a GPU this machine does not have, or one GPU index for several ranks, is an
+    error that says so."""
     check_device_spec(spec)
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(spec)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-            raise ValueError(f"model.device: {spec} asked for, but torch ({torch.__version__}, "
-                             f"{build}) sees no GPU; use device: cpu or auto")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"model.device: {spec} asked for, but this machine has {count} "
-                             f"GPU(s): cuda:0..cuda:{count - 1}")
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ValueError(f"model.device: {spec} asked for, but torch ({torch.__version__}, "
+                         f"{build}) sees no GPU; use device: cpu or auto")
+    count = torch.cuda.device_count()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        if device.index is not None:
+            raise ValueError(f"model.device: {spec} names one GPU for {world} ranks; use cuda "
+                             "(or auto): each rank takes cuda:LOCAL_RANK")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"model.device: {device} asked for, but this machine has {count} "
+                         f"GPU(s): cuda:0..cuda:{count - 1}")
+    if device.index is not None:
+        torch.cuda.set_device(device)
     return device
-
 
 
 def autocast(device: torch.device, dtype: torch.dtype | str):
