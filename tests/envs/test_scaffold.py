@@ -76,7 +76,8 @@ def test_scaffolded_package_installs_registers_passes_and_trains(tmp_path):
         done = _run([*train, "--no-progress"], tmp_path, timeout=600)
         run_dir = tmp_path / "runs" / name
         assert f"run dir: runs/{name}" in done.stdout
-        assert "agent-rl train: warning:" in done.stderr and "holdout_iid" in done.stderr
+        # its train.yaml asks for holdout_iid itself: no fallback notice
+        assert "holdout_iid" not in done.stderr and "HoldoutFallback" not in done.stderr
         tags = [json.loads(line)["tag"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
         assert tags == ["before", "after"]
         for tag in tags:
