@@ -141,7 +141,8 @@ def main() -> None:
     ap.add_argument("--sandbox", default="auto", help="CodeTests-v0's sandbox backend")
     ap.add_argument("--repeats", type=int, default=3, help="CodeTests-v0 runs each way")
     args = ap.parse_args()
-    built_in = [e for e in envs.list_envs() if e.startswith("agent_rl/")]
+    built_in = [e for e in envs.list_envs()  # the stepped ones: Agent-v0 runs an agent's code
+                if e.startswith("agent_rl/") and not envs.registry.runs_whole_episodes(e)]
     unknown = sorted(set(args.env or ()) - set(built_in))
     if unknown:
         ap.error(f"unknown env ids {unknown}; built in: {', '.join(built_in)}")

@@ -98,6 +98,14 @@ def env_creator(id: str) -> Any:
     return entry if callable(entry) else gymnasium.envs.registration.load_env_creator(entry)
 
 
+def runs_whole_episodes(id: str) -> bool:
+    """Is ``id`` an environment the runner hands whole batches of tasks to and never steps
+    (its class has ``run_whole_episodes``: ``agent_rl/Agent-v0``)? Such an env has no
+    ``reset``/``step`` loop for stepping checks to drive; it is checked by its own contract
+    test (``tests/envs/test_contract_whole_episodes.py``)."""
+    return hasattr(env_creator(id), "run_whole_episodes")
+
+
 def _check_registered(id: str) -> None:
     _load_plugins()
     if id not in _REGISTERED:

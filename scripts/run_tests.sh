@@ -59,11 +59,11 @@ if engine_up && ! PY="$PY" scripts/sandbox_image.sh >"$LOGS/image.log" 2>&1; the
     notes+=("building the sandbox image failed (log: $LOGS/image.log): the Docker sandbox tests skip")
 fi
 
-"$PY" -m pytest -q -rs | tee "$LOGS/pytest.log"
+"$PY" -m pytest -q -rfEs | tee "$LOGS/pytest.log"
 status=$?  # pytest's own (pipefail)
 # the vLLM engine tests: one engine per process, so one pytest per file
 for file in tests/agent_rl/test_vllm_policy.py tests/agent_rl/test_export.py; do
-    "$VLLM_PY" -m pytest -q -rs -m vllm "$file" || status=$?
+    "$VLLM_PY" -m pytest -q -rfEs -m vllm "$file" || status=$?
 done
 
 skipped=$(grep -c '^SKIPPED' "$LOGS/pytest.log" || true)

@@ -27,13 +27,7 @@ from envs.runner import Completion, Sampling, run_episodes
 from envs.tools import ToolCall
 from trajectories import Episode, Outcome
 
-
-def runs_whole_episodes(env_id: str) -> bool:
-    """Is ``env_id`` an environment the runner hands whole batches to, never steps?"""
-    return hasattr(envs.registry.env_creator(env_id), "run_whole_episodes")
-
-
-ENV_IDS = [env_id for env_id in envs.list_envs() if not runs_whole_episodes(env_id)]
+ENV_IDS = [env_id for env_id in envs.list_envs() if not envs.registry.runs_whole_episodes(env_id)]
 REFERENCE_SEEDS = range(30)
 MAX_REFERENCE_STEPS = 200
 

@@ -15,12 +15,12 @@ import pytest
 import envs
 from envs.datasets import DEFAULT_PATH
 from envs.runner import Sampling, run_episodes
-from tests.envs.test_contract import ReplayPolicy, assert_valid_episode, runs_whole_episodes
+from tests.envs.test_contract import ReplayPolicy, assert_valid_episode
 
 HERE = Path(__file__).resolve().parent
 KWARGS = {"agent_rl/Agent-v0": {"agent": f"{HERE / 'agent_scripts.py'}:ask_once",
                                 "tasks": str(DEFAULT_PATH), "reward": "numeric"}}
-WHOLE = [env_id for env_id in envs.list_envs() if runs_whole_episodes(env_id)]
+WHOLE = [env_id for env_id in envs.list_envs() if envs.registry.runs_whole_episodes(env_id)]
 
 
 def test_every_whole_episode_env_is_covered():
