@@ -247,23 +247,30 @@ def summarize_eval(records: list[EvalRecord], requested: int | None = None) -> d
 
 
 
-def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
     """Paired bootstrap of after - before over the tasks both scored (same tasks, same
-    sampling seeds), overall and per split."""
+    sampling seeds), overall and per split. None when no task was scored by both (every
+    held-out episode of one side an infrastructure fault: nothing to pair), and a split with
+    no such task is left out, each with a warning."""
 
-    def paired(b: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    def paired(b: dict[str, Any], a: dict[str, Any], where: str) -> dict[str, Any] | None:
         old = dict(zip(b["keys"], b["rewards"], strict=True))
         pairs = [(reward, old[key]) for key, reward in zip(a["keys"], a["rewards"], strict=True)
                  if key in old]
+        if not pairs:
+            warnings.warn(f"held-out {where}: no task was scored both before and after (their "
+                          "episodes were infrastructure faults): no paired difference",
+                          stacklevel=3)
+            return None
         diff, lo, hi = paired_bootstrap([p[0] for p in pairs], [p[1] for p in pairs], n_boot=5000)
         return {"reward_diff": diff, "lo": lo, "hi": hi, "n": len(pairs)}
 
-    out = paired(before, after)
-    if "splits" in after:
-        out["splits"] = {name: paired(before["splits"][name], summary)
-                         for name, summary in after["splits"].items()}
+    out = paired(before, after, "all")
+    if out is not None and "splits" in after:
+        splits = {name: paired(before["splits"][name], summary, name)
+                  for name, summary in after["splits"].items()}
+        out["splits"] = {name: c for name, c in splits.items() if c is not None}
     return out
-
 
 
 def train_status(m: dict[str, Any], held_out: tuple[int, float] | None = None) -> str:

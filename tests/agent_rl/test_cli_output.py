@@ -10,6 +10,7 @@ import re
 import sys
 from types import SimpleNamespace
 
+import pytest
 from rich.console import Console
 
 from agent_rl.cli.canary import verdict_lines
@@ -218,3 +219,22 @@ def test_library_progress_bars_stay_out_of_a_log(monkeypatch):
         assert not transformers_logging.is_progress_bar_enabled()
     finally:
         transformers_logging.enable_progress_bar()
+
+
+def test_no_task_scored_on_both_sides_is_no_paired_difference_not_a_crash():
+    """A held-out evaluation whose every episode was an infrastructure fault scores no task:
+    compare warns and gives no difference (an Agent-v0 agent that always fails made the
+    bootstrap raise on an empty sample); a split without pairs is left out."""
+    from agent_rl.training.metrics import compare
+
+    before = {"keys": ["a", "b"], "rewards": [0.0, 1.0],
+              "splits": {"x": {"keys": ["a"], "rewards": [0.0]},
+                         "y": {"keys": ["b"], "rewards": [1.0]}}}
+    nothing = {"keys": [], "rewards": [], "splits": {"x": {"keys": [], "rewards": []}}}
+    with pytest.warns(UserWarning, match="held-out all: no task was scored both"):
+        assert compare(before, nothing) is None
+    half = {"keys": ["a"], "rewards": [1.0],
+            "splits": {"x": {"keys": ["a"], "rewards": [1.0]}, "y": {"keys": [], "rewards": []}}}
+    with pytest.warns(UserWarning, match="held-out y: no task"):
+        out = compare(before, half)
+    assert out["reward_diff"] == 1.0 and out["n"] == 1 and list(out["splits"]) == ["x"]
