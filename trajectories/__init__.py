@@ -11,7 +11,7 @@ from trajectories.assign import (
     register_assigner,
     session_weights,
 )
-from trajectories.calls import CallTree, ModelCall, StatedPlace, sessions_from_calls
+from trajectories.calls import CallTree, Continuation, ModelCall, StatedPlace, sessions_from_calls
 from trajectories.models import (
     Boundary,
     Episode,
@@ -29,6 +29,7 @@ __all__ = [
     "SESSION_WEIGHTINGS",
     "Boundary",
     "CallTree",
+    "Continuation",
     "Credit",
     "Episode",
     "ModelCall",

@@ -4,7 +4,7 @@ repeats an earlier prompt and its reply starts with that call's ids, as the serv
 
 import pytest
 
-from trajectories import ModelCall, StatedPlace, sessions_from_calls
+from trajectories import Continuation, ModelCall, StatedPlace, sessions_from_calls
 from trajectories.models import Episode, RewardBreakdown
 
 
@@ -165,3 +165,137 @@ def test_bad_logs_are_refused_with_the_reason():
         sessions_from_calls(rewritten, "e")
     with pytest.raises(ValueError, match="indices repeat"):
         sessions_from_calls([call(0, 0, 1, [TASK], "a"), call(0, 2, 3, [SYS], "b")], "e")
+
+
+# --- without token ids: the same rules on messages -------------------------------------------
+
+
+def bare(calls):
+    """The log as an endpoint that reports no ids leaves it (an OpenAI-compatible server
+    under evaluation): no prompt ids, no sampled ids, no log-probs."""
+    return [c.model_copy(update={"prompt_ids": [], "completion_ids": [], "logprobs": []})
+            for c in calls]
+
+
+def shape(tree):
+    """Everything the tree says but the turns' ids."""
+    return ([(s.session_id, s.parent_id, s.origin, s.boundary, [t.message() for t in s.turns],
+              s.metrics) for s in tree.sessions], tree.session_of)
+
+
+def tool_loop_log():
+    m1 = [SYS, TASK]
+    m2 = [*m1, said("lookup(PRD-7)"), tool("code 42")]
+    return [call(0, 0, 1, m1, "lookup(PRD-7)"), call(1, 2, 3, m2, "42")]
+
+
+def compression_log():
+    m1 = [SYS, TASK]
+    m2 = [*m1, said("lookup(PRD-7)"), tool("code 42"), user("Summarize what you know.")]
+    m3 = [SYS, TASK, user("Notes: PRD-7 has code 42.")]
+    return [call(0, 0, 1, m1, "lookup(PRD-7)"), call(1, 2, 3, m2, "PRD-7 has code 42."),
+            call(2, 4, 5, m3, "42")]
+
+
+def sequential_log():
+    m1 = [SYS, TASK]
+    a1 = [user("Sub-task: find PRD-7's owner.")]
+    a2 = [*a1, said("lookup(owner)"), tool("Ann")]
+    b1 = [user("Sub-task: find PRD-7's code.")]
+    m2 = [*m1, said("spawn(owner); spawn(code)"), tool("Ann"), tool("code 42")]
+    return [call(0, 0, 1, m1, "spawn(owner); spawn(code)"), call(1, 2, 3, a1, "lookup(owner)"),
+            call(2, 4, 5, a2, "Ann"), call(3, 6, 7, b1, "code 42"), call(4, 8, 9, m2, "Ann, 42")]
+
+
+def parallel_log():
+    m1 = [SYS, TASK]
+    a1, b1 = [user("Sub-task A")], [user("Sub-task B")]
+    a2 = [*a1, said("lookup(a)"), tool("x")]
+    m2 = [*m1, said("spawn(a); spawn(b)"), tool("x"), tool("y")]
+    return [call(0, 0, 1, m1, "spawn(a); spawn(b)"), call(1, 2.0, 3.0, a1, "lookup(a)"),
+            call(2, 2.01, 3.0, b1, "y"), call(3, 3.5, 4, a2, "x"), call(4, 5, 6, m2, "x, y")]
+
+
+def nested_log():
+    m1 = [SYS, TASK]
+    a1 = [user("Sub-task A")]
+    a2 = [*a1, said("lookup(a)"), tool("x"), user("Summarize.")]
+    a3 = [user("Sub-task A"), user("Notes: a is x.")]
+    m2 = [*m1, said("spawn(a)"), tool("x")]
+    return [call(0, 0, 1, m1, "spawn(a)"), call(1, 2, 3, a1, "lookup(a)"),
+            call(2, 4, 5, a2, "a is x."), call(3, 6, 7, a3, "x"), call(4, 8, 9, m2, "x")]
+
+
+@pytest.mark.parametrize("log", [tool_loop_log, compression_log, sequential_log, parallel_log,
+                                 nested_log])
+def test_without_ids_the_message_test_infers_the_same_tree(log):
+    calls = log()
+    by_tokens = sessions_from_calls(calls, "e")
+    by_messages = sessions_from_calls(bare(calls), "e")
+    assert (by_tokens.by, by_messages.by) == (Continuation.tokens, Continuation.messages)
+    assert shape(by_messages) == shape(by_tokens)
+    assert shape(sessions_from_calls(calls, "e", by=Continuation.messages)) == shape(by_tokens)
+    turns = [t for s in by_messages.sessions for t in s.turns]
+    assert not any(t.generated for t in turns)  # nothing to train on: no ids were reported
+    episode(by_messages)  # a valid episode record
+
+
+def test_without_ids_a_tool_loop_continues_on_messages_as_the_server_parses_them():
+    """The agent sends back the reply it got with another tool-call id, the arguments
+    re-serialised, its content as text parts and the system message as ``developer``: the
+    same messages, so the same session."""
+    lookup = {"id": "call_0_0", "type": "function",
+              "function": {"name": "lookup", "arguments": '{"code": "PRD-7", "n": 1}'}}
+    m1 = [SYS, TASK]
+    resent = {"id": "call_abc", "type": "function",
+              "function": {"name": "lookup", "arguments": '{"n":1,"code":"PRD-7"}'}}
+    m2 = [{"role": "developer", "content": SYS["content"]},
+          {"role": "user", "content": [{"type": "text", "text": TASK["content"]}]},
+          {"role": "assistant", "content": None, "tool_calls": [resent]},
+          {"role": "tool", "tool_call_id": "call_abc", "content": "code 42"}]
+    calls = bare([call(0, 0, 1, m1, "", tool_calls=[lookup]), call(1, 2, 3, m2, "42")])
+    tree = sessions_from_calls(calls, "e")
+    assert tree.by is Continuation.messages and tree.session_of == {0: "e/s0", 1: "e/s0"}
+    (session,) = tree.sessions
+    assert [t.role for t in session.turns] == ["system", "user", "assistant", "tool", "assistant"]
+    assert session.turns[2].tool_calls == [lookup]  # the reply as it was sent
+    assert session.turns[2].token_ids is None and session.turns[4].content == "42"
+    other = {**resent, "function": {"name": "lookup", "arguments": '{"code": "PRD-8", "n": 1}'}}
+    edited = [*m2[:2], {**m2[2], "tool_calls": [other]}, m2[3]]  # another call: not the reply
+    calls = bare([call(0, 0, 1, m1, "", tool_calls=[lookup]), call(1, 2, 3, edited, "42")])
+    assert sessions_from_calls(calls, "e").session_of == {0: "e/s0", 1: "e/s1"}
+
+
+def test_without_ids_a_compression_keeps_its_boundary():
+    tree = sessions_from_calls(bare(compression_log()), "e")
+    root, child = tree.sessions
+    assert (child.parent_id, child.origin) == ("e/s0", "compression")
+    assert child.boundary.summary == "PRD-7 has code 42."
+    assert child.boundary.before == [SYS, TASK, said("lookup(PRD-7)"), tool("code 42"),
+                                     user("Summarize what you know."), said("PRD-7 has code 42.")]
+    assert child.boundary.after == [SYS, TASK, user("Notes: PRD-7 has code 42.")]
+    assert child.boundary.parent_turn == 5
+    assert tree.session_of == {0: "e/s0", 1: "e/s0", 2: "e/s1"}
+
+
+def test_without_ids_sequential_and_parallel_sub_agents_are_branches():
+    tree = sessions_from_calls(bare(sequential_log()), "e")
+    assert [(s.parent_id, s.origin) for s in tree.sessions] == [
+        (None, "root"), ("e/s0", "branch"), ("e/s0", "branch")]
+    assert [s.boundary.returned for s in tree.sessions[1:]] == ["Ann", "code 42"]
+    assert tree.session_of == {0: "e/s0", 1: "e/s1", 2: "e/s1", 3: "e/s2", 4: "e/s0"}
+    tree = sessions_from_calls(bare(parallel_log()), "e")
+    assert [(s.parent_id, s.origin) for s in tree.sessions] == [
+        (None, "root"), ("e/s0", "branch"), ("e/s0", "branch")]
+    assert tree.session_of == {0: "e/s0", 1: "e/s1", 2: "e/s2", 3: "e/s1", 4: "e/s0"}
+
+
+def test_without_ids_a_stated_place_is_checked_message_for_message():
+    rewritten = bare([call(0, 0, 1, [SYS], "a", stated=StatedPlace(session="main")),
+                      call(1, 2, 3, [TASK], "b", stated=StatedPlace(session="main"))])
+    with pytest.raises(ValueError, match=r"reply, message for message\)"):
+        sessions_from_calls(rewritten, "e")
+    one_bare = [*compression_log()[:2], *bare(compression_log()[2:])]  # one call without ids
+    assert sessions_from_calls(one_bare, "e").by is Continuation.messages
+    with pytest.raises(ValueError, match=r"calls \[2\] carry no prompt ids"):
+        sessions_from_calls(one_bare, "e", by=Continuation.tokens)
