@@ -7,7 +7,9 @@ final answer. ``task`` is ``{"task_id", "prompt", "meta"}`` (never the answer).
 ``agent_episode`` runs one agent on one task: it opens an episode on a ``PolicyServer``, runs
 the agent in a thread for at most ``timeout_s`` seconds, closes the episode (later calls get
 404), and builds the ``Episode``: the session tree from the calls
-(``trajectories.sessions_from_calls``), the answer scored by a ``DatasetEnv``'s scorer (the
+(``trajectories.sessions_from_calls``: on token ids, or on messages where the policy reports
+no prompt ids, as an ``openai:URL`` policy under evaluation does; the test used is
+``reward.audit["sessions_inferred_by"]``), the answer scored by a ``DatasetEnv``'s scorer (the
 same rewards as ``Dataset-v0``, run under ``envs.deadline``), each session's
 ``used_by_final`` by data flow (``envs.sessions.used_by_data_flow``), the final session being
 that of the latest call whose reply holds the answer (else the latest call's).
@@ -131,11 +133,11 @@ def agent_episode(agent: Callable[..., Any], task: TaskSpec, server: PolicyServe
     link = server.open_episode(stream=fields.get("seed"))
     answer, fault, reason = call_agent(agent, task_dict(task), link, timeout_s)
     calls = link.calls()
-    sessions, session_of = [], {}
+    sessions, session_of, inferred = [], {}, {}
     if calls:
         try:
             tree = sessions_from_calls(calls, episode_id)
-            session_of = tree.session_of
+            session_of, inferred = tree.session_of, {"sessions_inferred_by": tree.by.value}
             sessions = [_opening(s, calls, session_of) for s in tree.sessions]
         except ValueError as exc:
             fault, reason = fault or AgentFault.bad_calls, str(exc)
@@ -153,7 +155,8 @@ def agent_episode(agent: Callable[..., Any], task: TaskSpec, server: PolicyServe
     assistant_turns = sum(t.role == "assistant" for s in sessions
                           for t in s.turns[s.metrics["opening_turns"]:])
     reward = reward.model_copy(update={"audit": {
-        **reward.audit, "assistant_turns": assistant_turns, "refused_calls": list(link.refused)}})
+        **reward.audit, "assistant_turns": assistant_turns, "refused_calls": list(link.refused),
+        **inferred}})
     final = _final_session(answer, calls, session_of) if fault is None else None
     fields.update(episode_id=episode_id, env_id=ENV_ID, env_version=0, task_id=task.task_id,
                   task_meta=task.meta.model_dump(), sessions=sessions, reward=reward,
