@@ -171,6 +171,17 @@ class ModelSection(_Section):
 
         return check_device_spec(value)
 
+    @field_validator("id")
+    @classmethod
+    def _not_an_endpoint(cls, value: str) -> str:
+        if value.startswith("openai:"):
+            raise ValueError(f"{value!r} is an OpenAI-compatible endpoint, which is evaluation "
+                             "only: it reports no prompt token ids, so there is nothing exact "
+                             "to train on; evaluate it with `agent-rl eval --policy "
+                             f"{value}` and train a local model (smollm2-135m, tiny, a "
+                             "folder, a Hub id)")
+        return value
+
 
 class RolloutSection(_Section):
     backend: Literal["hf", "vllm"] = "hf"
