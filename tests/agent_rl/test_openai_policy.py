@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -433,3 +434,90 @@ def test_a_proxy_of_another_scheme_is_refused_at_once(monkeypatch):
     monkeypatch.setenv("https_proxy", "socks5://127.0.0.1:1080")
     with pytest.raises(ValueError, match="only http://HOST"):
         OpenAIPolicy("https://127.0.0.1:9/v1", "m")
+
+
+# --- an agent written as code, evaluated through an endpoint that reports no ids --------------
+
+
+def remote_script(messages) -> str:
+    """What the endpoint's model says to tests/agent_rl/notes_agent.py (as the endpoint is
+    shown it: tool results as user turns): the lookup tool first, then a plain reply, a note
+    holding the question's number, and the answer from the note."""
+    last = messages[-1]["content"]
+    number = int(re.findall(r"\d+", next(m["content"] for m in messages if m["role"] == "user"))[0])
+    if last.startswith("Note: "):
+        return f"It is {number + 1}."
+    if last.startswith("Write a short note"):
+        return f"Notes: {number} + 1."
+    if last.startswith("<tool_response"):
+        return "I looked it up."
+    return '<tool_call>{"name": "lookup", "arguments": {"word": "seven"}}</tool_call>'
+
+
+def test_eval_of_an_agent_through_an_endpoint_infers_its_tree_from_messages(tmp_path, capsys):
+    """``agent-rl eval --policy openai:URL`` on Agent-v0 with notes_agent.py (two turns with a
+    tool, then the agent compresses its own context). The endpoint is our policy server
+    serving the tiny model, so it returns no token ids: the tree comes from the messages, and
+    is the one the agent had (a root of three calls, a compression child answering)."""
+    pytest.importorskip("openai")
+    from agent_rl.policies.models import tiny_model
+    from envs.agent_proxy import PolicyServer
+    from tests.envs.test_agent_proxy import ScriptedModel
+
+    rows = tmp_path / "tasks.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+                            + "\n" for i in range(40)))
+    agent = f"{Path(__file__).resolve().parent / 'notes_agent.py'}:run"
+    config = tmp_path / "agent.yaml"
+    config.write_text(json.dumps({"env": {"id": "agent_rl/Agent-v0", "pool_size": 40, "kwargs": {
+        "agent": agent, "tasks": str(rows), "reward": "numeric"}},
+        "eval": {"split": "holdout_iid"}}))
+    model, tok = tiny_model(seed=0)
+    endpoint = PolicyServer(ScriptedModel(model, tok, remote_script),
+                            Sampling(temperature=0.7), fixed_sampling=True)
+    with endpoint:
+        link = endpoint.open_episode()
+        code = main(["eval", "--config", str(config), "--policy", f"openai:{link.base_url}",
+                     "--n", "2", "--out", str(tmp_path / "ev")])
+        remote_calls = link.calls()
+    out = capsys.readouterr().out
+    assert code == 0 and "2 episodes, 0 infrastructure faults" in out
+    assert len(remote_calls) == 8  # four calls an episode, all through the endpoint
+    records = [json.loads(line) for line in (tmp_path / "ev" / "records.jsonl").open()]
+    assert [(r["sessions"], r["compressions"], r["branches"]) for r in records] == [(2, 1, 0)] * 2
+    assert all(r["reward"] == 1.0 for r in records)
+    episodes = [json.loads(line) for line in (tmp_path / "ev" / "episodes.jsonl").open()]
+    for e in episodes:
+        assert e["reward"]["audit"]["sessions_inferred_by"] == "messages"
+        root, child = e["sessions"]
+        assert (root["origin"], root["metrics"]["model_calls"]) == ("root", 3)
+        assert [t["role"] for t in root["turns"]] == ["system", "user", "assistant", "tool",
+                                                      "assistant", "user", "assistant"]
+        assert (child["parent_id"], child["origin"]) == (root["session_id"], "compression")
+        assert child["metrics"]["model_calls"] == 1
+        note = f"Notes: {int(re.findall(r'[0-9]+', root['turns'][1]['content'])[0])} + 1."
+        assert child["boundary"]["summary"] == root["turns"][-1]["content"] == note
+        assert child["boundary"]["after"][0]["content"].startswith(f"Note: {note}")
+        assert e["final_session_id"] == child["session_id"]
+        assert root["used_by_final"] and child["used_by_final"]
+        assert all(t["token_ids"] is None for s in e["sessions"] for t in s["turns"])
+    episode_id = episodes[0]["episode_id"]
+    assert main(["inspect", str(tmp_path / "ev" / "episodes.jsonl"), "--episode", episode_id]) == 0
+    shown = capsys.readouterr().out
+    assert "compression" in shown and shown.count("root") >= 1  # the tree a user sees
+
+
+def test_training_on_an_endpoint_is_refused_before_any_work(tmp_path, capsys):
+    """An endpoint's episodes carry no ids to train on: ``model.id: openai:URL`` is a contract
+    error naming the key and saying what to do instead, for the CLI and the Python API."""
+    from agent_rl.run.contract import ContractError, ExperimentContract
+
+    with pytest.raises(ContractError, match=r"model.id: 'openai:http://h:1/v1' is an "
+                                            "OpenAI-compatible endpoint, which is evaluation only"):
+        ExperimentContract.from_dict({"model": {"id": "openai:http://h:1/v1"}})
+    tiny_yaml = Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml"
+    code = main(["train", str(tiny_yaml), "--set", "model.id=openai:http://127.0.0.1:9/v1",
+                 "--set", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "run").exists()
+    assert "evaluate it with `agent-rl eval --policy openai:http://127.0.0.1:9/v1`" in err
