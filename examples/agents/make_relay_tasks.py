@@ -7,7 +7,9 @@ about, for the leakage checks), ``answer`` (the number), the metadata columns ``
 ``structure``, ``entity_group``, ``length`` (sessions a correct agent needs: 2 or 3),
 ``difficulty`` (from which the compositional holdout is chosen, as for Relay-v0), and what the
 agent reads: ``parts`` (the facts, in the batches Relay-v0 shows them: one batch per note),
-``requests`` (Relay-v0's note request after each batch: which lines to copy) and ``question``.
+``requests`` (Relay-v0's note request after each batch: which lines to copy), ``question``, and
+the worked examples Relay-v0 opens its sessions with: ``note_example`` (the first note's) and
+``answer_example`` (the answer's: same entities' family and operation), each ``[user, reply]``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def rows(n: int, seed: int) -> list[dict]:
     out = []
     for task in env.task_pool(n, seed=seed):
         data, meta = task.data, task.meta
+        env.reset(options={"task": task})  # Relay-v0's worked examples for this task
+        note_example, answer_example = env.examples(0)[0], env.examples(len(data["batches"]))[0]
         parts = ["\n".join(data["facts"][j] for j in batch) for batch in data["batches"]]
         seen: set[int] = set()
         requests = []
@@ -34,7 +38,8 @@ def rows(n: int, seed: int) -> list[dict]:
                     "answer": task.target["answer"], "skills": meta.skills,
                     "structure": meta.structure, "entity_group": meta.entity_group,
                     "length": meta.length, "difficulty": meta.difficulty, "parts": parts,
-                    "requests": requests, "question": data["question"]})
+                    "requests": requests, "question": data["question"],
+                    "note_example": list(note_example), "answer_example": list(answer_example)})
     return out
 
 

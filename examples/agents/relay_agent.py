@@ -10,9 +10,10 @@ examples/agents/relay_agent.py:run``).
 The agent compresses its own context. For each part of the facts it starts a fresh message
 list holding its note so far and that part, and asks for a note (the lines the task says to
 copy); then it starts a fresh message list holding only the last note and the question, and
-returns the reply. Each message list opens with one worked example of its kind (a prompt,
-never trained on). agent-rl sees a chain of sessions joined by compressions: the facts, (more
-facts,) the answer.
+returns the reply. A note keeps at most its first 40 words. The first message list and the
+answering one open with a worked example of their kind (a prompt, never trained on: the
+task's ``note_example`` and ``answer_example`` where it has them, else a generic one). agent-rl
+sees a chain of sessions joined by compressions: the facts, (more facts,) the answer.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ ANSWER_EXAMPLE = ("Your note: The gold box has code 61.\n\nQuestion: What is the
                   "box?\nAnswer with just the number.", "61")
 
 
-def ask(client: OpenAI, example: tuple[str, str], text: str, max_tokens: int) -> str:
-    """One call on a fresh message list: the system prompt, a worked example, ``text``."""
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": example[0]},
-                {"role": "assistant", "content": example[1]},
-                {"role": "user", "content": text}]
+NOTE_WORDS = 40  # what of a note the agent keeps
+
+
+def ask(client: OpenAI, example: tuple[str, str] | None, text: str, max_tokens: int) -> str:
+    """One call on a fresh message list: the system prompt, a worked example if any, ``text``."""
+    shown = [{"role": "user", "content": example[0]},
+             {"role": "assistant", "content": example[1]}] if example else []
+    messages = [{"role": "system", "content": SYSTEM}, *shown, {"role": "user", "content": text}]
     reply = client.chat.completions.create(model="policy", messages=messages,
                                            max_tokens=max_tokens, temperature=0.0)
     return (reply.choices[0].message.content or "").strip()
@@ -47,10 +50,12 @@ def run(task: dict, base_url: str, api_key: str) -> str:
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     meta = task["meta"]
     note = ""
-    for part, request in zip(meta["parts"], meta["requests"], strict=True):
-        shown = f"Your note: {note}\n\nMore facts:\n{part}" if note else part
-        note = ask(client, NOTE_EXAMPLE, f"{shown}\n\n{request}", max_tokens=48)
-    return ask(client, ANSWER_EXAMPLE,
+    for i, (part, request) in enumerate(zip(meta["parts"], meta["requests"], strict=True)):
+        shown = f"Your note: {note}\n\nMore facts:\n{part}" if i else part
+        example = None if i else tuple(meta.get("note_example") or NOTE_EXAMPLE)
+        reply = ask(client, example, f"{shown}\n\n{request}", max_tokens=48)
+        note = " ".join(reply.split()[:NOTE_WORDS])
+    return ask(client, tuple(meta.get("answer_example") or ANSWER_EXAMPLE),
                f"Your note: {note}\n\nQuestion: {meta['question']}\nAnswer with just the number.",
                max_tokens=16)
 

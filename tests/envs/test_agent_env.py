@@ -211,29 +211,55 @@ class CopyingModel:
 
     def __init__(self, answer: int):
         self.answer = answer
+        self.seen: list[list[dict]] = []  # every message list asked, in order
+
+    def reply(self, text: str) -> str:
+        if "Question:" in text:
+            return str(self.answer)
+        heads = text.rsplit("\n\n", 1)[1].split('"')[1::2]  # the lines to copy
+        return " ".join(re.search(re.escape(h) + r" \d+[^.\n]*\.", text).group(0)
+                        for h in heads)
 
     def generate(self, batch, sampling):
         out = []
         for messages in batch:
-            text = messages[-1]["content"]
-            if "Question:" in text:
-                reply = str(self.answer)
-            else:
-                heads = text.rsplit("\n\n", 1)[1].split('"')[1::2]  # the lines to copy
-                reply = " ".join(re.search(re.escape(h) + r" \d+[^.\n]*\.", text).group(0)
-                                 for h in heads)
-            out.append(Completion(reply, token_ids=[1, 2], logprobs=[-0.1, -0.2]))
+            self.seen.append([dict(m) for m in messages])
+            out.append(Completion(self.reply(messages[-1]["content"]), token_ids=[1, 2],
+                                  logprobs=[-0.1, -0.2]))
         return out
+
+
+def relay_agent_kwargs() -> dict:
+    from agent_rl.run.contract import ExperimentContract
+
+    kwargs = ExperimentContract.from_yaml(EXAMPLES / "smollm2_agent.yaml").env.kwargs
+    return {**kwargs, "agent": f"{EXAMPLES / 'agents' / 'relay_agent.py'}:run",
+            "tasks": {**kwargs["tasks"], "path": str(RELAY_TASKS)}}
+
+
+def test_the_relay_agent_sends_what_relay_v0_shows():
+    """Given the same replies, every message list the agent sends is the observation Relay-v0
+    shows for the same task (its worked examples, notes, more facts and question)."""
+    from envs.relay import RelayEnv
+
+    relay = RelayEnv()
+    by_id = {t.task_id: t for t in relay.task_pool(384, seed=0)}  # the file's tasks
+    for task in envs.make(ENV_ID, **relay_agent_kwargs()).unwrapped.task_pool(6, seed=0):
+        model = CopyingModel(task.target)
+        run_episodes(ENV_ID, [task], model, env_kwargs=relay_agent_kwargs())
+        obs, _ = relay.reset(options={"task": by_id[task.task_id]})
+        shown = [obs]
+        while "Question:" not in obs[-1]["content"]:
+            obs, *_ = relay.step(model.reply(obs[-1]["content"]))
+            shown.append(obs)
+        assert model.seen == [[{"role": m["role"], "content": m["content"]} for m in o]
+                              for o in shown], task.task_id
 
 
 def test_the_relay_agent_relays_its_notes_through_a_chain_of_compressions():
     """With correct notes and answers every task scores 1; each episode is as many sessions
     as the task's length, each a compression of the one before."""
-    from agent_rl.run.contract import ExperimentContract
-
-    kwargs = ExperimentContract.from_yaml(EXAMPLES / "smollm2_agent.yaml").env.kwargs
-    kwargs = {**kwargs, "agent": f"{EXAMPLES / 'agents' / 'relay_agent.py'}:run",
-              "tasks": {**kwargs["tasks"], "path": str(RELAY_TASKS)}}
+    kwargs = relay_agent_kwargs()
     pool = envs.make(ENV_ID, **kwargs).unwrapped.task_pool(6, seed=0)
     assert {t.meta.length for t in pool} == {2, 3}
     for task in pool:

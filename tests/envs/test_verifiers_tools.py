@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,45 +18,14 @@ from envs.runner import Completion, run_episodes  # noqa: E402
 from envs.verifiers_bridge import TasksetEnv  # noqa: E402
 from trajectories import Outcome  # noqa: E402
 
-SHELVES = [{"pen": 3, "cup": 4}, {"pen": 5, "cup": 11}]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import verifiers_tools as shop  # noqa: E402  (the example's state, data and tools)
+
+SHELVES = shop.SHELVES[:2]
 
 
-class ShelfState(vf.State):
-    lookups: list[str] = []
-
-
-class ShelfData(vf.TaskData):
-    prices: dict[str, int]
-    answer: str
-
-
-class ShelfTools(vf.Toolset[vf.ToolsetConfig, ShelfState]):
-    """Prices of the row's shelf, set per rollout (``setup_task``)."""
-
-    async def setup_task(self, task):
-        self.prices = dict(task.prices)
-
-    @vf.tool
-    def price(self, item: str) -> str:
-        """The price of one item on the shelf."""
-        self.state.lookups.append(item)
-        if item not in self.prices:
-            raise KeyError(f"no item {item!r} on the shelf")
-        return str(self.prices[item])
-
-
-class ShelfTask(vf.Task[ShelfData, ShelfState, vf.TaskConfig]):
-    @classmethod
-    def toolsets(cls, config):
-        return [ShelfTools(vf.ToolsetConfig())]
-
-    @vf.reward
-    async def correct(self, trace) -> float:
-        return float(trace.last_reply.strip() == self.data.answer)
-
-    @vf.reward(weight=0.5)
-    async def looked_up(self, trace) -> float:  # what the tools wrote to the rollout state
-        return float(set(trace.state.lookups) >= set(self.data.prices))
+class ShelfTask(shop.ShelfTask):
+    """The example's task, its rewards and tools, plus metrics these tests read."""
 
     @vf.metric
     async def tool_results(self, trace) -> float:
@@ -70,7 +41,7 @@ class ShelfTask(vf.Task[ShelfData, ShelfState, vf.TaskConfig]):
 class ShelfTaskset(vf.Taskset[ShelfTask, vf.TasksetConfig]):
     def load(self):
         for shelf in SHELVES:
-            data = ShelfData(prompt="What do a pen and a cup cost together? Look up each "
+            data = shop.ShelfData(prompt="What do a pen and a cup cost together? Look up each "
                                     "price, then reply with the total only.",
                              prices=shelf, answer=str(sum(shelf.values())))
             yield ShelfTask(data, self.config.task)
@@ -152,7 +123,7 @@ def test_tools_that_cannot_be_hosted_are_refused_at_construction():
 
     class UntypedTaskset(vf.Taskset[UntypedTask, vf.TasksetConfig]):
         def load(self):
-            yield UntypedTask(ShelfData(prompt="p", prices={}, answer="0"), self.config.task)
+            yield UntypedTask(shop.ShelfData(prompt="p", prices={}, answer="0"), self.config.task)
 
     with pytest.raises(TypeError, match="tool look: argument 'item' needs a type annotation"):
         TasksetEnv(UntypedTaskset)
@@ -160,11 +131,11 @@ def test_tools_that_cannot_be_hosted_are_refused_at_construction():
     class Remote(ShelfTask):
         @classmethod
         def toolsets(cls, config):
-            return [ShelfTools(vf.ToolsetConfig(url="http://example.invalid/mcp"))]
+            return [shop.ShelfTools(vf.ToolsetConfig(url="http://example.invalid/mcp"))]
 
     class RemoteTaskset(vf.Taskset[Remote, vf.TasksetConfig]):
         def load(self):
-            yield Remote(ShelfData(prompt="p", prices={}, answer="0"), self.config.task)
+            yield Remote(shop.ShelfData(prompt="p", prices={}, answer="0"), self.config.task)
 
     with pytest.raises(TypeError, match="names a remote server .*in process, offline"):
         TasksetEnv(RemoteTaskset)
