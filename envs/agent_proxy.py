@@ -15,9 +15,25 @@ message with ``tool_calls`` as its text with ``<tool_call>{json}</tool_call>`` b
 ``system``. An assistant message that is a reply this server sent in the same episode, after
 the same earlier messages, carries the ids the policy sampled for it (``token_ids``): the
 policy lays it out as ``agent_rl``'s ``render_session`` lays out a generated turn, so nothing
-sampled is ever re-tokenized. The reply's text is parsed for tool calls (unless ``tool_choice``
-is ``"none"``); they come back as OpenAI ``tool_calls`` (ids ``call_<call>_<k>``) and the rest
-of the text as ``content``.
+sampled is ever re-tokenized. The reply's text is parsed for tool calls; they come back as
+OpenAI ``tool_calls`` (ids ``call_<call>_<k>``) and the rest of the text as ``content``.
+
+**``tool_choice``.** The policy samples freely whatever the choice: nothing is prefilled or
+masked (a prefilled tool-call opener would be a token the policy did not sample inside the
+turn the trainer scores), and the tools are listed in the prompt whatever the choice (so a
+session's prompts keep extending each other). ``"auto"`` (the default): replies are parsed
+for tool calls. ``"none"``: they are not; the reply's whole text is its ``content``.
+``"required"``, or ``{"type": "function", "function": {"name": NAME}}`` naming one of the
+request's tools: replies are parsed as with ``"auto"``, and the choice is met when the reply
+calls at least one tool (every call to NAME, for a named choice). A reply that does not meet
+it is returned as the policy wrote it, with the usual finish reason (``"stop"`` for a text
+reply: never ``"tool_calls"`` without tool calls), and says so: the body (the last chunk,
+streamed) carries ``"agent_rl": {"tool_choice_met": false}`` (``true`` when met; absent for
+``"auto"`` / ``"none"``), and the call is listed in ``EpisodeLink.unmet_tool_choice`` (``{"index",
+"tool_choice": "required" | NAME}``, in the episode's ``reward.audit["unmet_tool_choice"]``).
+``"required"`` or a named choice without ``tools``, a name not among them, or any other value
+is a 400 naming ``tool_choice``. ``parallel_tool_calls`` (true or false) is accepted and does
+not constrain the policy: every call it wrote is returned.
 
 **What is recorded.** Every answered call is a ``trajectories.ModelCall``: those messages
 (without the ids), the prompt ids the policy reports (``Completion.prompt_ids``: the ids the
@@ -41,9 +57,8 @@ batch it lands in; an episode opened without one samples from its row of the bat
 no messages, an unknown role, a non-text content part, ``n`` other than 1, ``logit_bias``,
 ``stop``, non-zero ``frequency_penalty`` / ``presence_penalty``, a ``response_format`` other
 than text, legacy ``functions``, a tool schema that is not ``{"type": "function",
-"function": {"name": ..., "parameters": {...}}}``, a ``tool_choice`` other than ``"auto"`` /
-``"none"`` (the policy samples freely: it cannot be forced to call a tool), an out-of-range
-sampling value. ``stream: true`` answers as server-sent events (the whole reply in one content
+"function": {"name": ..., "parameters": {...}}}``, a ``tool_choice`` as above, a
+``parallel_tool_calls`` that is not a boolean, an out-of-range sampling value. ``stream: true`` answers as server-sent events (the whole reply in one content
 chunk, then the tool calls, then the finish reason and ``data: [DONE]``). Nothing a client
 sends stops the server: an unexpected failure is a 500 error body.
 """
@@ -96,6 +111,8 @@ class EpisodeLink:
     stream: int | None = None  # the key of this episode's random streams (module docstring)
     _calls: list[ModelCall] = field(default_factory=list)
     refused: list[dict[str, Any]] = field(default_factory=list)
+    # calls whose reply did not call the tool that tool_choice required (module docstring)
+    unmet_tool_choice: list[dict[str, Any]] = field(default_factory=list)
     _replies: dict = field(default_factory=dict)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -134,6 +151,10 @@ class EpisodeLink:
         with self._lock:
             self._calls.append(call)
             self._replies[key] = (completion.text, list(completion.token_ids))
+
+    def _unmet(self, index: int, choice: str) -> None:
+        with self._lock:
+            self.unmet_tool_choice.append({"index": index, "tool_choice": choice})
 
     def _refuse(self, index: int, reason: str, prompt_tokens: int) -> None:
         with self._lock:
@@ -261,15 +282,21 @@ class PolicyServer:
                                f"the policy's limit of {self._sampling(request).max_prompt_tokens}: "
                                "shorten the conversation (summarise it and start a new one)",
                                "messages", 400, "context_length_exceeded")
-        message, tool_finish = reply_message(completion.text, request.parse_tools, index)
+        message, tool_finish = reply_message(completion.text, request.tool_choice.parse, index)
         link._record(request, index, started, completion, message)
+        extra = {}
+        if request.tool_choice.required:  # the policy sampled freely: say whether it complied
+            met = request.tool_choice.met(message.get("tool_calls") or [])
+            extra["agent_rl"] = {"tool_choice_met": met}
+            if not met:
+                link._unmet(index, request.tool_choice.label())
         finish, created = finish_reason(completion, tool_finish), int(time.time())
         call_id = f"chatcmpl-{link.token[:8]}-{index}"
         if request.stream:
             return request, {}, stream_chunks(message, finish, completion, self.model, call_id,
-                                              created, request.include_usage)
+                                              created, request.include_usage, extra)
         return request, completion_body(message, finish, completion, self.model, call_id,
-                                        created), []
+                                        created, extra), []
 
     def models_body(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,

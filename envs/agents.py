@@ -153,7 +153,8 @@ def agent_episode(agent: Callable[..., Any], task: TaskSpec, server: PolicyServe
     assistant_turns = sum(t.role == "assistant" for s in sessions
                           for t in s.turns[s.metrics["opening_turns"]:])
     reward = reward.model_copy(update={"audit": {
-        **reward.audit, "assistant_turns": assistant_turns, "refused_calls": list(link.refused)}})
+        **reward.audit, "assistant_turns": assistant_turns, "refused_calls": list(link.refused),
+        "unmet_tool_choice": list(link.unmet_tool_choice)}})
     final = _final_session(answer, calls, session_of) if fault is None else None
     fields.update(episode_id=episode_id, env_id=ENV_ID, env_version=0, task_id=task.task_id,
                   task_meta=task.meta.model_dump(), sessions=sessions, reward=reward,

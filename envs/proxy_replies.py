@@ -40,17 +40,19 @@ def _usage(completion: Completion) -> dict[str, int]:
 
 
 def completion_body(message: dict[str, Any], finish: str, completion: Completion, model: str,
-                    call_id: str, created: int) -> dict[str, Any]:
+                    call_id: str, created: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """A ``chat.completion`` body; ``extra``: top-level keys beyond OpenAI's (``agent_rl``)."""
     return {"id": call_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish,
                          "logprobs": None}],
-            "usage": _usage(completion)}
+            "usage": _usage(completion), **extra}
 
 
 def stream_chunks(message: dict[str, Any], finish: str, completion: Completion, model: str,
-                  call_id: str, created: int, include_usage: bool) -> list[dict[str, Any]]:
+                  call_id: str, created: int, include_usage: bool,
+                  extra: dict[str, Any]) -> list[dict[str, Any]]:
     """The chunks of a streamed reply: the role, the content, the tool calls, the finish
-    reason (and the usage when asked for)."""
+    reason with ``extra`` (and the usage when asked for)."""
     def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
         return {"id": call_id, "object": "chat.completion.chunk", "created": created,
                 "model": model, "choices": [{"index": 0, "delta": delta,
@@ -62,7 +64,7 @@ def stream_chunks(message: dict[str, Any], finish: str, completion: Completion, 
     if message.get("tool_calls"):
         chunks.append(chunk({"tool_calls": [{"index": k, **c}
                                             for k, c in enumerate(message["tool_calls"])]}))
-    chunks.append(chunk({}, finish))
+    chunks.append({**chunk({}, finish), **extra})
     if include_usage:
         chunks.append({"id": call_id, "object": "chat.completion.chunk", "created": created,
                        "model": model, "choices": [], "usage": _usage(completion)})

@@ -39,13 +39,35 @@ class RequestError(Exception):
 
 
 @dataclass(frozen=True)
+class ToolChoice:
+    """The request's ``tool_choice``. ``parse``: whether replies are parsed for tool calls
+    (False for ``"none"`` or when no tools are given); ``required``: the reply must call a
+    tool (``"required"``, or a named function); ``function``: the one function a named choice
+    asks for. The policy samples freely either way: ``met`` says whether a reply complied."""
+
+    parse: bool = False
+    required: bool = False
+    function: str | None = None
+
+    def met(self, calls: Sequence[dict[str, Any]]) -> bool:
+        """Whether a reply's OpenAI ``tool_calls`` satisfy this choice."""
+        if not self.required:
+            return True
+        return bool(calls) and all(self.function in (None, c["function"]["name"]) for c in calls)
+
+    def label(self) -> str:
+        """How the choice reads in a record: ``"required"`` or the named function."""
+        return self.function or ("required" if self.required else "auto" if self.parse else "none")
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """One validated ``/chat/completions`` request. ``shown``: the messages the policy is
     given (generated replies carrying ``token_ids``); ``recorded``: the same without them."""
 
     shown: list[dict[str, Any]]
     recorded: list[dict[str, Any]]
-    parse_tools: bool
+    tool_choice: ToolChoice
     stream: bool
     include_usage: bool
     temperature: float | None
@@ -216,16 +238,42 @@ def _refuse_unsupported(body: dict) -> None:
                                "and tool_choice", key)
 
 
+def tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    """The request's ``tool_choice`` (``"none"``, ``"auto"``, ``"required"`` or ``{"type":
+    "function", "function": {"name": ...}}`` naming one of ``tools``), checked."""
+    if choice in (None, "auto", "none"):
+        return ToolChoice(parse=bool(tools) and choice != "none")
+    names = [t["function"]["name"] for t in tools]
+    if choice != "required" and not (
+            isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        raise RequestError(f"tool_choice {str(choice)[:100]!r} must be 'none', 'auto', "
+                           "'required' or {'type': 'function', 'function': {'name': ...}}",
+                           "tool_choice")
+    if not tools:
+        raise RequestError("tool_choice asks for a tool call, but the request has no tools",
+                           "tool_choice")
+    if choice == "required":
+        return ToolChoice(parse=True, required=True)
+    name = choice["function"]["name"]
+    if name not in names:
+        raise RequestError(f"tool_choice names the function {name[:64]!r}, which is not among "
+                           f"the request's tools {names}", "tool_choice")
+    return ToolChoice(parse=True, required=True, function=name)
+
+
 def parse_request(body: Any, replies: dict) -> ChatRequest:
     """A ``/chat/completions`` body, checked (``RequestError`` naming the field)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _refuse_unsupported(body)
     tools = check_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(f"tool_choice {choice!r} is not supported: the policy samples "
-                           "freely (use 'auto' or 'none')", "tool_choice")
+    choice = tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError(f"parallel_tool_calls must be true or false, got {parallel!r}",
+                           "parallel_tool_calls")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise RequestError(f"max_tokens must be an integer >= 1, got {limit!r}",
@@ -244,8 +292,7 @@ def parse_request(body: Any, replies: dict) -> ChatRequest:
             raise RequestError(f"agent_rl must be {{'session'?, 'parent'?, 'origin'?: 'branch' | "
                                f"'compression'}}: {str(exc)[:300]}", "agent_rl") from None
     shown, recorded = chat_messages(body.get("messages"), tools, replies)
-    return ChatRequest(shown=shown, recorded=recorded, parse_tools=bool(tools) and choice != "none",
-                       stream=stream, include_usage=bool(options.get("include_usage")),
+    return ChatRequest(shown=shown, recorded=recorded, tool_choice=choice, stream=stream, include_usage=bool(options.get("include_usage")),
                        temperature=_number(body, "temperature", 0.0, 2.0),
                        top_p=_number(body, "top_p", 1e-9, 1.0), max_tokens=limit, stated=stated)
 

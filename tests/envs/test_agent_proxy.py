@@ -249,6 +249,69 @@ def test_subagents_with_their_own_message_lists(tiny, parallel):
     assert scored_difference(model, tok, tree, calls) < 1e-5
 
 
+# --- tool_choice ---------------------------------------------------------------------------------
+
+MUL = {"type": "function", "function": {"name": "mul", "parameters": {"type": "object"}}}
+CALL_ADD = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+CALL_MUL = '<tool_call>{"name": "mul", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def ask(link, **request):
+    """One call through the openai client, with the add and mul tools."""
+    return client(link).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "go"}], tools=[ADD, MUL], **request)
+
+
+def test_tool_choice_none_returns_the_text_unparsed(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: "Sure: " + CALL_ADD)) as server:
+        link = server.open_episode()
+        reply = ask(link, tool_choice="none")
+        assert reply.choices[0].message.tool_calls is None
+        assert reply.choices[0].message.content == "Sure: " + CALL_ADD
+        assert reply.choices[0].finish_reason == "stop" and reply.model_extra == {}
+        # the tools are still listed in the prompt, so the session's prompts stay one prefix
+        assert '"name": "add"' in link.calls()[0].messages[0]["content"]
+        assert ask(link, tool_choice="auto").choices[0].message.tool_calls[0].function.name == "add"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_choice_required_says_when_the_reply_did_not_comply(tiny, stream):
+    model, tok = tiny
+    replies = iter(["I would rather not.", CALL_ADD, CALL_MUL, CALL_ADD])
+    with PolicyServer(ScriptedModel(model, tok, lambda m: next(replies))) as server:
+        link = server.open_episode()
+        named = {"type": "function", "function": {"name": "add"}}
+        seen = []
+        for choice in ("required", "required", named, named):
+            if stream:
+                chunks = list(ask(link, tool_choice=choice, stream=True))
+                last = chunks[-1]
+                calls = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+                seen.append((last.choices[0].finish_reason, len(calls) > 0,
+                             last.model_extra["agent_rl"]["tool_choice_met"]))
+            else:
+                reply = ask(link, tool_choice=choice, parallel_tool_calls=False)
+                seen.append((reply.choices[0].finish_reason,
+                             reply.choices[0].message.tool_calls is not None,
+                             reply.model_extra["agent_rl"]["tool_choice_met"]))
+        unmet = link.unmet_tool_choice
+    # a text reply to "required" is returned as text with finish "stop", flagged unmet; a
+    # call to mul when add was named is returned as the call it is, flagged unmet
+    assert seen == [("stop", False, False), ("tool_calls", True, True),
+                    ("tool_calls", True, False), ("tool_calls", True, True)]
+    assert unmet == [{"index": 0, "tool_choice": "required"}, {"index": 2, "tool_choice": "add"}]
+
+
+def test_parallel_tool_calls_is_accepted_and_every_call_returned(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: CALL_ADD + CALL_MUL)) as server:
+        link = server.open_episode()
+        for parallel in (True, False):
+            calls = ask(link, parallel_tool_calls=parallel).choices[0].message.tool_calls
+            assert [c.function.name for c in calls] == ["add", "mul"]
+
+
 def test_stated_place_wins_over_inference(tiny):
     model, tok = tiny
     with PolicyServer(ScriptedModel(model, tok, lambda m: "ok")) as server:
@@ -312,6 +375,14 @@ def post(link, body: bytes, path="/chat/completions"):
       "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
      "tools[0].function.parameters"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD], "tool_choice": "always"},
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD],
+      "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD],
+      "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD],
+      "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "agent_rl": {"origin": "root"}}, "agent_rl"),
