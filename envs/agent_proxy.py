@@ -35,6 +35,15 @@ streamed) carries ``"agent_rl": {"tool_choice_met": false}`` (``true`` when met;
 is a 400 naming ``tool_choice``. ``parallel_tool_calls`` (true or false) is accepted and does
 not constrain the policy: every call it wrote is returned.
 
+**``stop``** (a string or up to 4): the policy samples as usual, and the reply is cut at the
+first stop string (``proxy_replies.sampled_reply``): the agent gets the text before it
+(OpenAI excludes the stop string) with finish reason ``"stop"``; the call is recorded with
+the sampled ids and log-probs up to and including the token that completes the stop string,
+and as text those ids' decoding (the returned text, the stop string, and whatever else that
+token carried), so the trainer scores exactly the tokens the agent's next prompt follows.
+Cutting needs the policy's tokenizer (``PolicyServer(tokenizer=...)``, by default
+``policy.tokenizer``, as ``HFPolicy`` and ``VLLMPolicy`` have): without one ``stop`` is a 400.
+
 **What is recorded.** Every answered call is a ``trajectories.ModelCall``: those messages
 (without the ids), the prompt ids the policy reports (``Completion.prompt_ids``: the ids the
 trainer renders), the sampled ids and log-probs, the finish reason and the policy revision;
@@ -54,13 +63,15 @@ call replays another's random numbers and what a call samples does not depend on
 batch it lands in; an episode opened without one samples from its row of the batch.
 
 **Refused (400, the field named in ``error.param``).** Bad JSON, a body that is not an object,
-no messages, an unknown role, a non-text content part, ``n`` other than 1, ``logit_bias``,
-``stop``, non-zero ``frequency_penalty`` / ``presence_penalty``, a ``response_format`` other
-than text, legacy ``functions``, a tool schema that is not ``{"type": "function",
+no messages, an unknown role, a non-text content part, ``n`` other than 1, ``logit_bias``, a
+``stop`` that is not a non-empty string or a list of up to 4 (or any ``stop`` without a
+tokenizer), non-zero ``frequency_penalty`` / ``presence_penalty``, a ``response_format``
+other than text, legacy ``functions``, a tool schema that is not ``{"type": "function",
 "function": {"name": ..., "parameters": {...}}}``, a ``tool_choice`` as above, a
-``parallel_tool_calls`` that is not a boolean, an out-of-range sampling value. ``stream: true`` answers as server-sent events (the whole reply in one content
-chunk, then the tool calls, then the finish reason and ``data: [DONE]``). Nothing a client
-sends stops the server: an unexpected failure is a 500 error body.
+``parallel_tool_calls`` that is not a boolean, an out-of-range sampling value.
+``stream: true`` answers as server-sent events (the whole reply in one content chunk, then
+the tool calls, then the finish reason and ``data: [DONE]``). Nothing a client sends stops
+the server: an unexpected failure is a 500 error body.
 """
 
 from __future__ import annotations
@@ -70,13 +81,20 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from envs.core import PROMPT_TOO_LONG
 from envs.proxy_batcher import Batcher
-from envs.proxy_replies import completion_body, finish_reason, reply_message, stream_chunks
+from envs.proxy_replies import (
+    completion_body,
+    finish_reason,
+    reply_message,
+    sampled_reply,
+    stream_chunks,
+)
 from envs.proxy_requests import (
     ROLES,
     ChatRequest,
@@ -173,9 +191,12 @@ class PolicyServer:
 
     def __init__(self, policy: Policy, sampling: Sampling | None = None, port: int = 0,
                  window_s: float = 0.01, max_batch: int = 64, model: str = "agent-rl-policy",
-                 fixed_sampling: bool = False, request_timeout_s: float = 600.0):
+                 fixed_sampling: bool = False, request_timeout_s: float = 600.0,
+                 tokenizer: Any = None):
         if window_s < 0 or max_batch < 1:
             raise ValueError(f"window_s must be >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
+        # what decodes the sampled ids (stop strings, streamed pieces): the policy's own
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(policy, "tokenizer", None)
         # streams are the server's to name, per call (module docstring)
         self.policy, self.sampling = policy, replace(sampling or Sampling(), streams=None)
         self.model, self.fixed_sampling = model, fixed_sampling
@@ -256,13 +277,41 @@ class PolicyServer:
                                     ("max_new_tokens", request.max_tokens)) if v is not None}
         return replace(self.sampling, **chosen)
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
     def chat(self, link: EpisodeLink, body: Any) -> tuple[ChatRequest, dict[str, Any], list]:
         """Answer one request for ``link``: (the request, the reply body, its stream chunks)."""
         started = time.monotonic()
         with link._lock:
             replies = dict(link._replies)
         request = parse_request(body, replies)
+        if request.stop and self.tokenizer is None:
+            raise RequestError("stop: this policy has no tokenizer to cut its sampled ids at a "
+                               "stop string (serve it with PolicyServer(..., tokenizer=...))",
+                               "stop")
         index = link._arrive()
+        sampled = sampled_reply(self._generate(link, request, index), request.stop,
+                                self._decode if self.tokenizer is not None else None)
+        message, tool_finish = reply_message(sampled.text, request.tool_choice.parse, index)
+        completion = sampled.completion
+        link._record(request, index, started, completion, message)
+        extra = {}
+        if request.tool_choice.required:  # the policy sampled freely: say whether it complied
+            met = request.tool_choice.met(message.get("tool_calls") or [])
+            extra["agent_rl"] = {"tool_choice_met": met}
+            if not met:
+                link._unmet(index, request.tool_choice.label())
+        finish, created = finish_reason(completion, tool_finish), int(time.time())
+        call_id = f"chatcmpl-{link.token[:8]}-{index}"
+        if request.stream:
+            return request, {}, stream_chunks(message, finish, completion, self.model, call_id,
+                                              created, request.include_usage, extra)
+        return request, completion_body(message, finish, completion, self.model, call_id,
+                                        created, extra), []
+
+    def _generate(self, link: EpisodeLink, request: ChatRequest, index: int) -> Completion:
+        """The policy's completion for call ``index`` of ``link`` (batched with others)."""
         stream = (link.stream, index) if link.stream is not None else None
         future = self._batcher.submit(request.shown, self._sampling(request), stream)
         try:
@@ -282,21 +331,7 @@ class PolicyServer:
                                f"the policy's limit of {self._sampling(request).max_prompt_tokens}: "
                                "shorten the conversation (summarise it and start a new one)",
                                "messages", 400, "context_length_exceeded")
-        message, tool_finish = reply_message(completion.text, request.tool_choice.parse, index)
-        link._record(request, index, started, completion, message)
-        extra = {}
-        if request.tool_choice.required:  # the policy sampled freely: say whether it complied
-            met = request.tool_choice.met(message.get("tool_calls") or [])
-            extra["agent_rl"] = {"tool_choice_met": met}
-            if not met:
-                link._unmet(index, request.tool_choice.label())
-        finish, created = finish_reason(completion, tool_finish), int(time.time())
-        call_id = f"chatcmpl-{link.token[:8]}-{index}"
-        if request.stream:
-            return request, {}, stream_chunks(message, finish, completion, self.model, call_id,
-                                              created, request.include_usage, extra)
-        return request, completion_body(message, finish, completion, self.model, call_id,
-                                        created, extra), []
+        return completion
 
     def models_body(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,

@@ -1,16 +1,97 @@
 """The policy's completion -> an OpenAI reply: a ``chat.completion`` body or the chunks of a
 streamed one (``envs.agent_proxy``).
+
+**Token pieces.** ``token_pieces`` decodes the sampled ids incrementally, as vLLM's
+detokenizer does: the piece of token k is the text ``decode(ids[p:k+1])`` adds to
+``decode(ids[p:r])``, where r is the end of the last token that completed a character and p
+the one before (a few tokens back, so the cost is linear, and a tokenizer that drops a
+leading space decodes both sides alike). A token that ends inside a multi-byte character
+(an emoji's bytes) adds ``""``; the token that completes it adds the whole character. For a
+byte-level BPE tokenizer the pieces join to ``decode(ids)`` exactly.
+
+**Stop sequences.** ``sampled_reply`` cuts a completion at the first of the request's
+``stop`` strings: the first token k whose piece completes an occurrence (the earliest
+occurrence when several end in it). The agent is sent the text before the stop string
+(OpenAI excludes it). The call is recorded with ids and log-probs ``[:k+1]``, the token that
+completes the stop string included (it was sampled and the agent's next prompt follows it),
+and as text ``decode(ids[:k+1])``: the returned text, the stop string, and whatever else that
+last token carried. Its finish reason is ``"stop"``. The tokens sampled after it are dropped.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from envs.runner import Completion
 from envs.tools import HermesParser, ToolCall
 
 _PARSER = HermesParser()
+
+Decode = Callable[[Sequence[int]], str]  # ids -> text, special tokens skipped
+
+
+def token_pieces(decode: Decode, ids: Sequence[int]) -> list[str]:
+    """The text each of ``ids`` adds to their decoding, one piece per id (module docstring)."""
+    pieces: list[str] = []
+    prefix = read = 0
+    for k in range(len(ids)):
+        before, now = decode(ids[prefix:read]), decode(ids[prefix:k + 1])
+        if now.endswith("\ufffd") or not now.startswith(before):
+            pieces.append("")  # inside a character: it comes with the token that completes it
+            continue
+        pieces.append(now[len(before):])
+        prefix, read = read, k + 1
+    if pieces and read < len(ids):  # the ids end inside a character: its bytes as decoded
+        before, now = decode(ids[prefix:read]), decode(ids[prefix:])
+        pieces[-1] = now[len(before):] if now.startswith(before) else now
+    return pieces
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A completion as the agent gets it. ``completion``: as recorded (cut at a stop string);
+    ``text``: what the agent is sent; ``pieces``: ``text`` one piece per sampled token (one
+    piece, the whole text, where the ids cannot be decoded)."""
+
+    completion: Completion
+    text: str
+    pieces: list[str]
+
+
+def sampled_reply(completion: Completion, stop: Sequence[str], decode: Decode | None) -> Sampled:
+    """``completion`` cut at the first of the ``stop`` strings (module docstring); ``decode``
+    (the policy's tokenizer) is needed for that."""
+    ids = completion.token_ids
+    pieces = token_pieces(decode, ids) if decode is not None and ids else []
+    whole = Sampled(completion, completion.text,
+                    pieces if "".join(pieces) == completion.text else [completion.text])
+    if not stop:
+        return whole
+    if decode is None or not ids:
+        raise ValueError("a stop string needs the policy's tokenizer and sampled ids to cut")
+    text, longest = "", max(map(len, stop))
+    for k, piece in enumerate(pieces):
+        start = max(len(text) - longest + 1, 0)  # where an occurrence ending in this piece starts
+        text += piece
+        found = [at for at in (text.find(s, start) for s in stop) if at >= 0]
+        if found:
+            kept = list(ids[:k + 1])
+            cut = replace(completion, text=decode(kept), token_ids=kept,
+                          logprobs=list(completion.logprobs[:k + 1]), finish_reason="stop")
+            return Sampled(cut, text[:min(found)], _clip(pieces[:k + 1], min(found)))
+    return whole
+
+
+def _clip(pieces: Sequence[str], n: int) -> list[str]:
+    """``pieces`` holding only the first ``n`` characters of their text (as many pieces)."""
+    out, used = [], 0
+    for piece in pieces:
+        out.append(piece[:max(n - used, 0)])
+        used += len(piece)
+    return out
 
 
 def reply_message(text: str, parse_tools: bool, call: int) -> tuple[dict[str, Any], str | None]:

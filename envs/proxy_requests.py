@@ -73,6 +73,7 @@ class ChatRequest:
     temperature: float | None
     top_p: float | None
     max_tokens: int | None
+    stop: tuple[str, ...]
     stated: StatedPlace | None
 
 
@@ -223,9 +224,6 @@ def _refuse_unsupported(body: dict) -> None:
     if body.get("logit_bias"):
         raise RequestError("logit_bias is not supported: the trainer scores the policy's own "
                            "distribution", "logit_bias")
-    if body.get("stop"):
-        raise RequestError("stop sequences are not supported: the policy stops at its "
-                           "end-of-turn token", "stop")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key):
             raise RequestError(f"{key} is not supported (only 0)", key)
@@ -236,6 +234,21 @@ def _refuse_unsupported(body: dict) -> None:
         if body.get(key) is not None:
             raise RequestError(f"{key} (the legacy function API) is not supported: use tools "
                                "and tool_choice", key)
+
+
+MAX_STOP = 4
+
+
+def stop_sequences(stop: Any) -> tuple[str, ...]:
+    """The request's ``stop``: a string or a list of up to ``MAX_STOP`` non-empty strings."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise RequestError(f"stop must be a non-empty string or a list of up to {MAX_STOP} "
+                           f"non-empty strings, got {str(stop)[:100]!r}", "stop")
+    return tuple(dict.fromkeys(stops))
 
 
 def tool_choice(choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
@@ -291,8 +304,11 @@ def parse_request(body: Any, replies: dict) -> ChatRequest:
         except ValueError as exc:
             raise RequestError(f"agent_rl must be {{'session'?, 'parent'?, 'origin'?: 'branch' | "
                                f"'compression'}}: {str(exc)[:300]}", "agent_rl") from None
+    stop = stop_sequences(body.get("stop"))
     shown, recorded = chat_messages(body.get("messages"), tools, replies)
-    return ChatRequest(shown=shown, recorded=recorded, tool_choice=choice, stream=stream, include_usage=bool(options.get("include_usage")),
+    return ChatRequest(shown=shown, recorded=recorded, tool_choice=choice, stream=stream,
+                       include_usage=bool(options.get("include_usage")),
                        temperature=_number(body, "temperature", 0.0, 2.0),
-                       top_p=_number(body, "top_p", 1e-9, 1.0), max_tokens=limit, stated=stated)
+                       top_p=_number(body, "top_p", 1e-9, 1.0), max_tokens=limit, stop=stop,
+                       stated=stated)
 

@@ -18,6 +18,7 @@ from agent_rl.policies.hf import HFPolicy, sequence_logprobs  # noqa: E402
 from agent_rl.policies.models import tiny_model  # noqa: E402
 from agent_rl.policies.render import conversation_ids, end_of_turn_id, render_session  # noqa: E402
 from envs.agent_proxy import PolicyServer  # noqa: E402
+from envs.proxy_replies import token_pieces  # noqa: E402
 from envs.runner import Completion, Sampling  # noqa: E402
 from trajectories import sessions_from_calls  # noqa: E402
 
@@ -40,6 +41,7 @@ class ScriptedModel:
 
     def __init__(self, model, tok, script, revision=3):
         self.model, self.tok, self.script, self.revision = model, tok, script, revision
+        self.tokenizer = tok  # what the server decodes the ids with (stop strings, streaming)
         self.batches: list[int] = []
 
     def generate(self, batch, sampling):
@@ -312,6 +314,101 @@ def test_parallel_tool_calls_is_accepted_and_every_call_returned(tiny):
             assert [c.function.name for c in calls] == ["add", "mul"]
 
 
+# --- stop strings ---------------------------------------------------------------------------------
+
+CAFE = "Café 🙂 done. STOP and more"
+
+
+def test_token_pieces_decode_incrementally(tiny):
+    _, tok = tiny
+    ids = tok.encode(CAFE, add_special_tokens=False)
+    pieces = token_pieces(lambda i: tok.decode(i, skip_special_tokens=True), ids)
+    # é is two byte tokens and 🙂 four: the bytes before the last add nothing
+    assert pieces == ["C", "a", "f", "", "é", " ", "", "", "", "🙂", " d", "one", ".", " S", "T",
+                      "O", "P", " and", " m", "o", "re"]
+
+
+def test_stop_cuts_the_reply_and_the_recorded_ids_alike(tiny):
+    model, tok = tiny
+    full = tok.encode(CAFE, add_special_tokens=False) + [end_of_turn_id(tok)]
+    with PolicyServer(ScriptedModel(model, tok, lambda m: CAFE if m[-1]["content"] == "go" else "ok"),
+                      Sampling(temperature=TEMPERATURE)) as server:
+        link = server.open_episode()
+        api, seen = client(link), []
+        for stop in (None, "🙂", ["and", ". S"], "nowhere"):
+            reply = api.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "go"}], stop=stop)
+            seen.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+        # the agent goes on after a cut reply: its next prompt follows the recorded ids
+        messages = [{"role": "user", "content": "go"},
+                    {"role": "assistant", "content": seen[2][0]},
+                    {"role": "user", "content": "more"}]
+        api.chat.completions.create(model="m", messages=messages)
+        calls = link.calls()
+    assert seen == [(CAFE, "stop"), ("Café ", "stop"), ("Café 🙂 done", "stop"), (CAFE, "stop")]
+    assert calls[0].completion_ids == full and calls[3].completion_ids == full
+    # cut at the token that completes the stop string (🙂's fourth byte; " S" after ".")
+    assert calls[1].completion_ids == full[:10] and calls[2].completion_ids == full[:14]
+    assert calls[1].logprobs == calls[0].logprobs[:10] and calls[2].logprobs == calls[0].logprobs[:14]
+    # recorded ids decode to the returned text + the stop string (+ that token's rest: none here)
+    assert [tok.decode(c.completion_ids, skip_special_tokens=True) for c in calls[1:3]] == [
+        "Café 🙂", "Café 🙂 done. S"]
+    assert [c.reply["content"] for c in calls[1:3]] == ["Café 🙂", "Café 🙂 done. S"]
+    assert calls[4].prompt_ids[:len(calls[2].context_ids)] == calls[2].context_ids
+    tree = sessions_from_calls([calls[2], calls[4]], "ep")
+    assert len(tree.sessions) == 1
+    assert scored_difference(model, tok, tree, [calls[2], calls[4]]) < 1e-5
+
+
+def test_stop_with_the_sampling_policy(tiny):
+    """HFPolicy at T=0.7: the same call with a stop string taken from the middle of the
+    unstopped reply returns the text before it; the recorded ids are the shortest prefix of
+    the unstopped ones whose decoding holds the stop string; the session then renders to the
+    recorded prompts, and the trainer's log-probs equal the recorded ones."""
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    with PolicyServer(policy, Sampling(temperature=TEMPERATURE, max_new_tokens=16, seed=0)) as server:
+        first = [{"role": "user", "content": "Talk to me."}]
+        free = server.open_episode()
+        whole = client(free).chat.completions.create(model="m", messages=first)
+        text = whole.choices[0].message.content
+        assert len(text) >= 8
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        link = server.open_episode()
+        api = client(link)
+        reply = api.chat.completions.create(model="m", messages=first, stop=[stop])
+        api.chat.completions.create(model="m", messages=[
+            *first, reply.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "Go on."}])
+        unstopped, calls = free.calls()[0], link.calls()
+    assert reply.choices[0].message.content == text[:text.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    ids = calls[0].completion_ids
+    assert ids == unstopped.completion_ids[:len(ids)]
+    assert calls[0].logprobs == unstopped.logprobs[:len(ids)]
+    decoded = tok.decode(ids, skip_special_tokens=True)
+    assert decoded.startswith(text[:text.index(stop)] + stop)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)
+    tree = sessions_from_calls(calls, "ep")
+    assert len(tree.sessions) == 1
+    assert scored_difference(model, tok, tree, calls) < 1e-4
+
+
+def test_stop_without_a_tokenizer_is_a_400(tiny):
+    class TextOnly:  # an endpoint-like policy: text, no tokenizer to cut ids with
+        def generate(self, batch, sampling):
+            return [Completion("ok") for _ in batch]
+
+    with PolicyServer(TextOnly()) as server:
+        link = server.open_episode()
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(link).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], stop="k")
+        assert caught.value.body["param"] == "stop"
+        assert client(link).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}]).choices[0].message.content == "ok"
+
+
 def test_stated_place_wins_over_inference(tiny):
     model, tok = tiny
     with PolicyServer(ScriptedModel(model, tok, lambda m: "ok")) as server:
@@ -364,7 +461,9 @@ def post(link, body: bytes, path="/chat/completions"):
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
