@@ -68,10 +68,22 @@ no messages, an unknown role, a non-text content part, ``n`` other than 1, ``log
 tokenizer), non-zero ``frequency_penalty`` / ``presence_penalty``, a ``response_format``
 other than text, legacy ``functions``, a tool schema that is not ``{"type": "function",
 "function": {"name": ..., "parameters": {...}}}``, a ``tool_choice`` as above, a
-``parallel_tool_calls`` that is not a boolean, an out-of-range sampling value.
-``stream: true`` answers as server-sent events (the whole reply in one content chunk, then
-the tool calls, then the finish reason and ``data: [DONE]``). Nothing a client sends stops
-the server: an unexpected failure is a 500 error body.
+``parallel_tool_calls`` that is not a boolean, an out-of-range sampling value. Nothing a
+client sends stops the server: an unexpected failure is a 500 error body.
+
+**Streaming** (``stream: true``): server-sent events, sent once the call's batch has finished
+generating, not while the policy samples. The ``Policy`` protocol returns whole completions
+(``generate(batch, sampling) -> list[Completion]``): vLLM's batched ``generate`` and an
+OpenAI-compatible endpoint offer no per-step hook, and a stop string or a tool call can only
+be told from text once it is complete. What is streamed: the role; then the content, one
+delta per sampled token that adds to it (``proxy_replies.token_pieces``: decoded
+incrementally, so a multi-byte character split over byte tokens arrives whole with the token
+that completes it, and the deltas join to exactly the non-streamed ``content``); then each
+tool call as OpenAI streams them (a delta with its ``index``, ``id``, ``type`` and name, then
+one with its arguments); then the finish reason (with ``agent_rl`` where a ``tool_choice``
+requires it), the usage if ``stream_options.include_usage``, and ``data: [DONE]``. A policy
+without a tokenizer, or whose ids do not decode to its text, streams its content as one
+delta.
 """
 
 from __future__ import annotations
@@ -302,13 +314,13 @@ class PolicyServer:
             extra["agent_rl"] = {"tool_choice_met": met}
             if not met:
                 link._unmet(index, request.tool_choice.label())
-        finish, created = finish_reason(completion, tool_finish), int(time.time())
-        call_id = f"chatcmpl-{link.token[:8]}-{index}"
+        finish = finish_reason(completion, tool_finish)
+        head = {"id": f"chatcmpl-{link.token[:8]}-{index}", "created": int(time.time()),
+                "model": self.model}
         if request.stream:
-            return request, {}, stream_chunks(message, finish, completion, self.model, call_id,
-                                              created, request.include_usage, extra)
-        return request, completion_body(message, finish, completion, self.model, call_id,
-                                        created, extra), []
+            return request, {}, stream_chunks(head, message, sampled.pieces, finish, completion,
+                                              request.include_usage, extra)
+        return request, completion_body(head, message, finish, completion, extra), []
 
     def _generate(self, link: EpisodeLink, request: ChatRequest, index: int) -> Completion:
         """The policy's completion for call ``index`` of ``link`` (batched with others)."""

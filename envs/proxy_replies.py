@@ -120,34 +120,53 @@ def _usage(completion: Completion) -> dict[str, int]:
             "total_tokens": prompt + len(completion.token_ids)}
 
 
-def completion_body(message: dict[str, Any], finish: str, completion: Completion, model: str,
-                    call_id: str, created: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """A ``chat.completion`` body; ``extra``: top-level keys beyond OpenAI's (``agent_rl``)."""
-    return {"id": call_id, "object": "chat.completion", "created": created, "model": model,
+def completion_body(head: dict[str, Any], message: dict[str, Any], finish: str,
+                    completion: Completion, extra: dict[str, Any]) -> dict[str, Any]:
+    """A ``chat.completion`` body. ``head``: its ``id``, ``created`` and ``model``; ``extra``:
+    top-level keys beyond OpenAI's (``agent_rl``)."""
+    return {**head, "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "finish_reason": finish,
                          "logprobs": None}],
             "usage": _usage(completion), **extra}
 
 
-def stream_chunks(message: dict[str, Any], finish: str, completion: Completion, model: str,
-                  call_id: str, created: int, include_usage: bool,
+def stream_chunks(head: dict[str, Any], message: dict[str, Any], pieces: Sequence[str],
+                  finish: str, completion: Completion, include_usage: bool,
                   extra: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chunks of a streamed reply: the role, the content, the tool calls, the finish
-    reason with ``extra`` (and the usage when asked for)."""
+    """The chunks of a streamed reply, as OpenAI streams: the role; the content, one delta
+    per sampled token that adds to it (``split_like``); each tool call as a delta with its
+    ``index``, ``id``, ``type`` and name (arguments ``""``), then one with its arguments; the
+    finish reason with ``extra``; the usage, when asked for."""
     def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
-        return {"id": call_id, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [{"index": 0, "delta": delta,
-                                             "finish_reason": reason, "logprobs": None}]}
+        return {**head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
+                             "logprobs": None}]}
 
     chunks = [chunk({"role": "assistant", "content": ""})]
-    if message.get("content"):
-        chunks.append(chunk({"content": message["content"]}))
-    if message.get("tool_calls"):
-        chunks.append(chunk({"tool_calls": [{"index": k, **c}
-                                            for k, c in enumerate(message["tool_calls"])]}))
+    chunks += [chunk({"content": d}) for d in split_like(message.get("content") or "", pieces)]
+    for k, call in enumerate(message.get("tool_calls") or []):
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        chunks.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                             "function": {"name": name, "arguments": ""}}]}))
+        chunks.append(chunk({"tool_calls": [{"index": k, "function": {"arguments": arguments}}]}))
     chunks.append({**chunk({}, finish), **extra})
     if include_usage:
-        chunks.append({"id": call_id, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": [], "usage": _usage(completion)})
+        chunks.append({**head, "object": "chat.completion.chunk", "choices": [],
+                       "usage": _usage(completion)})
     return chunks
 
+
+def split_like(content: str, pieces: Sequence[str]) -> list[str]:
+    """``content`` as deltas cut where ``pieces`` (the text each sampled token added) cut the
+    text it comes from: each character is matched, in order, to the next equal character of
+    the pieces. The deltas always join to ``content``; a character matched nowhere goes, with
+    the rest, into the last delta. Empty deltas are left out."""
+    deltas, i = [], 0
+    for piece in pieces:
+        start = i
+        for char in piece:
+            if i < len(content) and content[i] == char:
+                i += 1
+        deltas.append(content[start:i])
+    deltas.append(content[i:])
+    return [d for d in deltas if d]

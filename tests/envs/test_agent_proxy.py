@@ -99,10 +99,12 @@ def tool_agent(link, stream=False) -> str:
                                                      temperature=TEMPERATURE, stream=True):
                 delta = chunk.choices[0].delta
                 content += delta.content or ""
-                for c in delta.tool_calls or []:
-                    calls[c.index] = {"id": c.id, "type": "function",
-                                      "function": {"name": c.function.name,
-                                                   "arguments": c.function.arguments}}
+                for c in delta.tool_calls or []:  # OpenAI's deltas: id and name, then arguments
+                    call = calls.setdefault(c.index, {"type": "function",
+                                                      "function": {"name": "", "arguments": ""}})
+                    call["id"] = c.id or call.get("id")
+                    call["function"]["name"] += c.function.name or ""
+                    call["function"]["arguments"] += c.function.arguments or ""
             message = {"role": "assistant", "content": content or None}
             if calls:
                 message["tool_calls"] = [calls[k] for k in sorted(calls)]
@@ -407,6 +409,62 @@ def test_stop_without_a_tokenizer_is_a_400(tiny):
         assert caught.value.body["param"] == "stop"
         assert client(link).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x"}]).choices[0].message.content == "ok"
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+
+def streamed(link, **request):
+    """The chunks of one streamed call through the openai client."""
+    return list(client(link).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "go"}], stream=True, **request))
+
+
+def contents(chunks) -> list[str]:
+    return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+
+
+def test_streaming_sends_one_delta_per_token(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: CAFE)) as server:
+        link = server.open_episode()
+        whole = client(link).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}])
+        plain, stopped = streamed(link), streamed(link, stop="and")
+    assert "".join(contents(plain)) == whole.choices[0].message.content == CAFE
+    # é's and 🙂's bytes arrive whole, with the token that completes them
+    assert contents(plain) == ["C", "a", "f", "é", " ", "🙂", " d", "one", ".", " S", "T", "O",
+                               "P", " and", " m", "o", "re"]
+    assert contents(stopped) == ["C", "a", "f", "é", " ", "🙂", " d", "one", ".", " S", "T", "O",
+                                 "P", " "]
+    assert [c.choices[0].finish_reason for c in (plain[-1], stopped[-1])] == ["stop", "stop"]
+
+
+def test_streamed_tool_calls_come_as_openai_deltas(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: "Both: " + CALL_ADD + CALL_MUL)) as server:
+        chunks = streamed(server.open_episode(), tools=[ADD, MUL])
+    assert "".join(contents(chunks)) == "Both:" and len(contents(chunks)) > 1
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.id, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "call_0_0", "add", ""), (0, None, None, '{"a": 1, "b": 2}'),
+        (1, "call_0_1", "mul", ""), (1, None, None, '{"a": 1, "b": 2}')]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_streaming_the_sampling_policy_matches_its_reply(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    with PolicyServer(policy, Sampling(temperature=TEMPERATURE, max_new_tokens=16, seed=0)) as server:
+        link = server.open_episode()
+        whole = client(link).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}])
+        chunks = streamed(link, stream_options={"include_usage": True})
+        calls = link.calls()
+    assert calls[0].completion_ids == calls[1].completion_ids  # the same draws (row 0, seed 0)
+    assert "".join(contents(chunks)) == whole.choices[0].message.content
+    assert 1 < len(contents(chunks)) <= len(calls[1].completion_ids)
+    assert chunks[-1].usage.completion_tokens == len(calls[1].completion_ids)
 
 
 def test_stated_place_wins_over_inference(tiny):
