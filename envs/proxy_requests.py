@@ -56,8 +56,8 @@ class ToolChoice:
         return bool(calls) and all(self.function in (None, c["function"]["name"]) for c in calls)
 
     def label(self) -> str:
-        """How the choice reads in a record: ``"required"`` or the named function."""
-        return self.function or ("required" if self.required else "auto" if self.parse else "none")
+        """How a required choice reads in a record: ``"required"`` or the named function."""
+        return self.function or "required"
 
 
 @dataclass(frozen=True)
