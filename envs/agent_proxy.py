@@ -15,9 +15,34 @@ message with ``tool_calls`` as its text with ``<tool_call>{json}</tool_call>`` b
 ``system``. An assistant message that is a reply this server sent in the same episode, after
 the same earlier messages, carries the ids the policy sampled for it (``token_ids``): the
 policy lays it out as ``agent_rl``'s ``render_session`` lays out a generated turn, so nothing
-sampled is ever re-tokenized. The reply's text is parsed for tool calls (unless ``tool_choice``
-is ``"none"``); they come back as OpenAI ``tool_calls`` (ids ``call_<call>_<k>``) and the rest
-of the text as ``content``.
+sampled is ever re-tokenized. The reply's text is parsed for tool calls; they come back as
+OpenAI ``tool_calls`` (ids ``call_<call>_<k>``) and the rest of the text as ``content``.
+
+**``tool_choice``.** The policy samples freely whatever the choice: nothing is prefilled or
+masked (a prefilled tool-call opener would be a token the policy did not sample inside the
+turn the trainer scores), and the tools are listed in the prompt whatever the choice (so a
+session's prompts keep extending each other). ``"auto"`` (the default): replies are parsed
+for tool calls. ``"none"``: they are not; the reply's whole text is its ``content``.
+``"required"``, or ``{"type": "function", "function": {"name": NAME}}`` naming one of the
+request's tools: replies are parsed as with ``"auto"``, and the choice is met when the reply
+calls at least one tool (every call to NAME, for a named choice). A reply that does not meet
+it is returned as the policy wrote it, with the usual finish reason (``"stop"`` for a text
+reply: never ``"tool_calls"`` without tool calls), and says so: the body (the last chunk,
+streamed) carries ``"agent_rl": {"tool_choice_met": false}`` (``true`` when met; absent for
+``"auto"`` / ``"none"``), and the call is listed in ``EpisodeLink.unmet_tool_choice`` (``{"index",
+"tool_choice": "required" | NAME}``, in the episode's ``reward.audit["unmet_tool_choice"]``).
+``"required"`` or a named choice without ``tools``, a name not among them, or any other value
+is a 400 naming ``tool_choice``. ``parallel_tool_calls`` (true or false) is accepted and does
+not constrain the policy: every call it wrote is returned.
+
+**``stop``** (a string or up to 4): the policy samples as usual, and the reply is cut at the
+first stop string (``proxy_replies.sampled_reply``): the agent gets the text before it
+(OpenAI excludes the stop string) with finish reason ``"stop"``; the call is recorded with
+the sampled ids and log-probs up to and including the token that completes the stop string,
+and as text those ids' decoding (the returned text, the stop string, and whatever else that
+token carried), so the trainer scores exactly the tokens the agent's next prompt follows.
+Cutting needs the policy's tokenizer (``PolicyServer(tokenizer=...)``, by default
+``policy.tokenizer``, as ``HFPolicy`` and ``VLLMPolicy`` have): without one ``stop`` is a 400.
 
 **What is recorded.** Every answered call is a ``trajectories.ModelCall``: those messages
 (without the ids), the prompt ids the policy reports (``Completion.prompt_ids``: the ids the
@@ -38,333 +63,67 @@ call replays another's random numbers and what a call samples does not depend on
 batch it lands in; an episode opened without one samples from its row of the batch.
 
 **Refused (400, the field named in ``error.param``).** Bad JSON, a body that is not an object,
-no messages, an unknown role, a non-text content part, ``n`` other than 1, ``logit_bias``,
-``stop``, non-zero ``frequency_penalty`` / ``presence_penalty``, a ``response_format`` other
-than text, legacy ``functions``, a tool schema that is not ``{"type": "function",
-"function": {"name": ..., "parameters": {...}}}``, a ``tool_choice`` other than ``"auto"`` /
-``"none"`` (the policy samples freely: it cannot be forced to call a tool), an out-of-range
-sampling value. ``stream: true`` answers as server-sent events (the whole reply in one content
-chunk, then the tool calls, then the finish reason and ``data: [DONE]``). Nothing a client
-sends stops the server: an unexpected failure is a 500 error body.
+no messages, an unknown role, a non-text content part, ``n`` other than 1, ``logit_bias``, a
+``stop`` that is not a non-empty string or a list of up to 4 (or any ``stop`` without a
+tokenizer), non-zero ``frequency_penalty`` / ``presence_penalty``, a ``response_format``
+other than text, legacy ``functions``, a tool schema that is not ``{"type": "function",
+"function": {"name": ..., "parameters": {...}}}``, a ``tool_choice`` as above, a
+``parallel_tool_calls`` that is not a boolean, an out-of-range sampling value. Nothing a
+client sends stops the server: an unexpected failure is a 500 error body.
+
+**Streaming** (``stream: true``): server-sent events, sent once the call's batch has finished
+generating, not while the policy samples. The ``Policy`` protocol returns whole completions
+(``generate(batch, sampling) -> list[Completion]``): vLLM's batched ``generate`` and an
+OpenAI-compatible endpoint offer no per-step hook, and a stop string or a tool call can only
+be told from text once it is complete. What is streamed: the role; then the content, one
+delta per sampled token that adds to it (``proxy_replies.token_pieces``: decoded
+incrementally, so a multi-byte character split over byte tokens arrives whole with the token
+that completes it, and the deltas join to exactly the non-streamed ``content``); then each
+tool call as OpenAI streams them (a delta with its ``index``, ``id``, ``type`` and name, then
+one with its arguments); then the finish reason (with ``agent_rl`` where a ``tool_choice``
+requires it), the usage if ``stream_options.include_usage``, and ``data: [DONE]``. A policy
+without a tokenizer, or whose ids do not decode to its text, streams its content as one
+delta.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import queue
 import re
 import secrets
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from envs.core import PROMPT_TOO_LONG
+from envs.proxy_batcher import Batcher
+from envs.proxy_replies import (
+    completion_body,
+    finish_reason,
+    reply_message,
+    sampled_reply,
+    stream_chunks,
+)
+from envs.proxy_requests import (
+    ROLES,
+    ChatRequest,
+    RequestError,
+    chat_messages,
+    check_tools,
+    parse_request,
+    reply_key,
+)
 from envs.runner import Completion, Policy, Sampling
-from envs.tools import HermesParser, ToolCall
-from trajectories.calls import ModelCall, StatedPlace
+from trajectories.calls import ModelCall
+
+__all__ = ["ROLES", "ChatRequest", "EpisodeLink", "PolicyServer", "RequestError",
+           "chat_messages", "check_tools", "completion_body", "parse_request", "reply_message",
+           "stream_chunks"]
 
 MAX_BODY_BYTES = 32 * 2**20
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-         "tool": "tool"}
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_PARSER = HermesParser()
-
-
-class RequestError(Exception):
-    """A request the server refuses: ``status``, an OpenAI ``code``, the field (``param``)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str = "invalid_request"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
-
-
-# ---------------------------------------------------------------------------------------------
-# Requests: OpenAI JSON -> the messages the policy is shown
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """One validated ``/chat/completions`` request. ``shown``: the messages the policy is
-    given (generated replies carrying ``token_ids``); ``recorded``: the same without them."""
-
-    shown: list[dict[str, Any]]
-    recorded: list[dict[str, Any]]
-    parse_tools: bool
-    stream: bool
-    include_usage: bool
-    temperature: float | None
-    top_p: float | None
-    max_tokens: int | None
-    stated: StatedPlace | None
-
-
-def _messages_key(messages: Sequence[dict[str, Any]]) -> str:
-    return hashlib.sha256(json.dumps(list(messages), sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _reply_key(before: Sequence[dict[str, Any]], content: str,
-               call_ids: Sequence[str]) -> tuple[str, str, tuple[str, ...]]:
-    """What identifies a reply this server sent: the messages it followed, its visible content
-    and its tool-call ids."""
-    return _messages_key(before), content.strip(), tuple(call_ids)
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, or OpenAI content parts of type text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}[{k}]: only text content parts are supported",
-                                   f"{where}[{k}]")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(f"{where} must be a string or a list of text parts", where)
-
-
-def _tool_call_text(name: str, arguments: Any) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-def _written_calls(calls: Any, where: str) -> tuple[list[str], list[tuple[str, str, Any]]]:
-    """An assistant message's ``tool_calls`` as (ids, [(id, name, arguments)])."""
-    if calls is None:
-        return [], []
-    if not isinstance(calls, list):
-        raise RequestError(f"{where} must be a list", where)
-    out = []
-    for k, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"{where}[{k}] must be {{'id', 'type': 'function', 'function': "
-                               "{'name', 'arguments'}}", f"{where}[{k}]")
-        arguments = fn.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            pass  # kept as the string the agent wrote
-        out.append((str(call.get("id") or ""), fn["name"], arguments))
-    return [c[0] for c in out], out
-
-
-def check_tools(tools: Any) -> list[dict[str, Any]]:
-    """The request's ``tools``, checked: each ``{"type": "function", "function": {"name",
-    "description"?, "parameters"?}}`` with a JSON-schema object as parameters."""
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise RequestError("tools must be a list of function tools", "tools")
-    for k, tool in enumerate(tools):
-        where = f"tools[{k}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise RequestError(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
-        fn = tool["function"]
-        if not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
-            raise RequestError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'",
-                               f"{where}.function.name")
-        if "description" in fn and not isinstance(fn["description"], str):
-            raise RequestError(f"{where}.function.description must be a string",
-                               f"{where}.function.description")
-        params = fn.get("parameters", {})
-        if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise RequestError(f"{where}.function.parameters must be a JSON schema of type "
-                               "object", f"{where}.function.parameters")
-        try:
-            json.dumps(fn, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"{where}.function cannot be rendered as JSON: {exc}",
-                               f"{where}.function") from None
-    return tools
-
-
-def chat_messages(messages: Any, tools: list[dict[str, Any]], replies: dict
-                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(shown, recorded): the request's messages as the policy is shown them (module
-    docstring). ``replies`` maps ``_reply_key`` to the (text, sampled ids) of a reply this
-    server sent."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", "messages")
-    names: dict[str, str] = {}  # tool-call id -> function name, for tool messages
-    listed = _PARSER.format_instructions(tools) if tools else ""
-    first_system = isinstance(messages[0], dict) and ROLES.get(messages[0].get("role")) == "system"
-    recorded: list[dict[str, Any]] = [] if first_system or not listed else [
-        {"role": "system", "content": listed}]
-    shown: list[dict[str, Any]] = [dict(m) for m in recorded]
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object", where)
-        role = ROLES.get(message.get("role"))
-        if role is None:
-            raise RequestError(f"{where}.role {message.get('role')!r} is not one of "
-                               f"{sorted(ROLES)}", f"{where}.role")
-        content = _text(message.get("content"), f"{where}.content")
-        if role == "assistant":
-            ids, calls = _written_calls(message.get("tool_calls"), f"{where}.tool_calls")
-            names.update((cid, name) for cid, name, _ in calls)
-            sent = replies.get(_reply_key(recorded, content, ids))
-            if sent is not None:
-                text, token_ids = sent
-                recorded.append({"role": "assistant", "content": text})
-                shown.append({"role": "assistant", "content": text, "token_ids": list(token_ids)})
-                continue
-            text = "\n".join([content] * bool(content) + [_tool_call_text(n, a) for _, n, a in calls])
-            out = {"role": "assistant", "content": text}
-        elif role == "tool":
-            out = {"role": "tool", "content": content}
-            name = message.get("name") or names.get(str(message.get("tool_call_id")))
-            if isinstance(name, str) and name:
-                out["name"] = name
-        else:
-            if i == 0 and role == "system" and listed:
-                content = content + "\n\n" + listed
-            out = {"role": role, "content": content}
-        recorded.append(out)
-        shown.append(dict(out))
-    return shown, recorded
-
-
-def _number(body: dict, key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise RequestError(f"{key} must be a number in [{low:g}, {high:g}], got {value!r}", key)
-    return float(value)
-
-
-def _refuse_unsupported(body: dict) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise RequestError(f"n={n!r}: only one choice per request is served (n=1); send "
-                           "several requests instead", "n")
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported: the trainer scores the policy's own "
-                           "distribution", "logit_bias")
-    if body.get("stop"):
-        raise RequestError("stop sequences are not supported: the policy stops at its "
-                           "end-of-turn token", "stop")
-    for key in ("frequency_penalty", "presence_penalty"):
-        if body.get(key):
-            raise RequestError(f"{key} is not supported (only 0)", key)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise RequestError("response_format: only {'type': 'text'} is supported", "response_format")
-    for key in ("functions", "function_call"):
-        if body.get(key) is not None:
-            raise RequestError(f"{key} (the legacy function API) is not supported: use tools "
-                               "and tool_choice", key)
-
-
-def parse_request(body: Any, replies: dict) -> ChatRequest:
-    """A ``/chat/completions`` body, checked (``RequestError`` naming the field)."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    _refuse_unsupported(body)
-    tools = check_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(f"tool_choice {choice!r} is not supported: the policy samples "
-                           "freely (use 'auto' or 'none')", "tool_choice")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise RequestError(f"max_tokens must be an integer >= 1, got {limit!r}",
-                           "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be true or false", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise RequestError("stream_options must be an object", "stream_options")
-    stated = body.get("agent_rl")
-    if stated is not None:
-        try:
-            stated = StatedPlace.model_validate(stated)
-        except ValueError as exc:
-            raise RequestError(f"agent_rl must be {{'session'?, 'parent'?, 'origin'?: 'branch' | "
-                               f"'compression'}}: {str(exc)[:300]}", "agent_rl") from None
-    shown, recorded = chat_messages(body.get("messages"), tools, replies)
-    return ChatRequest(shown=shown, recorded=recorded, parse_tools=bool(tools) and choice != "none",
-                       stream=stream, include_usage=bool(options.get("include_usage")),
-                       temperature=_number(body, "temperature", 0.0, 2.0),
-                       top_p=_number(body, "top_p", 1e-9, 1.0), max_tokens=limit, stated=stated)
-
-
-# ---------------------------------------------------------------------------------------------
-# Replies: the policy's text -> an OpenAI assistant message
-# ---------------------------------------------------------------------------------------------
-
-
-def reply_message(text: str, parse_tools: bool, call: int) -> tuple[dict[str, Any], str | None]:
-    """The OpenAI assistant message for the policy's ``text`` and its tool-call finish reason
-    (``"tool_calls"`` when it calls tools, else None). Tool calls that do not parse stay in
-    the content, where the agent can see them."""
-    parsed = [c for c in _PARSER.parse(text) if isinstance(c, ToolCall)] if parse_tools else []
-    if not parsed:
-        return {"role": "assistant", "content": text}, None
-    content = _PARSER.pattern.sub("", text).strip()
-    calls = [{"id": f"call_{call}_{k}", "type": "function",
-              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-             for k, c in enumerate(parsed)]
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
-
-
-def _finish(completion: Completion, tool_finish: str | None) -> str:
-    if tool_finish is not None:
-        return tool_finish
-    return "length" if completion.finish_reason == "length" else "stop"
-
-
-def _usage(completion: Completion) -> dict[str, int]:
-    prompt = completion.prompt_tokens or len(completion.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": len(completion.token_ids),
-            "total_tokens": prompt + len(completion.token_ids)}
-
-
-def completion_body(message: dict[str, Any], finish: str, completion: Completion, model: str,
-                    call_id: str, created: int) -> dict[str, Any]:
-    return {"id": call_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                         "logprobs": None}],
-            "usage": _usage(completion)}
-
-
-def stream_chunks(message: dict[str, Any], finish: str, completion: Completion, model: str,
-                  call_id: str, created: int, include_usage: bool) -> list[dict[str, Any]]:
-    """The chunks of a streamed reply: the role, the content, the tool calls, the finish
-    reason (and the usage when asked for)."""
-    def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
-        return {"id": call_id, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [{"index": 0, "delta": delta,
-                                             "finish_reason": reason, "logprobs": None}]}
-
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    if message.get("content"):
-        chunks.append(chunk({"content": message["content"]}))
-    if message.get("tool_calls"):
-        chunks.append(chunk({"tool_calls": [{"index": k, **c}
-                                            for k, c in enumerate(message["tool_calls"])]}))
-    chunks.append(chunk({}, finish))
-    if include_usage:
-        chunks.append({"id": call_id, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": [], "usage": _usage(completion)})
-    return chunks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +141,8 @@ class EpisodeLink:
     stream: int | None = None  # the key of this episode's random streams (module docstring)
     _calls: list[ModelCall] = field(default_factory=list)
     refused: list[dict[str, Any]] = field(default_factory=list)
+    # calls whose reply did not call the tool that tool_choice required (module docstring)
+    unmet_tool_choice: list[dict[str, Any]] = field(default_factory=list)
     _replies: dict = field(default_factory=dict)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -416,95 +177,19 @@ class EpisodeLink:
                          finish_reason=completion.finish_reason,
                          revision=completion.policy_revision, stated=request.stated)
         ids = [c["id"] for c in message.get("tool_calls") or []]
-        key = _reply_key(request.recorded, message.get("content") or "", ids)
+        key = reply_key(request.recorded, message.get("content") or "", ids)
         with self._lock:
             self._calls.append(call)
             self._replies[key] = (completion.text, list(completion.token_ids))
+
+    def _unmet(self, index: int, choice: str) -> None:
+        with self._lock:
+            self.unmet_tool_choice.append({"index": index, "tool_choice": choice})
 
     def _refuse(self, index: int, reason: str, prompt_tokens: int) -> None:
         with self._lock:
             self.refused.append({"index": index, "reason": reason, "prompt_tokens": prompt_tokens})
 
-
-# ---------------------------------------------------------------------------------------------
-# Batching
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Job:
-    messages: list[dict[str, Any]]
-    sampling: Sampling
-    stream: tuple[int, ...] | None = None  # the call's random stream; None: its batch row
-    future: Future = field(default_factory=Future)
-
-
-class _Batcher:
-    """One thread that sends waiting requests to the policy in batches (module docstring)."""
-
-    def __init__(self, policy: Policy, window_s: float, max_batch: int):
-        self.policy, self.window_s, self.max_batch = policy, window_s, max_batch
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.batches: list[int] = []  # the size of every generate call, for tests and benchmarks
-        self.thread = threading.Thread(target=self._run, name="agent-proxy-batcher", daemon=True)
-        self.thread.start()
-
-    def submit(self, messages: list[dict[str, Any]], sampling: Sampling,
-               stream: tuple[int, ...] | None = None) -> Future:
-        job = _Job(messages, sampling, stream)
-        self.jobs.put(job)
-        return job.future
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=30)
-
-    def _collect(self, first: _Job) -> tuple[list[_Job], bool]:
-        jobs, deadline = [first], time.monotonic() + self.window_s
-        while len(jobs) < self.max_batch:
-            try:
-                job = self.jobs.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                break
-            if job is None:
-                return jobs, True
-            jobs.append(job)
-        return jobs, False
-
-    def _run(self) -> None:
-        while (first := self.jobs.get()) is not None:
-            jobs, stopping = self._collect(first)
-            groups: dict[Sampling, list[_Job]] = {}
-            for job in jobs:
-                groups.setdefault(job.sampling, []).append(job)
-            for sampling, group in groups.items():
-                self._generate(sampling, group)
-            if stopping:
-                break
-        while True:  # answer whatever still waits, so no handler hangs
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.future.set_exception(RuntimeError("the policy server is shutting down"))
-
-    def _generate(self, sampling: Sampling, group: list[_Job]) -> None:
-        self.batches.append(len(group))
-        streams = tuple(job.stream if job.stream is not None else (row,)
-                        for row, job in enumerate(group))
-        try:
-            completions = self.policy.generate([job.messages for job in group],
-                                               replace(sampling, streams=streams))
-            if len(completions) != len(group):
-                raise RuntimeError(f"the policy returned {len(completions)} completions for "
-                                   f"{len(group)} conversations")
-        except Exception as exc:  # the handlers report it; the batcher keeps serving
-            for job in group:
-                job.future.set_exception(exc)
-            return
-        for job, completion in zip(group, completions, strict=True):
-            job.future.set_result(completion)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,9 +203,12 @@ class PolicyServer:
 
     def __init__(self, policy: Policy, sampling: Sampling | None = None, port: int = 0,
                  window_s: float = 0.01, max_batch: int = 64, model: str = "agent-rl-policy",
-                 fixed_sampling: bool = False, request_timeout_s: float = 600.0):
+                 fixed_sampling: bool = False, request_timeout_s: float = 600.0,
+                 tokenizer: Any = None):
         if window_s < 0 or max_batch < 1:
             raise ValueError(f"window_s must be >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
+        # what decodes the sampled ids (stop strings, streamed pieces): the policy's own
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(policy, "tokenizer", None)
         # streams are the server's to name, per call (module docstring)
         self.policy, self.sampling = policy, replace(sampling or Sampling(), streams=None)
         self.model, self.fixed_sampling = model, fixed_sampling
@@ -529,13 +217,13 @@ class PolicyServer:
         self._links: dict[str, EpisodeLink] = {}
         self._lock = threading.Lock()
         self._http: ThreadingHTTPServer | None = None
-        self._batcher: _Batcher | None = None
+        self._batcher: Batcher | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> PolicyServer:
         if self._http is not None:
             return self
-        self._batcher = _Batcher(self.policy, self.window_s, self.max_batch)
+        self._batcher = Batcher(self.policy, self.window_s, self.max_batch)
         self._http = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
@@ -601,13 +289,41 @@ class PolicyServer:
                                     ("max_new_tokens", request.max_tokens)) if v is not None}
         return replace(self.sampling, **chosen)
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
     def chat(self, link: EpisodeLink, body: Any) -> tuple[ChatRequest, dict[str, Any], list]:
         """Answer one request for ``link``: (the request, the reply body, its stream chunks)."""
         started = time.monotonic()
         with link._lock:
             replies = dict(link._replies)
         request = parse_request(body, replies)
+        if request.stop and self.tokenizer is None:
+            raise RequestError("stop: this policy has no tokenizer to cut its sampled ids at a "
+                               "stop string (serve it with PolicyServer(..., tokenizer=...))",
+                               "stop")
         index = link._arrive()
+        sampled = sampled_reply(self._generate(link, request, index), request.stop,
+                                self._decode if self.tokenizer is not None else None)
+        message, tool_finish = reply_message(sampled.text, request.tool_choice.parse, index)
+        completion = sampled.completion
+        link._record(request, index, started, completion, message)
+        extra = {}
+        if request.tool_choice.required:  # the policy sampled freely: say whether it complied
+            met = request.tool_choice.met(message.get("tool_calls") or [])
+            extra["agent_rl"] = {"tool_choice_met": met}
+            if not met:
+                link._unmet(index, request.tool_choice.label())
+        finish = finish_reason(completion, tool_finish)
+        head = {"id": f"chatcmpl-{link.token[:8]}-{index}", "created": int(time.time()),
+                "model": self.model}
+        if request.stream:
+            return request, {}, stream_chunks(head, message, sampled.pieces, finish, completion,
+                                              request.include_usage, extra)
+        return request, completion_body(head, message, finish, completion, extra), []
+
+    def _generate(self, link: EpisodeLink, request: ChatRequest, index: int) -> Completion:
+        """The policy's completion for call ``index`` of ``link`` (batched with others)."""
         stream = (link.stream, index) if link.stream is not None else None
         future = self._batcher.submit(request.shown, self._sampling(request), stream)
         try:
@@ -627,15 +343,7 @@ class PolicyServer:
                                f"the policy's limit of {self._sampling(request).max_prompt_tokens}: "
                                "shorten the conversation (summarise it and start a new one)",
                                "messages", 400, "context_length_exceeded")
-        message, tool_finish = reply_message(completion.text, request.parse_tools, index)
-        link._record(request, index, started, completion, message)
-        finish, created = _finish(completion, tool_finish), int(time.time())
-        call_id = f"chatcmpl-{link.token[:8]}-{index}"
-        if request.stream:
-            return request, {}, stream_chunks(message, finish, completion, self.model, call_id,
-                                              created, request.include_usage)
-        return request, completion_body(message, finish, completion, self.model, call_id,
-                                        created), []
+        return completion
 
     def models_body(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,

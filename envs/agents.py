@@ -156,7 +156,7 @@ def agent_episode(agent: Callable[..., Any], task: TaskSpec, server: PolicyServe
                           for t in s.turns[s.metrics["opening_turns"]:])
     reward = reward.model_copy(update={"audit": {
         **reward.audit, "assistant_turns": assistant_turns, "refused_calls": list(link.refused),
-        **inferred}})
+        "unmet_tool_choice": list(link.unmet_tool_choice), **inferred}})
     final = _final_session(answer, calls, session_of) if fault is None else None
     fields.update(episode_id=episode_id, env_id=ENV_ID, env_version=0, task_id=task.task_id,
                   task_meta=task.meta.model_dump(), sessions=sessions, reward=reward,

@@ -18,6 +18,7 @@ from agent_rl.policies.hf import HFPolicy, sequence_logprobs  # noqa: E402
 from agent_rl.policies.models import tiny_model  # noqa: E402
 from agent_rl.policies.render import conversation_ids, end_of_turn_id, render_session  # noqa: E402
 from envs.agent_proxy import PolicyServer  # noqa: E402
+from envs.proxy_replies import token_pieces  # noqa: E402
 from envs.runner import Completion, Sampling  # noqa: E402
 from trajectories import sessions_from_calls  # noqa: E402
 
@@ -40,6 +41,7 @@ class ScriptedModel:
 
     def __init__(self, model, tok, script, revision=3):
         self.model, self.tok, self.script, self.revision = model, tok, script, revision
+        self.tokenizer = tok  # what the server decodes the ids with (stop strings, streaming)
         self.batches: list[int] = []
 
     def generate(self, batch, sampling):
@@ -97,10 +99,12 @@ def tool_agent(link, stream=False) -> str:
                                                      temperature=TEMPERATURE, stream=True):
                 delta = chunk.choices[0].delta
                 content += delta.content or ""
-                for c in delta.tool_calls or []:
-                    calls[c.index] = {"id": c.id, "type": "function",
-                                      "function": {"name": c.function.name,
-                                                   "arguments": c.function.arguments}}
+                for c in delta.tool_calls or []:  # OpenAI's deltas: id and name, then arguments
+                    call = calls.setdefault(c.index, {"type": "function",
+                                                      "function": {"name": "", "arguments": ""}})
+                    call["id"] = c.id or call.get("id")
+                    call["function"]["name"] += c.function.name or ""
+                    call["function"]["arguments"] += c.function.arguments or ""
             message = {"role": "assistant", "content": content or None}
             if calls:
                 message["tool_calls"] = [calls[k] for k in sorted(calls)]
@@ -249,6 +253,220 @@ def test_subagents_with_their_own_message_lists(tiny, parallel):
     assert scored_difference(model, tok, tree, calls) < 1e-5
 
 
+# --- tool_choice ---------------------------------------------------------------------------------
+
+MUL = {"type": "function", "function": {"name": "mul", "parameters": {"type": "object"}}}
+CALL_ADD = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+CALL_MUL = '<tool_call>{"name": "mul", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def ask(link, **request):
+    """One call through the openai client, with the add and mul tools."""
+    return client(link).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "go"}], tools=[ADD, MUL], **request)
+
+
+def test_tool_choice_none_returns_the_text_unparsed(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: "Sure: " + CALL_ADD)) as server:
+        link = server.open_episode()
+        reply = ask(link, tool_choice="none")
+        assert reply.choices[0].message.tool_calls is None
+        assert reply.choices[0].message.content == "Sure: " + CALL_ADD
+        assert reply.choices[0].finish_reason == "stop" and reply.model_extra == {}
+        # the tools are still listed in the prompt, so the session's prompts stay one prefix
+        assert '"name": "add"' in link.calls()[0].messages[0]["content"]
+        assert ask(link, tool_choice="auto").choices[0].message.tool_calls[0].function.name == "add"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_choice_required_says_when_the_reply_did_not_comply(tiny, stream):
+    model, tok = tiny
+    replies = iter(["I would rather not.", CALL_ADD, CALL_MUL, CALL_ADD])
+    with PolicyServer(ScriptedModel(model, tok, lambda m: next(replies))) as server:
+        link = server.open_episode()
+        named = {"type": "function", "function": {"name": "add"}}
+        seen = []
+        for choice in ("required", "required", named, named):
+            if stream:
+                chunks = list(ask(link, tool_choice=choice, stream=True))
+                last = chunks[-1]
+                calls = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+                seen.append((last.choices[0].finish_reason, len(calls) > 0,
+                             last.model_extra["agent_rl"]["tool_choice_met"]))
+            else:
+                reply = ask(link, tool_choice=choice, parallel_tool_calls=False)
+                seen.append((reply.choices[0].finish_reason,
+                             reply.choices[0].message.tool_calls is not None,
+                             reply.model_extra["agent_rl"]["tool_choice_met"]))
+        unmet = link.unmet_tool_choice
+    # a text reply to "required" is returned as text with finish "stop", flagged unmet; a
+    # call to mul when add was named is returned as the call it is, flagged unmet
+    assert seen == [("stop", False, False), ("tool_calls", True, True),
+                    ("tool_calls", True, False), ("tool_calls", True, True)]
+    assert unmet == [{"index": 0, "tool_choice": "required"}, {"index": 2, "tool_choice": "add"}]
+
+
+def test_parallel_tool_calls_is_accepted_and_every_call_returned(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: CALL_ADD + CALL_MUL)) as server:
+        link = server.open_episode()
+        for parallel in (True, False):
+            calls = ask(link, parallel_tool_calls=parallel).choices[0].message.tool_calls
+            assert [c.function.name for c in calls] == ["add", "mul"]
+
+
+# --- stop strings ---------------------------------------------------------------------------------
+
+CAFE = "Café 🙂 done. STOP and more"
+
+
+def test_token_pieces_decode_incrementally(tiny):
+    _, tok = tiny
+    ids = tok.encode(CAFE, add_special_tokens=False)
+    pieces = token_pieces(lambda i: tok.decode(i, skip_special_tokens=True), ids)
+    # é is two byte tokens and 🙂 four: the bytes before the last add nothing
+    assert pieces == ["C", "a", "f", "", "é", " ", "", "", "", "🙂", " d", "one", ".", " S", "T",
+                      "O", "P", " and", " m", "o", "re"]
+
+
+def test_stop_cuts_the_reply_and_the_recorded_ids_alike(tiny):
+    model, tok = tiny
+    full = tok.encode(CAFE, add_special_tokens=False) + [end_of_turn_id(tok)]
+    with PolicyServer(ScriptedModel(model, tok, lambda m: CAFE if m[-1]["content"] == "go" else "ok"),
+                      Sampling(temperature=TEMPERATURE)) as server:
+        link = server.open_episode()
+        api, seen = client(link), []
+        for stop in (None, "🙂", ["and", ". S"], "nowhere"):
+            reply = api.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "go"}], stop=stop)
+            seen.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+        # the agent goes on after a cut reply: its next prompt follows the recorded ids
+        messages = [{"role": "user", "content": "go"},
+                    {"role": "assistant", "content": seen[2][0]},
+                    {"role": "user", "content": "more"}]
+        api.chat.completions.create(model="m", messages=messages)
+        calls = link.calls()
+    assert seen == [(CAFE, "stop"), ("Café ", "stop"), ("Café 🙂 done", "stop"), (CAFE, "stop")]
+    assert calls[0].completion_ids == full and calls[3].completion_ids == full
+    # cut at the token that completes the stop string (🙂's fourth byte; " S" after ".")
+    assert calls[1].completion_ids == full[:10] and calls[2].completion_ids == full[:14]
+    assert calls[1].logprobs == calls[0].logprobs[:10] and calls[2].logprobs == calls[0].logprobs[:14]
+    # recorded ids decode to the returned text + the stop string (+ that token's rest: none here)
+    assert [tok.decode(c.completion_ids, skip_special_tokens=True) for c in calls[1:3]] == [
+        "Café 🙂", "Café 🙂 done. S"]
+    assert [c.reply["content"] for c in calls[1:3]] == ["Café 🙂", "Café 🙂 done. S"]
+    assert calls[4].prompt_ids[:len(calls[2].context_ids)] == calls[2].context_ids
+    tree = sessions_from_calls([calls[2], calls[4]], "ep")
+    assert len(tree.sessions) == 1
+    assert scored_difference(model, tok, tree, [calls[2], calls[4]]) < 1e-5
+
+
+def test_stop_with_the_sampling_policy(tiny):
+    """HFPolicy at T=0.7: the same call with a stop string taken from the middle of the
+    unstopped reply returns the text before it; the recorded ids are the shortest prefix of
+    the unstopped ones whose decoding holds the stop string; the session then renders to the
+    recorded prompts, and the trainer's log-probs equal the recorded ones."""
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    with PolicyServer(policy, Sampling(temperature=TEMPERATURE, max_new_tokens=16, seed=0)) as server:
+        first = [{"role": "user", "content": "Talk to me."}]
+        free = server.open_episode()
+        whole = client(free).chat.completions.create(model="m", messages=first)
+        text = whole.choices[0].message.content
+        assert len(text) >= 8
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        link = server.open_episode()
+        api = client(link)
+        reply = api.chat.completions.create(model="m", messages=first, stop=[stop])
+        api.chat.completions.create(model="m", messages=[
+            *first, reply.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "Go on."}])
+        unstopped, calls = free.calls()[0], link.calls()
+    assert reply.choices[0].message.content == text[:text.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    ids = calls[0].completion_ids
+    assert ids == unstopped.completion_ids[:len(ids)]
+    assert calls[0].logprobs == unstopped.logprobs[:len(ids)]
+    decoded = tok.decode(ids, skip_special_tokens=True)
+    assert decoded.startswith(text[:text.index(stop)] + stop)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)
+    tree = sessions_from_calls(calls, "ep")
+    assert len(tree.sessions) == 1
+    assert scored_difference(model, tok, tree, calls) < 1e-4
+
+
+def test_stop_without_a_tokenizer_is_a_400(tiny):
+    class TextOnly:  # an endpoint-like policy: text, no tokenizer to cut ids with
+        def generate(self, batch, sampling):
+            return [Completion("ok") for _ in batch]
+
+    with PolicyServer(TextOnly()) as server:
+        link = server.open_episode()
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(link).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], stop="k")
+        assert caught.value.body["param"] == "stop"
+        assert client(link).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}]).choices[0].message.content == "ok"
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+
+def streamed(link, **request):
+    """The chunks of one streamed call through the openai client."""
+    return list(client(link).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "go"}], stream=True, **request))
+
+
+def contents(chunks) -> list[str]:
+    return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+
+
+def test_streaming_sends_one_delta_per_token(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: CAFE)) as server:
+        link = server.open_episode()
+        whole = client(link).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}])
+        plain, stopped = streamed(link), streamed(link, stop="and")
+    assert "".join(contents(plain)) == whole.choices[0].message.content == CAFE
+    # é's and 🙂's bytes arrive whole, with the token that completes them
+    assert contents(plain) == ["C", "a", "f", "é", " ", "🙂", " d", "one", ".", " S", "T", "O",
+                               "P", " and", " m", "o", "re"]
+    assert contents(stopped) == ["C", "a", "f", "é", " ", "🙂", " d", "one", ".", " S", "T", "O",
+                                 "P", " "]
+    assert [c.choices[0].finish_reason for c in (plain[-1], stopped[-1])] == ["stop", "stop"]
+
+
+def test_streamed_tool_calls_come_as_openai_deltas(tiny):
+    model, tok = tiny
+    with PolicyServer(ScriptedModel(model, tok, lambda m: "Both: " + CALL_ADD + CALL_MUL)) as server:
+        chunks = streamed(server.open_episode(), tools=[ADD, MUL])
+    assert "".join(contents(chunks)) == "Both:" and len(contents(chunks)) > 1
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.id, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "call_0_0", "add", ""), (0, None, None, '{"a": 1, "b": 2}'),
+        (1, "call_0_1", "mul", ""), (1, None, None, '{"a": 1, "b": 2}')]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_streaming_the_sampling_policy_matches_its_reply(tiny):
+    model, tok = tiny
+    policy = HFPolicy(model, tok)
+    with PolicyServer(policy, Sampling(temperature=TEMPERATURE, max_new_tokens=16, seed=0)) as server:
+        link = server.open_episode()
+        whole = client(link).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}])
+        chunks = streamed(link, stream_options={"include_usage": True})
+        calls = link.calls()
+    assert calls[0].completion_ids == calls[1].completion_ids  # the same draws (row 0, seed 0)
+    assert "".join(contents(chunks)) == whole.choices[0].message.content
+    assert 1 < len(contents(chunks)) <= len(calls[1].completion_ids)
+    assert chunks[-1].usage.completion_tokens == len(calls[1].completion_ids)
+
+
 def test_stated_place_wins_over_inference(tiny):
     model, tok = tiny
     with PolicyServer(ScriptedModel(model, tok, lambda m: "ok")) as server:
@@ -301,7 +519,9 @@ def post(link, body: bytes, path="/chat/completions"):
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
@@ -312,6 +532,14 @@ def post(link, body: bytes, path="/chat/completions"):
       "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
      "tools[0].function.parameters"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD], "tool_choice": "always"},
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD],
+      "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD],
+      "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [ADD],
+      "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "agent_rl": {"origin": "root"}}, "agent_rl"),
