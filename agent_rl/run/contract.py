@@ -14,6 +14,8 @@ extend a finished or killed run under the same contract. A schedule that depends
 horizon (warm-up or decay to ``max_steps``) must put it back in the hash. ``log`` says where
 the step metrics are mirrored (``agent_rl.run.loggers``), never what they are: a run resumed
 with ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more place.
+``rollout.gpu_memory_utilization`` and ``rollout.vllm_sleep`` say where the engine's memory
+lives, never what it samples: a run that ran out of GPU memory resumes with another setting.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, get_args
 
 import yaml
 from pydantic import (
@@ -65,7 +67,8 @@ class _Section(BaseModel):
     @classmethod
     def _booleans_only_for_booleans(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic reads true as 1 for an int or float field (`optim.max_steps=true` ran 1 step)
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation is not bool:
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and annotation is not bool and bool not in get_args(annotation):
             raise ValueError(f"got the boolean {str(value).lower()}; this key is not a boolean")
         return value
 
@@ -198,6 +201,21 @@ class RolloutSection(_Section):
     correction: Literal["none", "tis", "mask"] = Field("none", description="rollout/trainer mismatch: none (ratio against the rollout's log-probs), tis (truncated importance weight), mask (drop tokens whose ratio leaves [1/cap, cap])")
     correction_cap: float = Field(2.0, gt=1.0, description="the cap C of rollout.correction")
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="the weights rollouts sample with: null = the trained model's (HF: shared, or a float32 copy with LoRA merged under adapter lora; vLLM: model.dtype); float32 | bfloat16 = a copy in that dtype (LoRA merged), given the weights after every update; the mismatch is measured (rollout/logprob_diff_*)")
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description="vLLM on CUDA: the share of the GPU's memory the engine takes (weights, activations, KV cache), all free at engine start; null = computed then from the free memory, less the trainer's headroom (agent_rl.policies.vllm_policy.engine_memory_fraction); refused where vllm runs on the CPU; not hashed")
+    vllm_sleep: Literal["auto"] | bool = Field("auto", description="vLLM on CUDA: the engine sleeps (level 1: weights to host memory, KV cache dropped) while the trainer updates, and wakes at the next weight push; auto = on for CUDA with max_policy_lag 0; true is refused on the CPU and with max_policy_lag > 0; not hashed")
+
+    @model_validator(mode="after")
+    def _vllm_only(self) -> RolloutSection:
+        given = ("gpu_memory_utilization" if self.gpu_memory_utilization is not None
+                 else "vllm_sleep" if self.vllm_sleep is True else None)
+        if given and self.backend != "vllm":
+            raise ValueError(f"rollout.{given} applies to rollout.backend: vllm; the backend is "
+                             f"{self.backend}: remove the key")
+        if self.vllm_sleep is True and self.max_policy_lag:
+            raise ValueError("rollout.vllm_sleep: true with rollout.max_policy_lag > 0: the engine "
+                             "generates while the trainer updates, so it cannot sleep; use auto or "
+                             "false")
+        return self
 
 
 class RewardShapingSection(_Section):
@@ -494,7 +512,8 @@ class _Contract(_Section):
 class ExperimentContract(_Contract):
     """One training run, fully specified."""
 
-    UNHASHED: ClassVar[tuple[str, ...]] = ("optim.max_steps", "log")  # the module docstring
+    UNHASHED: ClassVar[tuple[str, ...]] = ("optim.max_steps", "log", "rollout.gpu_memory_utilization",
+                                           "rollout.vllm_sleep")  # the module docstring
 
     name: str = "run"
     env: EnvSection = Field(default_factory=EnvSection)

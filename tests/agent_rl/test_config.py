@@ -353,7 +353,9 @@ def test_contract_hash_changes_with_any_hashed_field(design_file, override):
 def test_max_steps_is_left_out_of_the_hash(design_file):
     """max_steps says where to stop, not how a step is computed: extending a run by resuming
     with a larger max_steps is the same experiment (config.py's docstring)."""
-    assert UNHASHED == ("optim.max_steps", "log")  # log: where metrics go (test_loggers.py)
+    assert UNHASHED == ("optim.max_steps", "log", "rollout.gpu_memory_utilization",
+                        "rollout.vllm_sleep")  # log: where metrics go (test_loggers.py); the
+    # engine's memory: test_vllm_colocation.py
     base = ExperimentContract.from_yaml(design_file)
     longer = ExperimentContract.from_yaml(design_file, ["optim.max_steps=200"])
     assert longer.contract_hash() == base.contract_hash()
