@@ -40,6 +40,7 @@ copy to deep-copy from would add 540 MB to every process that loads the model on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -151,12 +152,29 @@ def _make_saveable(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+@contextlib.contextmanager
+def gguf_bar_follows_transformers() -> Iterator[None]:
+    """transformers converts a GGUF file under a tqdm bar of its own that ignores its
+    progress-bar switch (off in a log: ``cli.common.ignore_library_deprecations``): for the
+    conversion, the bar follows that switch."""
+    from transformers import modeling_gguf_pytorch_utils as conversion
+    from transformers.utils.logging import is_progress_bar_enabled
+
+    bar = conversion.tqdm
+    conversion.tqdm = functools.partial(bar, disable=not is_progress_bar_enabled())
+    try:
+        yield
+    finally:
+        conversion.tqdm = bar
+
+
 def _load_gguf_model() -> PreTrainedModel:
     path = smollm2_gguf_path()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
+        with gguf_bar_follows_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            )
     except Exception as exc:  # noqa: BLE001 - re-raised with the path and the fix
         raise _gguf_error(path, exc) from exc
     return _make_saveable(model).eval()

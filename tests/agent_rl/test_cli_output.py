@@ -221,6 +221,31 @@ def test_library_progress_bars_stay_out_of_a_log(monkeypatch):
         transformers_logging.enable_progress_bar()
 
 
+def test_the_gguf_conversion_bar_follows_transformers_switch():
+    """The GGUF conversion draws its own tqdm bar: off in a log as the others are."""
+    import io
+
+    from transformers import modeling_gguf_pytorch_utils as conversion
+    from transformers.utils import logging as transformers_logging
+
+    from agent_rl.policies.models import gguf_bar_follows_transformers
+
+    def drawn() -> str:
+        out = io.StringIO()
+        with gguf_bar_follows_transformers():
+            for _ in conversion.tqdm(range(3), desc="Converting", file=out):
+                pass
+        return out.getvalue()
+
+    try:
+        transformers_logging.disable_progress_bar()
+        assert drawn() == ""
+        transformers_logging.enable_progress_bar()
+        assert "Converting" in drawn()
+    finally:
+        transformers_logging.enable_progress_bar()
+
+
 def test_no_task_scored_on_both_sides_is_no_paired_difference_not_a_crash():
     """A held-out evaluation whose every episode was an infrastructure fault scores no task:
     compare warns and gives no difference (an Agent-v0 agent that always fails made the
