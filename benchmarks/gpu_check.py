@@ -34,7 +34,8 @@ the checks before it on that model, returning a dict printed as one JSON line):
 Every check on CUDA also reports its peak allocated memory (``torch.cuda.max_memory_allocated``).
 
 MFU = 6 N tokens / seconds / peak (N parameters: a dense decoder's forward and backward,
-attention's own FLOPs ignored), against the spec sheet's dense bf16 peak of the device
+attention's own FLOPs ignored; the trained tokens over the trainer's seconds, which also hold
+the old log-probs' forward), against the spec sheet's dense bf16 peak of the device
 (``PEAK_BF16_TFLOPS``) and against a bf16 matmul peak measured in the same run.
 """
 
@@ -64,9 +65,10 @@ REQUIRED = {
     "gymnasium": "gymnasium", "cloudpickle": "cloudpickle",
     "farama_notifications": "farama-notifications", "zstandard": "zstandard",
 }
-# the lowest versions the package's calls need (pyproject.toml: torch>=2.4,
-# transformers>=4.56): torch 2.4 for torch.get_autocast_dtype(device) and F.rms_norm;
-# transformers 4.56 for DynamicCache(config=...) and its per-layer ``layers[i].keys``
+# the lowest versions this code takes (pyproject.toml's floors): torch 2.4, for
+# torch.get_autocast_dtype(device) and F.rms_norm (reasoned from the calls); transformers
+# 4.56, the lowest the smoke mode was run on (4.56.2), whose DynamicCache has the per-layer
+# ``layers[i].keys`` decode reads, and ``masking_utils`` the attention path imports
 MIN_VERSIONS = {"torch": "2.4", "transformers": "4.56"}
 # the agent_rl modules the checks run; an import error among them names what is missing
 PROJECT_MODULES = ("agent_rl.training.train", "agent_rl.policies.hf", "agent_rl.policies.decode",
