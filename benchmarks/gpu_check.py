@@ -34,8 +34,8 @@ the checks before it on that model, returning a dict printed as one JSON line):
 Every check on CUDA also reports its peak allocated memory (``torch.cuda.max_memory_allocated``).
 
 MFU = 6 N tokens / seconds / peak (N parameters: a dense decoder's forward and backward,
-attention's own FLOPs ignored; the trained tokens over the trainer's seconds, which also hold
-the old log-probs' forward), against the spec sheet's dense bf16 peak of the device
+attention's own FLOPs ignored; the trained tokens over the seconds of the whole update:
+forward, backward, optimizer step, the push of the weights to the rollout copy), against the spec sheet's dense bf16 peak of the device
 (``PEAK_BF16_TFLOPS``) and against a bf16 matmul peak measured in the same run.
 """
 

@@ -174,6 +174,42 @@ def test_gpu_check_sh_stops_when_the_carried_wheels_do_not_install(tmp_path):
     assert "gpu_check:" not in result.stdout  # gpu_check.py never started
 
 
+def load_gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", EXAMPLES.parent / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kv_heads, threshold", [(3, 97), (8, 36)])
+def test_gpu_check_prompt_reaches_decodes_shared_layout(kv_heads, threshold):
+    """The prompt length gpu_check asks for is decode's own threshold: 4 prompts x 8 rows, keys
+    and values in float32 (autocast's rotary), heads of 64: 4 * 2**20 / (28 * kv * 64 * 8)
+    bytes, 97 tokens for SmolLM2 (3 KV heads), 36 for the 1B config (8); StaticDecoder holds
+    the prompt once from one token past it, not at it."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agent_rl.policies.decode import StaticDecoder
+
+    config = LlamaConfig(vocab_size=32, hidden_size=64 * kv_heads, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=kv_heads,
+                         num_key_value_heads=kv_heads, head_dim=64)
+    assert load_gpu_check().shared_layout_tokens(config, group=8, batch=32) == threshold
+    model = LlamaForCausalLM(config)
+    which = torch.arange(4).repeat_interleave(8)  # [32] each row's prompt
+    for length, shared in ((threshold, False), (threshold + 1, True)):
+        keys = torch.zeros(4, kv_heads, length, 64)  # [U, kvh, L, d] float32
+        cache = SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=keys.clone())])
+        assert StaticDecoder(model, cache, which, max_new_tokens=2).shared is shared
+
+
 def test_gpu_check_sh_refuses_an_unknown_option(tmp_path):
     result = run_gpu_check(tmp_path, "--steps", "4")
     assert result.returncode == 2 and "unknown option --steps (takes --smoke)" in result.stderr
