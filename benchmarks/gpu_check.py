@@ -325,8 +325,8 @@ def train_run(target: Target, backend: str) -> dict:
             "rollout_tokens_per_s": round(mean("rollout/tokens_per_s"), 1),
             "train_tokens_per_s": round(train_tokens_per_s, 1),
             "rollout_s": round(mean("rollout/seconds"), 3), "train_s": round(mean("train/seconds"), 3),
-            "mfu": round(flops / target.peak_flops, 4),
-            "mfu_of_measured_peak": round(flops / target.measured_peak_flops, 4),
+            "mfu": float(f"{flops / target.peak_flops:.3g}"),  # tiny on a CPU: 3 digits
+            "mfu_of_measured_peak": float(f"{flops / target.measured_peak_flops:.3g}"),
             "logprob_diff_mean": round(max(r["rollout/logprob_diff_mean"] for r in records), 6),
             "logprob_diff_max": round(max(r["rollout/logprob_diff_max"] for r in records), 6)}
 
@@ -443,8 +443,8 @@ def main() -> int:
     measured = matmul_peak(device, n=256 if args.smoke else 8192, repeats=10)
     name, peak, source = device_peak(device, measured)
     print(f"gpu_check: {name}, torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"bf16 peak {peak / 1e12:.1f} TFLOP/s ({source}); measured matmul "
-          f"{measured / 1e12:.1f} TFLOP/s")
+    print(f"bf16 peak {peak / 1e12:.3g} TFLOP/s ({source}); measured matmul "
+          f"{measured / 1e12:.3g} TFLOP/s")
     root = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     tokenizer = load_tokenizer(None if args.smoke else args.tokenizer)
     results: dict[str, dict[str, dict]] = {}
@@ -461,8 +461,8 @@ def main() -> int:
               if isinstance(r, dict) and r["status"] == "failed"]
     print(json.dumps({"device": name, "torch": torch.__version__,
                       "transformers": transformers.__version__, "smoke": args.smoke,
-                      "peak_bf16_tflops": round(peak / 1e12, 1), "peak_source": source,
-                      "measured_matmul_tflops": round(measured / 1e12, 2), "models": results,
+                      "peak_bf16_tflops": float(f"{peak / 1e12:.4g}"), "peak_source": source,
+                      "measured_matmul_tflops": float(f"{measured / 1e12:.4g}"), "models": results,
                       "failed": failed}))
     return 1 if failed else 0
 
