@@ -99,21 +99,120 @@ def test_example_configs_are_valid_contracts_with_their_splits(config):
     assert all(len(tasks) == contract.eval.n for tasks in eval_sets.values())
 
 
-@pytest.mark.slow
-def test_gpu_check_runs_as_a_cpu_smoke(tmp_path):
-    """benchmarks/gpu_check.py (what a lent GPU runs) cannot rot unnoticed: --smoke runs the
-    same code on the CPU with the tiny model and ends with its JSON summary."""
-    import json
+def run_gpu_check(tmp_path: Path, *args: str, pythonpath: str = "",
+                  wheels: Path | None = None) -> subprocess.CompletedProcess:
+    """``bash benchmarks/gpu_check.sh ARGS`` with this interpreter; carried wheels from
+    ``wheels`` (default: an empty folder, whatever .whl/ this checkout holds)."""
+    import os
 
-    script = EXAMPLES.parent / "benchmarks" / "gpu_check.py"
-    result = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": pythonpath,
+           "GPU_CHECK_WHEELS": str(wheels or tmp_path / "no-wheels"),
+           "GPU_CHECK_SITE": str(tmp_path / "site")}
+    script = EXAMPLES.parent / "benchmarks" / "gpu_check.sh"
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_gpu_check_sh_runs_as_a_cpu_smoke(tmp_path):
+    """benchmarks/gpu_check.sh (what a lent GPU runs) cannot rot unnoticed: --smoke runs every
+    check on the CPU, tiny sizes, and ends with its JSON summary: the bf16 rollout took the
+    shared-prompt layout (a group of 8 in a batch of 32, a prompt past decode's threshold),
+    the bf16/float32 mismatch, the trainer's throughput and MFU, and the plan and vLLM checks
+    say why they did not run."""
+    result = run_gpu_check(tmp_path, "--smoke")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["device"] == "cpu" and summary["weights"] == "tiny"
-    hf = summary["runs"][0]
-    assert hf["backend"] == "hf" and hf["rollout_tokens_per_s"] > 0 and 0 < hf["mfu"] < 1
-    assert 0 <= hf["logprob_diff_mean"] <= hf["logprob_diff_max"]
+    assert summary["device"] == "cpu" and summary["smoke"] and summary["failed"] == []
+    assert summary["peak_source"] == "measured" and summary["peak_bf16_tflops"] > 0
+    (name, checks), = summary["models"].items()
+    assert name == "tiny" and checks["params"] > 0
+    rollout = checks["shared_rollout_bf16"]
+    assert rollout["status"] == "ok" and rollout["shared_layout"]
+    assert (rollout["rows"], rollout["group"]) == (32, 8) and rollout["prompt_tokens"] >= 120
+    assert rollout["generated_tokens"] > 0 and rollout["rollout_tokens_per_s"] > 0
+    mismatch = checks["logprob_mismatch"]
+    assert mismatch["status"] == "ok"
+    assert 0 < mismatch["logprob_diff_mean"] <= mismatch["logprob_diff_max"] < 0.1
+    trainer = checks["trainer"]
+    assert trainer["status"] == "ok" and trainer["steps"] == 1
+    assert trainer["rollout_tokens_per_s"] > 0 and trainer["train_tokens_per_s"] > 0
+    assert 0 < trainer["mfu"] < 1 and 0 <= trainer["logprob_diff_mean"] <= trainer["logprob_diff_max"]
+    assert all(check["peak_memory_gib"] is None for check in checks.values() if isinstance(check, dict))
+    plan = checks["plan_vs_measured"]
+    assert plan["status"] == "skipped" and "no resource plan" in plan["reason"]
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert checks["vllm"]["status"] == "skipped" and "vllm does not import" in checks["vllm"]["reason"]
+    else:
+        assert checks["vllm"]["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_gpu_check_sh_stops_at_once_naming_what_is_missing(tmp_path):
+    """A module the lent machine lacks (here zstandard made to fail its import) stops the
+    script before any work, exit 2, naming the module and the wheel to carry."""
+    broken = tmp_path / "broken" / "zstandard"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('not on this machine')\n")
+    result = run_gpu_check(tmp_path, "--smoke", pythonpath=str(broken.parent))
+    assert result.returncode == 2
+    assert "zstandard does not import" in result.stderr and "zstandard wheel" in result.stderr
+    assert "bash scripts/gpu_wheels.sh" in result.stderr and result.stdout == ""
+
+
+def test_gpu_check_sh_stops_when_the_carried_wheels_do_not_install(tmp_path):
+    """A carried folder pip cannot install from (here a wheel that is no zip file) is an error
+    naming the folder, not a run on whatever the machine has."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "pydantic-2.14.4-py3-none-any.whl").write_text("not a wheel")
+    result = run_gpu_check(tmp_path, "--smoke", wheels=wheels)
+    assert result.returncode == 2
+    assert f"could not install the wheels in {wheels}/" in result.stderr
+    assert "gpu_check:" not in result.stdout  # gpu_check.py never started
+
+
+def load_gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", EXAMPLES.parent / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kv_heads, threshold", [(3, 97), (8, 36)])
+def test_gpu_check_prompt_reaches_decodes_shared_layout(kv_heads, threshold):
+    """The prompt length gpu_check asks for is decode's own threshold: 4 prompts x 8 rows, keys
+    and values in float32 (autocast's rotary), heads of 64: 4 * 2**20 / (28 * kv * 64 * 8)
+    bytes, 97 tokens for SmolLM2 (3 KV heads), 36 for the 1B config (8); StaticDecoder holds
+    the prompt once from one token past it, not at it."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agent_rl.policies.decode import StaticDecoder
+
+    config = LlamaConfig(vocab_size=32, hidden_size=64 * kv_heads, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=kv_heads,
+                         num_key_value_heads=kv_heads, head_dim=64)
+    assert load_gpu_check().shared_layout_tokens(config, group=8, batch=32) == threshold
+    model = LlamaForCausalLM(config)
+    which = torch.arange(4).repeat_interleave(8)  # [32] each row's prompt
+    for length, shared in ((threshold, False), (threshold + 1, True)):
+        keys = torch.zeros(4, kv_heads, length, 64)  # [U, kvh, L, d] float32
+        cache = SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=keys.clone())])
+        assert StaticDecoder(model, cache, which, max_new_tokens=2).shared is shared
+
+
+def test_gpu_check_sh_refuses_an_unknown_option(tmp_path):
+    result = run_gpu_check(tmp_path, "--steps", "4")
+    assert result.returncode == 2 and "unknown option --steps (takes --smoke)" in result.stderr
 
 
 def test_linear_kernel_runs_as_a_smoke(tmp_path):
