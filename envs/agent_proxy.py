@@ -27,8 +27,11 @@ refuses as too long (``Sampling.max_prompt_tokens``) gets a 400 ``context_length
 the agent can react to, and is kept in ``EpisodeLink.refused``. ``trajectories.
 sessions_from_calls`` turns ``EpisodeLink.calls()`` into the session tree.
 
-**Batching.** Requests that arrive within ``window_s`` of the first waiting one (up to
-``max_batch``) go to the policy as one ``generate`` call per distinct sampling setting.
+**Batching.** Requests that arrive within ``window_s`` of the one before (up to ``max_batch``,
+and at most ``COLLECT_MAX_S`` or ``window_s`` after the first) go to the policy as one ``generate`` call per
+distinct sampling setting. Agents answered by one batch send their next calls over a spread
+that grows with their number and the machine's load: a window counted from the first
+arrival split such a round in two (two ``generate`` calls instead of one).
 Sampling: the server's ``Sampling``, with the request's ``temperature``, ``top_p`` and
 ``max_tokens`` / ``max_completion_tokens`` where given (``fixed_sampling=True`` ignores them:
 a trainer samples as its contract says). Random streams: an episode opened with a ``stream``
@@ -69,6 +72,7 @@ from envs.tools import HermesParser, ToolCall
 from trajectories.calls import ModelCall, StatedPlace
 
 MAX_BODY_BYTES = 32 * 2**20
+COLLECT_MAX_S = 0.5  # a batch waits at most this (or window_s) after its first request
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -460,7 +464,8 @@ class _Batcher:
         self.thread.join(timeout=30)
 
     def _collect(self, first: _Job) -> tuple[list[_Job], bool]:
-        jobs, deadline = [first], time.monotonic() + self.window_s
+        jobs, last = [first], time.monotonic() + max(self.window_s, COLLECT_MAX_S)
+        deadline = min(time.monotonic() + self.window_s, last)
         while len(jobs) < self.max_batch:
             try:
                 job = self.jobs.get(timeout=max(deadline - time.monotonic(), 0.0))
@@ -469,6 +474,7 @@ class _Batcher:
             if job is None:
                 return jobs, True
             jobs.append(job)
+            deadline = min(time.monotonic() + self.window_s, last)
         return jobs, False
 
     def _run(self) -> None:

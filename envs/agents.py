@@ -192,7 +192,7 @@ def run_agent_episodes(agent: Callable[..., Any] | str, tasks: Sequence[TaskSpec
                        scorer: DatasetEnv, sampling: Sampling | None = None,
                        samples_per_task: int = 1, seed: int = 0, timeout_s: float = TIMEOUT_S,
                        concurrency: int = 16, group_prefix: str = "", split: str | None = None,
-                       window_s: float = 0.01) -> list[Episode]:
+                       window_s: float = 0.05) -> list[Episode]:
     """Every task ``samples_per_task`` times, up to ``concurrency`` agents at once against
     one ``PolicyServer`` (the contract's ``sampling``, whatever the agent asks for); episodes
     in job order, ids as ``envs.runner.run_episodes`` names them."""
