@@ -28,10 +28,10 @@ the agent can react to, and is kept in ``EpisodeLink.refused``. ``trajectories.
 sessions_from_calls`` turns ``EpisodeLink.calls()`` into the session tree.
 
 **Batching.** Requests that arrive within ``window_s`` of the one before (up to ``max_batch``,
-and at most ``COLLECT_MAX_S`` or ``window_s`` after the first) go to the policy as one ``generate`` call per
-distinct sampling setting. Agents answered by one batch send their next calls over a spread
-that grows with their number and the machine's load: a window counted from the first
-arrival split such a round in two (two ``generate`` calls instead of one).
+and at most ``COLLECT_MAX_S`` or ``window_s`` after the first) go to the policy as one
+``generate`` call per distinct sampling setting. Agents answered by one batch send their next
+calls over a spread that grows with their number and the machine's load: a window counted
+from the first arrival split such a round in two (two ``generate`` calls instead of one).
 Sampling: the server's ``Sampling``, with the request's ``temperature``, ``top_p`` and
 ``max_tokens`` / ``max_completion_tokens`` where given (``fixed_sampling=True`` ignores them:
 a trainer samples as its contract says). Random streams: an episode opened with a ``stream``
