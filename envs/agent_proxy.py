@@ -52,8 +52,9 @@ refuses as too long (``Sampling.max_prompt_tokens``) gets a 400 ``context_length
 the agent can react to, and is kept in ``EpisodeLink.refused``. ``trajectories.
 sessions_from_calls`` turns ``EpisodeLink.calls()`` into the session tree.
 
-**Batching.** Requests that arrive within ``window_s`` of the first waiting one (up to
-``max_batch``) go to the policy as one ``generate`` call per distinct sampling setting.
+**Batching.** Requests that arrive within ``window_s`` of the one before (up to ``max_batch``,
+and at most ``COLLECT_MAX_S`` or ``window_s`` after the first) go to the policy as one
+``generate`` call per distinct sampling setting (``envs.proxy_batcher``).
 Sampling: the server's ``Sampling``, with the request's ``temperature``, ``top_p`` and
 ``max_tokens`` / ``max_completion_tokens`` where given (``fixed_sampling=True`` ignores them:
 a trainer samples as its contract says). Random streams: an episode opened with a ``stream``
@@ -224,7 +225,7 @@ class PolicyServer:
         if self._http is not None:
             return self
         self._batcher = Batcher(self.policy, self.window_s, self.max_batch)
-        self._http = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
+        self._http = _HTTPServer(("127.0.0.1", self.port), _handler(self))
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         threading.Thread(target=self._http.serve_forever, name="agent-proxy-http",
@@ -350,12 +351,21 @@ class PolicyServer:
                                             "owned_by": "agent-rl"}]}
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # agents connect all at once (a client each); the default backlog of 5 dropped their
+    # connections, which then waited a SYN retry (1 s, 3 s, ...) or timed out
+    request_queue_size = 1024
+
+
 _ROUTE = re.compile(r"^/e/([A-Za-z0-9_-]+)/v1/(chat/completions|models)/?$")
 
 
 def _handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # TCP_NODELAY: a reply's headers and body are two writes, and Nagle's algorithm held
+        # the body until the client's delayed ACK (40 ms a call on a kept-alive connection)
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:  # no access log on stderr
             return

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
 
+from envs import deadline
 from envs.agent_proxy import EpisodeLink, PolicyServer
 from envs.core import PROMPT_TOO_LONG, TaskSpec
 from envs.datasets import DatasetEnv
@@ -54,6 +55,10 @@ from trajectories.functions import load_function
 
 ENV_ID = "agent_rl/Agent-v0"
 TIMEOUT_S = 300.0
+# Answers scored at once: as many as envs.deadline keeps idle workers. A rollout's episodes
+# end together; scored all at once, each past the idle ones started a worker (~0.4 s apiece,
+# one after another), which were closed again after.
+_SCORING = threading.BoundedSemaphore(deadline.MAX_IDLE)
 
 
 class AgentFault(str, Enum):
@@ -149,7 +154,8 @@ def agent_episode(agent: Callable[..., Any], task: TaskSpec, server: PolicyServe
                             metrics={"opening_turns": 1})]
     verifier = f"{ENV_ID}@0/{scorer.verifier.name}"
     if fault is None:
-        reward = scorer.score(task, answer, None)
+        with _SCORING:
+            reward = scorer.score(task, answer, None)
     else:
         reward = _fault_reward(task, fault, reason, link, scorer.reward_weights, verifier)
     assistant_turns = sum(t.role == "assistant" for s in sessions
@@ -189,7 +195,7 @@ def run_agent_episodes(agent: Callable[..., Any] | str, tasks: Sequence[TaskSpec
                        scorer: DatasetEnv, sampling: Sampling | None = None,
                        samples_per_task: int = 1, seed: int = 0, timeout_s: float = TIMEOUT_S,
                        concurrency: int = 16, group_prefix: str = "", split: str | None = None,
-                       window_s: float = 0.01) -> list[Episode]:
+                       window_s: float = 0.05) -> list[Episode]:
     """Every task ``samples_per_task`` times, up to ``concurrency`` agents at once against
     one ``PolicyServer`` (the contract's ``sampling``, whatever the agent asks for); episodes
     in job order, ids as ``envs.runner.run_episodes`` names them."""

@@ -1,8 +1,11 @@
 """The policy server's batcher: one thread that sends the requests waiting for the policy to its
 batched ``generate`` (``envs.agent_proxy``).
 
-Requests that arrive within ``window_s`` of the first waiting one (up to ``max_batch``) go to
-the policy as one ``generate`` call per distinct sampling setting. A job names its random
+Requests that arrive within ``window_s`` of the one before (up to ``max_batch``, and at most
+``COLLECT_MAX_S`` or ``window_s`` after the first) go to the policy as one ``generate`` call per
+distinct sampling setting. Agents answered by one batch send their next calls over a spread that
+grows with their number and the machine's load: a window counted from the first arrival split
+such a round in two (two ``generate`` calls instead of one). A job names its random
 stream (``Sampling.streams``), or samples from its row of the batch.
 """
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from envs.runner import Policy, Sampling
+
+COLLECT_MAX_S = 0.5  # a batch waits at most this (or window_s) after its first request
 
 
 @dataclass
@@ -47,7 +52,8 @@ class Batcher:
         self.thread.join(timeout=30)
 
     def _collect(self, first: _Job) -> tuple[list[_Job], bool]:
-        jobs, deadline = [first], time.monotonic() + self.window_s
+        jobs, last = [first], time.monotonic() + max(self.window_s, COLLECT_MAX_S)
+        deadline = min(time.monotonic() + self.window_s, last)
         while len(jobs) < self.max_batch:
             try:
                 job = self.jobs.get(timeout=max(deadline - time.monotonic(), 0.0))
@@ -56,6 +62,7 @@ class Batcher:
             if job is None:
                 return jobs, True
             jobs.append(job)
+            deadline = min(time.monotonic() + self.window_s, last)
         return jobs, False
 
     def _run(self) -> None:

@@ -292,6 +292,37 @@ def test_overheads_runs_as_a_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_agent_proxy_runs_as_a_smoke(tmp_path):
+    """benchmarks/agent_proxy.py --smoke: the same Relay episodes through the policy server
+    (Agent-v0 running examples/agents/relay_agent.py) and as Relay-v0, side by side; the
+    overheads are the ratios of the runs' own times, and the no-model runs answered every call."""
+    script = EXAMPLES.parent / "benchmarks" / "agent_proxy.py"
+    result = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    ours = lines[next(k for k, line in enumerate(lines) if line.startswith("model tiny")):-1]
+    assert len(ours) >= 8 and all(len(line) <= 80 for line in ours), ours
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["model"] == "tiny" and summary["repeats"] == 1
+    agent, built_in = summary["agent"], summary["built_in"]
+    for side in (agent, built_in):
+        assert side["episodes"] == 2 and side["faults"] == 0 and side["tokens"] > 0
+        assert side["policy_s"] + side["other_s"] == pytest.approx(side["total_s"], abs=2e-4)
+        assert side["s_per_token"] == pytest.approx(side["total_s"] / side["tokens"], rel=1e-3)
+    # relay-0-0 needs three sessions: two notes and the answer, one call each, both ways
+    assert agent["calls"] == built_in["calls"] == 6
+    assert summary["overhead"] == pytest.approx(
+        (agent["total_s"] - built_in["total_s"]) / built_in["total_s"], abs=1e-3)
+    assert summary["overhead_per_token"] == pytest.approx(
+        agent["s_per_token"] / built_in["s_per_token"] - 1, abs=1e-3)
+    assert summary["overhead_range"] == [summary["overhead"]] * 2
+    assert summary["window_bound_s"] == pytest.approx(agent["batches"] * summary["window_s"])
+    assert [m["window_s"] for m in summary["machinery"]] == [summary["window_s"], 0.0]
+    assert all(m["calls"] == 6 and m["ms_per_call"] > 0 for m in summary["machinery"])
+
+
+@pytest.mark.slow
 def test_train_throughput_kernel_pairs_by_hand(monkeypatch):
     """One causal segment of 8 queries, one chunk of 8 keys, extents 1..8: the bf16 kernel's
     tiles of 6 queries cover 16 keys each (whole vectors), 6 x 16 + 2 x 16 = 128 pairs where
