@@ -59,6 +59,15 @@ SHARED_MIN_BYTES = 1 << 20
 PACK_MIN_ELEMENTS = 1 << 16
 
 
+def kv_dtype(held: torch.dtype, device_type: str, autocast: torch.dtype | None) -> torch.dtype:
+    """The dtype ``StaticDecoder`` holds keys or values in, the prefill having left them in
+    ``held``: on CUDA under autocast (``autocast``: its dtype, None when off) the autocast
+    dtype, which the attention products take anyway (half the bytes a decode step reads and
+    the cache holds: under bf16 autocast the rotated keys come out float32, since the rotary
+    cos/sin are float32); elsewhere as held (the CPU's kernels read float32)."""
+    return autocast if device_type == "cuda" and autocast is not None else held
+
+
 def supports(model: Any) -> bool:
     """Can ``StaticDecoder`` run this model? (A Llama-style decoder it knows the layout of.)"""
     config = getattr(model, "config", None)
@@ -91,21 +100,26 @@ class StaticDecoder:
         self.head = model.get_output_embeddings()
         prompt = cache.layers[: len(self.layers)]
         U, kvh, L, d = prompt[0].keys.shape
+        device = prompt[0].keys.device
+        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        keys_dtype, values_dtype = (kv_dtype(held.dtype, device.type, autocast)
+                                    for held in (prompt[0].keys, prompt[0].values))
         self.prompt_length, self.generated = L, 0
-        saved = (len(which) - U) * L * kvh * d * prompt[0].keys.element_size() * 2  # per layer
+        saved = (len(which) - U) * L * kvh * d * keys_dtype.itemsize * 2  # per layer
         self.shared = saved > U * SHARED_MIN_BYTES
         self.which = which  # [A] each active row's prompt
         B = len(which)
         if self.shared:
-            self.prompt_keys = [layer.keys for layer in prompt]  # [U, kvh, L, d]
-            self.prompt_values = [layer.values for layer in prompt]
+            self.prompt_keys = [layer.keys.to(keys_dtype) for layer in prompt]  # [U, kvh, L, d]
+            self.prompt_values = [layer.values.to(values_dtype) for layer in prompt]
             self.keys = [k.new_empty((B, kvh, max_new_tokens, d)) for k in self.prompt_keys]
             self.values = [v.new_empty((B, kvh, max_new_tokens, d)) for v in self.prompt_values]
         else:  # [B, kvh, L + max_new_tokens, d]: the row's prompt, then its generated positions
             self.keys, self.values = [], []
             for layer in prompt:
-                for held, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
-                    buffer = held.new_empty((B, kvh, L + max_new_tokens, d))
+                for held, buffers, dtype in ((layer.keys, self.keys, keys_dtype),
+                                             (layer.values, self.values, values_dtype)):
+                    buffer = held.new_empty((B, kvh, L + max_new_tokens, d), dtype=dtype)
                     buffer[:, :, :L] = held.index_select(0, which)
                     buffers.append(buffer)
         if self.shared:
@@ -199,8 +213,8 @@ class StaticDecoder:
                 o = (self._prompt_matmul(p[..., :L], self.prompt_values[i])
                      + torch.matmul(p[..., L:], self.values[i][:, :, : s + 1]))  # [A, kvh, g, d]
             else:
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q, self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1],
+                o = torch.nn.functional.scaled_dot_product_attention(  # q in the cache's dtype
+                    q.to(self.keys[i].dtype), self.keys[i][:, :, : L + s + 1], self.values[i][:, :, : L + s + 1],
                     attn_mask=attend[:, None, None, :], scale=attn.scaling)  # [A, kvh, g, d]
             x = x + attn.o_proj(o.reshape(A, 1, -1))
             h = _rms_norm(layer.post_attention_layernorm, x)  # [A, 1, H]

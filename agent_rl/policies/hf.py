@@ -124,6 +124,15 @@ def _sample_step(logits: torch.Tensor, sampling: Sampling,
     return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)  # [B], [B]
 
 
+def step_to_host(token: torch.Tensor, logp: torch.Tensor) -> tuple[list[int], list[float]]:
+    """A decode step's sampled tokens ``[A]`` and their log-probs ``[A]`` as Python numbers,
+    read in one device-to-host copy (on a GPU, the step's one synchronisation: which rows stop
+    is then decided on the host). Exact: token ids and float32 / bf16 log-probs are float64
+    numbers, so the values equal ``token.tolist()`` and ``logp.tolist()``."""
+    ids, lps = torch.stack([token.to(torch.float64), logp.to(torch.float64)]).tolist()
+    return [int(t) for t in ids], lps
+
+
 def row_uniforms(sampling: Sampling, base: int, rows: Sequence[int]) -> torch.Tensor | None:
     """The uniforms rows ``rows`` of a batch sample with: ``[R, max_new_tokens]`` on the CPU,
     row b's drawn from ``stream_seed(base, *sampling.stream(b))`` (so the same on any device
@@ -229,7 +238,6 @@ class HFPolicy:
         index = {p: u for u, p in enumerate(unique)}
         which = torch.tensor([index[tuple(p)] for p in prompts], device=self.device)  # [B]
         B, U, L = len(prompts), len(unique), max(len(p) for p in unique)
-        stops = torch.tensor(sorted(self.stop_ids), device=self.device)  # [S]
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         if self.static_cache:  # prefixes the prompts share computed once (decode.prefill)
@@ -254,23 +262,26 @@ class HFPolicy:
         next_pos = positions_from_mask(attention_mask)[:, -1:]  # [B, 1]
         if uniforms is not None:
             uniforms = uniforms.to(self.device)  # [B, S]
-        rows = torch.arange(B, device=self.device)  # [A] rows still generating; finished ones leave
+        rows = list(range(B))  # rows still generating; finished ones leave
+        index = torch.arange(B, device=self.device)  # [A] the same, on the device
         for step in range(sampling.max_new_tokens):
             token, logp = _sample_step(logits, sampling,
-                                       None if uniforms is None else uniforms[rows, step])  # [A], [A]
-            for b, t, lp in zip(rows.tolist(), token.tolist(), logp.tolist(), strict=True):  # one sync
+                                       None if uniforms is None else uniforms[index, step])  # [A], [A]
+            ids, lps = step_to_host(token, logp)  # the step's one device -> host copy
+            for b, t, lp in zip(rows, ids, lps, strict=True):
                 tokens[b].append(t)
                 logprobs[b].append(lp)
-            going = (~torch.isin(token, stops)).nonzero().flatten()  # [A'] rows that go on
-            if len(going) == 0 or step == sampling.max_new_tokens - 1:
+            going = [i for i, t in enumerate(ids) if t not in self.stop_ids]  # rows that go on
+            if not going or step == sampling.max_new_tokens - 1:
                 break
             if len(going) < len(rows):  # drop finished rows from the cache and the inputs
+                keep = torch.tensor(going, device=self.device)  # [A']
                 if static is None:
-                    cache.batch_select_indices(going)
+                    cache.batch_select_indices(keep)
                 else:
-                    static.select(going)
-                token, attention_mask, next_pos = token[going], attention_mask[going], next_pos[going]
-                rows = rows[going]
+                    static.select(keep)
+                token, attention_mask, next_pos = token[keep], attention_mask[keep], next_pos[keep]
+                rows, index = [rows[i] for i in going], index[keep]
             next_pos = next_pos + 1  # [A, 1]
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], -1)
             if static is not None:

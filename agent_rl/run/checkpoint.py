@@ -9,6 +9,8 @@ A bundle is one folder, `root/step-000042/`:
     scheduler.pt       torch.save(scheduler.state_dict())                    (when given)
     rng.json           python `random` and numpy global RNG states
     rng.pt             torch CPU RNG state, and every CUDA device's once CUDA is in use
+                       (both: the main rank's; written by several ranks, each file also
+                       holds `ranks`, every rank's own, which `load_bundle(rank=r)` restores)
     meta.json          the caller's `meta` (token counts, contract hash, reference and
                        verifier ids, sampler position, data cursor, rollout-store cursor ...)
                        plus `format_version`, `step`, `created`, `trainable_only`,
@@ -265,7 +267,10 @@ def _load_model_tensors(model: torch.nn.Module, path: Path, meta: dict) -> None:
             targets[name].copy_(tensor)
 
 
-def _rng_states() -> tuple[dict, dict]:
+def rng_states() -> tuple[dict, dict]:
+    """This process's RNG states: (python's and numpy's, as JSON types; torch's, CPU and
+    every CUDA device's once CUDA is in use). Each rank calls it for its own
+    (``distributed.write_bundle``)."""
     version, internal, gauss_next = random.getstate()
     np_state = np.random.get_state(legacy=False)
     as_json = {
@@ -285,8 +290,20 @@ def _rng_states() -> tuple[dict, dict]:
     return as_json, as_torch
 
 
-def _restore_rng(path: Path) -> None:
-    states = json.loads((path / RNG_JSON_FILE).read_text())
+def _own(states: dict, rank: int, file: Path) -> dict:
+    """Rank ``rank``'s states of an RNG file: its entry of ``ranks``; a bundle of one rank
+    (or of one written before ``ranks`` existed) holds one set, everyone's."""
+    ranks = states.get("ranks")
+    if ranks is None:
+        return states
+    if rank >= len(ranks):
+        raise BundleError(f"{file}: RNG states of {len(ranks)} ranks, none for rank {rank}: "
+                          f"resume with the world size that wrote it ({len(ranks)})")
+    return ranks[rank]
+
+
+def _restore_rng(path: Path, rank: int) -> None:
+    states = _own(json.loads((path / RNG_JSON_FILE).read_text()), rank, path / RNG_JSON_FILE)
     version, internal, gauss_next = states["python"]
     random.setstate((version, tuple(internal), gauss_next))
     np_state = states["numpy"]
@@ -298,7 +315,8 @@ def _restore_rng(path: Path) -> None:
             "gauss": np_state["gauss"],
         }
     )
-    torch_states = torch.load(path / RNG_TORCH_FILE, map_location="cpu", weights_only=True)
+    torch_states = _own(torch.load(path / RNG_TORCH_FILE, map_location="cpu", weights_only=True),
+                        rank, path / RNG_TORCH_FILE)
     torch.set_rng_state(torch_states["torch_cpu"])
     cuda_states = torch_states.get("torch_cuda")
     if cuda_states:
@@ -382,8 +400,12 @@ def save_bundle(
     meta: dict[str, Any],
     trainable_only: bool = True,
     extra_writer: Callable[[Path], None] | None = None,
+    rank_rngs: list[tuple[dict, dict]] | None = None,
 ) -> Path:
     """Write `root/step-{step:06d}/` atomically (see the module docstring) and return it.
+
+    `rank_rngs`: every rank's `rng_states()` in rank order (`distributed.write_bundle`
+    gathers them); None: this process's alone.
 
     `extra_writer(temp_folder)`, when given, runs after the standard files are written and
     may add plain files there (a training backend's own state, e.g. DeepSpeed's optimizer
@@ -430,7 +452,10 @@ def save_bundle(
         meta_bytes = json.dumps(full_meta, indent=2, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise TypeError(f"meta must be JSON-serialisable (no NaN/inf): {exc}") from exc
-    rng_json, rng_torch = _rng_states()
+    rng_json, rng_torch = rank_rngs[0] if rank_rngs else rng_states()
+    if rank_rngs and len(rank_rngs) > 1:
+        rng_json = {**rng_json, "ranks": [j for j, _ in rank_rngs]}
+        rng_torch = {**rng_torch, "ranks": [t for _, t in rank_rngs]}
 
     created_root = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
@@ -524,8 +549,10 @@ def load_bundle(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any | None = None,
     restore_rng: bool = True,
+    rank: int = 0,
 ) -> dict[str, Any]:
-    """Verify, then load parameters (by name), optimizer, scheduler and RNG states.
+    """Verify, then load parameters (by name), optimizer, scheduler and RNG states (``rank``'s
+    own, where several ranks wrote the bundle).
 
     Returns the bundle's meta. Nothing is loaded when the bundle fails verification or its
     parameters do not fit the model (the error lists missing, unexpected and mis-shaped keys).
@@ -551,7 +578,7 @@ def load_bundle(
             torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
         )
     if restore_rng:
-        _restore_rng(path)
+        _restore_rng(path, rank)
     return meta
 
 

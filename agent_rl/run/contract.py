@@ -15,7 +15,9 @@ horizon (warm-up or decay to ``max_steps``) must put it back in the hash. ``log`
 the step metrics are mirrored (``agent_rl.run.loggers``), never what they are: a run resumed
 with ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more place.
 ``rollout.gpu_memory_utilization`` and ``rollout.vllm_sleep`` say where the engine's memory
-lives, never what it samples: a run that ran out of GPU memory resumes with another setting.
+lives, never what it samples, and ``optim.micro_batch_tokens`` how a batch's gradient is
+accumulated (the same sum, in another order: equal up to float rounding): a run that ran out
+of memory resumes with another setting.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -58,6 +61,16 @@ from trajectories.hashing import canonical_hash
 
 if TYPE_CHECKING:
     from evals.splits import Splits
+
+
+def _auto_size(value: Any) -> int | str:
+    if value == "auto" or (type(value) is int and value >= 1):
+        return value
+    raise ValueError(f"a positive integer or auto, got {value!r}")
+
+
+# a positive number, or "auto": sized from the device (agent_rl.run.sizing)
+AutoSize = Annotated[int | Literal["auto"], PlainValidator(_auto_size)]
 
 
 class _Section(BaseModel):
@@ -165,6 +178,7 @@ class ModelSection(_Section):
     adapter: Literal["none", "lora"] = Field("lora", description="full fine-tune or LoRA (peft)")
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
+    tf32: bool = Field(True, description="float32 matrix products on CUDA in TensorFloat-32 (torch.backends.cuda.matmul.allow_tf32, set_float32_matmul_precision('high')): inputs rounded to 10 mantissa bits, float32 accumulation, several times faster on Ampere and later; false: full float32. The CPU is never affected")
     init: str | None = Field(None, description="start from a bundle written by `agent-rl sft` (or any checkpoint of full weights): the bundle folder, or a run dir (its newest complete bundle); loaded onto model.id's weights, which must be the ones the bundle was trained from, before any adapter; its content hash is part of the contract hash")
 
     @field_validator("device")
@@ -200,6 +214,7 @@ class RolloutSection(_Section):
     max_policy_lag: int = Field(0, ge=0, description="0: synchronous; k > 0: the next steps' rollouts run while this step trains, on a weight copy synced after every update; sessions sampled more than k updates ago are dropped and counted")
     correction: Literal["none", "tis", "mask"] = Field("none", description="rollout/trainer mismatch: none (ratio against the rollout's log-probs), tis (truncated importance weight), mask (drop tokens whose ratio leaves [1/cap, cap])")
     correction_cap: float = Field(2.0, gt=1.0, description="the cap C of rollout.correction")
+    decode_batch: AutoSize = Field("auto", description="conversations the hf backend decodes at once (HFPolicy.batch_size; more are decoded in chunks of this many): auto is 32 on the CPU, and on CUDA sized from the GPU memory free once the weights are placed and the KV cache a row needs (agent_rl.run.sizing); a row's samples do not depend on it")
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="the weights rollouts sample with: null = the trained model's (HF: shared, or a float32 copy with LoRA merged under adapter lora; vLLM: model.dtype); float32 | bfloat16 = a copy in that dtype (LoRA merged), given the weights after every update; the mismatch is measured (rollout/logprob_diff_*)")
     gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description="vLLM on CUDA: the share of the GPU's memory the engine takes (weights, activations, KV cache), all free at engine start; null = computed then from the free memory, less the trainer's headroom (agent_rl.policies.vllm_policy.engine_memory_fraction); refused where vllm runs on the CPU; not hashed")
     vllm_sleep: Literal["auto"] | bool = Field("auto", description="vLLM on CUDA: the engine sleeps (level 1: weights to host memory, KV cache dropped) while the trainer updates, and wakes at the next weight push; auto = on for CUDA with max_policy_lag 0; true is refused on the CPU and with max_policy_lag > 0; not hashed")
@@ -298,7 +313,7 @@ class OptimSection(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     updates_per_batch: int = Field(1, ge=1)
-    micro_batch_tokens: int = Field(512, ge=1, description="tokens per trainer micro-batch, padding included: the activations one forward keeps for backward. A longer row (a shared prompt with its samples, never split) is a micro-batch of its own and recomputes ceil(L (1 - B / T)) of its L decoder layers in backward (training.update.recompute_layers), so it keeps as much as B tokens would in float32 (under bf16 autocast a token keeps less: B / update.HALF_ACTIVATIONS tokens there, more where the CPU accelerator's kernels run)")
+    micro_batch_tokens: AutoSize = Field("auto", description="tokens per trainer micro-batch, padding included: the activations one forward keeps for backward; auto is 512 on the CPU, and on CUDA sized from the GPU memory free once the weights are placed (agent_rl.run.sizing). A longer row (a shared prompt with its samples, never split) is a micro-batch of its own and recomputes ceil(L (1 - B / T)) of its L decoder layers in backward (training.update.recompute_layers), so it keeps as much as B tokens would in float32 (under bf16 autocast a token keeps less: B / update.HALF_ACTIVATIONS tokens there, more where the CPU accelerator's kernels run)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward pass instead of keeping them (transformers' gradient checkpointing, non-reentrant): the same losses and gradients, less memory per micro-batch, ~30-60% more training time (without it, only rows longer than micro_batch_tokens recompute, and only as many layers as that bound needs)")
     max_steps: int = Field(20, ge=0)
     seed: int = 0
@@ -308,6 +323,12 @@ class BackendSection(_Section):
     name: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (deepspeed only)")
     offload: Literal["none", "cpu"] = Field("none", description="DeepSpeed ZeRO optimizer offload (deepspeed only)")
+
+
+class RunSection(_Section):
+    """How the run's process computes, beside what it computes."""
+
+    deterministic: bool = Field(False, description="bit-exact reruns and resumes on a GPU: torch.use_deterministic_algorithms(True) (an op without a deterministic kernel is an error naming it), CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts, cuDNN deterministic and without autotuning; slower (docs/scale-out.md says what stays inexact without it)")
 
 
 class CheckpointSection(_Section):
@@ -398,6 +419,10 @@ class _Contract(_Section):
     changed contract."""
 
     UNHASHED: ClassVar[tuple[str, ...]] = ()
+    # keys added after contracts were first hashed, and the value at which they are left out of
+    # the hash: a contract that leaves them there hashes as it did before they existed
+    LATER_KEYS: ClassVar[dict[str, Any]] = {"model.tf32": True, "rollout.decode_batch": "auto",
+                                            "run": {"deterministic": False}}
 
     # --- I/O -------------------------------------------------------------------------------
     @classmethod
@@ -467,10 +492,18 @@ class _Contract(_Section):
     def hashed_fields(self) -> dict[str, Any]:
         """The resolved contract as plain JSON types, less the ``UNHASHED`` keys, with every
         ``input_pins`` key holding its pin; a null ``model.init`` is left out (a contract
-        without a warm start hashes as before the key existed)."""
+        without a warm start hashes as before the key existed, as do the ``LATER_KEYS`` at their
+        defaults)."""
         data = self.model_dump(mode="json")
         if self.model.init is None:
             del data["model"]["init"]
+        for dotted, default in self.LATER_KEYS.items():
+            *sections, key = dotted.split(".")
+            node = data
+            for section in sections:
+                node = node.get(section, {})
+            if key in node and node[key] == default:
+                del node[key]
         for dotted, pin in self.input_pins().items():
             *sections, key = dotted.split(".")
             node = data
@@ -512,8 +545,9 @@ class _Contract(_Section):
 class ExperimentContract(_Contract):
     """One training run, fully specified."""
 
-    UNHASHED: ClassVar[tuple[str, ...]] = ("optim.max_steps", "log", "rollout.gpu_memory_utilization",
-                                           "rollout.vllm_sleep")  # the module docstring
+    UNHASHED: ClassVar[tuple[str, ...]] = (  # the module docstring
+        "optim.max_steps", "log", "optim.micro_batch_tokens", "rollout.gpu_memory_utilization",
+        "rollout.vllm_sleep")
 
     name: str = "run"
     env: EnvSection = Field(default_factory=EnvSection)
@@ -530,6 +564,7 @@ class ExperimentContract(_Contract):
     optim: OptimSection = Field(default_factory=OptimSection)
     backend: BackendSection = Field(default_factory=BackendSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    run: RunSection = Field(default_factory=RunSection)
     log: LogSection = Field(default_factory=LogSection)
     guards: GuardSection = Field(default_factory=GuardSection)
     acceptance: AcceptanceSection = Field(default_factory=AcceptanceSection)
@@ -698,7 +733,7 @@ class SFTOptimSection(_Section):
     grad_clip: float = Field(1.0, gt=0.0)
     epochs: int = Field(2, ge=0, description="passes over the episodes' sessions, each in a seeded order (0: evaluate only)")
     batch_sessions: int = Field(8, ge=1, description="sessions per optimizer step; the loss is the mean over their trained tokens")
-    micro_batch_tokens: int = Field(512, ge=1, description="tokens per micro-batch, padding included")
+    micro_batch_tokens: AutoSize = Field("auto", description="tokens per micro-batch, padding included; auto: 512 on the CPU, sized from the GPU memory on CUDA (agent_rl.run.sizing)")
     seed: int = 0
 
 
@@ -712,7 +747,7 @@ class SFTContract(_Contract):
     before and after. The loss is the mean negative log-likelihood of the tokens RL would
     train (``render``'s loss mask: assistant tokens the policy generates, in every session)."""
 
-    UNHASHED: ClassVar[tuple[str, ...]] = ("log",)  # as the training contract's
+    UNHASHED: ClassVar[tuple[str, ...]] = ("log", "optim.micro_batch_tokens")  # as training's
 
     name: str = "sft"
     env: EnvSection = Field(default_factory=EnvSection)
@@ -722,6 +757,7 @@ class SFTContract(_Contract):
     optim: SFTOptimSection = Field(default_factory=SFTOptimSection)
     limits: SFTLimits = Field(default_factory=SFTLimits)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="resume points every N optimizer steps (run_dir/resume/step-N: `agent-rl sft --resume` continues from the newest); the final bundle is checkpoints/step-N")
+    run: RunSection = Field(default_factory=RunSection)
     log: LogSection = Field(default_factory=LogSection)
     run_dir: str = "runs/${name}"
 

@@ -56,8 +56,10 @@ every rank's optimizer partition, as `engine.save_checkpoint` names them) and `b
 size). `write_bundle` puts them into a checkpoint bundle through `save_bundle`'s
 `extra_writer`, next to model.safetensors written from the full parameters (`gathered`); a
 full disk there is `checkpoint.DiskFullError`, naming the last complete bundle. To
-resume: on every rank, `checkpoint.load_bundle(path, model, scheduler=...)` into the plain
-model BEFORE `make_backend` (ZeRO-3 partitions what it wraps), then `backend.load_state(path)`.
+resume: on every rank, `checkpoint.load_bundle(path, model, scheduler=..., rank=rank)` into
+the plain model BEFORE `make_backend` (ZeRO-3 partitions what it wraps), then
+`backend.load_state(path)`. The bundle's RNG files hold every rank's own states (gathered by
+`write_bundle`), and each rank restores its own.
 """
 
 from __future__ import annotations
@@ -460,6 +462,12 @@ class DeepSpeedBackend:
 # ---------------------------------------------------------------------------------------------
 
 
+def launched_rank() -> int:
+    """This process's rank as a launcher set it (RANK): 0 without one. Readable before the
+    process group exists (a resume loads its bundle before the backend is made)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def launched_world_size() -> int:
     """The world size a launcher (torchrun, deepspeed) set for this process: 1 without one."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -507,11 +515,13 @@ def write_bundle(backend: Backend, root: str | os.PathLike, step: int, *,
     """`checkpoint.save_bundle` for any backend and world size. Collective: call it on every
     rank. Every rank writes its training state into one staging folder under `root`
     (`save_state`); the main rank writes the bundle from the full parameters, with the staged
-    files moved in through `extra_writer`. Returns the bundle on the main rank, else None.
+    files moved in through `extra_writer`, and every rank's RNG states (`checkpoint.rng_states`,
+    gathered here) in its RNG files. Returns the bundle on the main rank, else None.
 
     The staging folder is named like save_bundle's temp folders (`.tmp-...-<host>-<pid>`), so
     `apply_retention` removes one a crash left behind."""
     root = Path(root)
+    rngs = backend.all_gather_object(checkpoint.rng_states())  # every rank's own, in rank order
     stage = Path(backend.all_gather_object(
         str(root / f".tmp-state-{step:06d}-{checkpoint._host()}-{os.getpid()}"))[0])
     if backend.is_main:
@@ -529,7 +539,8 @@ def write_bundle(backend: Backend, root: str | os.PathLike, step: int, *,
             if backend.is_main:
                 path = checkpoint.save_bundle(
                     root, step, model=backend.module, scheduler=scheduler, meta=meta,
-                    trainable_only=trainable_only, extra_writer=_move_files_from(stage))
+                    trainable_only=trainable_only, extra_writer=_move_files_from(stage),
+                    rank_rngs=rngs)
     finally:
         if backend.is_main:
             shutil.rmtree(stage, ignore_errors=True)

@@ -6,7 +6,8 @@ checkpoint resumes (``State``).
     run dir (checked, writing nothing) -> seed -> model (+ LoRA) -> reference -> optimizer
     -> [resume: the newest complete bundle, into the plain model] -> evaluation policy
     (shares the trained weights; a full copy under ZeRO-3) -> backend (torch | DeepSpeed,
-    + the bundle's optimizer state) -> rollout policy -> pin the run dir (rank 0)
+    + the bundle's optimizer state) -> rollout policy -> the batch sizes ``auto`` leaves to
+    the device (``run.sizing``: the memory left now) -> pin the run dir (rank 0)
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ from agent_rl.policies.hf import HFPolicy
 from agent_rl.policies.models import load_model, model_fingerprint, rollout_copy
 from agent_rl.run import checkpoint
 from agent_rl.run.contract import EnvSection, ExperimentContract
-from agent_rl.run.distributed import Backend, adamw, check_world_size, make_backend
+from agent_rl.run.distributed import (
+    Backend,
+    adamw,
+    check_world_size,
+    launched_rank,
+    make_backend,
+)
 from agent_rl.run.guards import Guards
 from agent_rl.run.loggers import Loggers, open_loggers
 from agent_rl.run.rundir import check_run_dir, log_json, pin_run_dir
+from agent_rl.run.sizing import Sizes, resolve_sizes
 from agent_rl.training import curriculum
 from agent_rl.training.pipeline import SyncedPolicy
 from agent_rl.training.shared import (
@@ -61,6 +69,7 @@ class Run:
     loggers: Loggers  # metrics.jsonl and log.to's mirrors (rank 0)
     guards: Guards
     eval_sampling: Sampling
+    micro_batch_tokens: int  # optim.micro_batch_tokens, auto resolved (``run.sizing``)
 
     @property
     def main(self) -> bool:
@@ -114,7 +123,8 @@ def start(contract: ExperimentContract, data: RunData, device: torch.device,
     guards = Guards(**contract.guards.model_dump())
     state = State(0, Counter(), None, TaskSampler(data.train_tasks, seed=contract.optim.seed))
     if latest is not None:  # into the plain model, before a backend partitions it
-        resume_state(state, guards, checkpoint.load_bundle(latest, model, scheduler=scheduler),
+        resume_state(state, guards, checkpoint.load_bundle(latest, model, scheduler=scheduler,
+                                                           rank=launched_rank()),
                      pins, latest, contract.curriculum is not None)
     full = copy.deepcopy(model).requires_grad_(False) if contract.backend.zero_stage == 3 else model
     policy = HFPolicy(full, tokenizer, device=device, compute_dtype=contract.model.dtype)
@@ -124,6 +134,7 @@ def start(contract: ExperimentContract, data: RunData, device: torch.device,
     if latest is not None:
         backend.load_state(latest)
     rollout_policy = make_rollout_policy(contract, full, tokenizer, policy, run_dir, trainable)
+    sizes = size_batches(contract, model, device, policy, rollout_policy)
     backend.barrier()  # every rank has read the run directory before rank 0 writes it
     state.fresh = backend.is_main and not (run_dir / "contract.sha256").exists()
     if backend.is_main:  # pinned before the band's estimate: a run killed there resumes from step 0
@@ -131,7 +142,23 @@ def start(contract: ExperimentContract, data: RunData, device: torch.device,
     sampling = eval_sampling(contract.eval, contract.rollout.max_prompt_tokens,
                              contract.rollout.max_response_tokens)
     return Run(contract, data, run_dir, pins, tokenizer, backend, policy, rollout_policy,
-               reference, scheduler, store, loggers, guards, sampling), state
+               reference, scheduler, store, loggers, guards, sampling,
+               sizes.micro_batch_tokens), state
+
+
+def size_batches(contract: ExperimentContract, model, device: torch.device, policy: HFPolicy,
+                 rollout_policy) -> Sizes:
+    """``optim.micro_batch_tokens`` and ``rollout.decode_batch`` as this run uses them
+    (``run.sizing.resolve_sizes``: ``auto`` the CPU's values on the CPU, on CUDA from the
+    memory free now that the weights, reference and rollout engine are placed); the decode
+    batch set on the HF policies that sample (``policy``, and the rollout copy's)."""
+    rollout = contract.rollout
+    sizes = resolve_sizes(contract.optim.micro_batch_tokens, rollout.decode_batch, device, model,
+                          contract.model.dtype, rollout.max_prompt_tokens + rollout.max_response_tokens)
+    for hf in (policy, getattr(rollout_policy, "policy", None)):
+        if isinstance(hf, HFPolicy):
+            hf.batch_size = sizes.decode_batch
+    return sizes
 
 
 def resume_state(state: State, guards: Guards, meta: dict[str, Any], pins: dict[str, Any],

@@ -56,7 +56,7 @@ from agent_rl.policies.render import (
 )
 from agent_rl.run import checkpoint
 from agent_rl.run.contract import SFTContract
-from agent_rl.run.devices import resolve_device
+from agent_rl.run.devices import prepare_device
 from agent_rl.run.distributed import TorchBackend, adamw, launched_world_size, write_bundle
 from agent_rl.run.loggers import open_loggers
 from agent_rl.run.rundir import (
@@ -68,6 +68,7 @@ from agent_rl.run.rundir import (
     write_file,
 )
 from agent_rl.run.runlock import hold_if_main
+from agent_rl.run.sizing import resolve_sizes
 from agent_rl.training.metrics import compare, peak_rss_mb, progress_bar
 from agent_rl.training.rollout import prompt_too_long, task_total
 from agent_rl.training.shared import (
@@ -118,7 +119,8 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     if launched_world_size() > 1:
         raise ValueError("agent-rl sft runs in one process (CPU or one GPU); run it without "
                          "torchrun / deepspeed")
-    device = resolve_device(contract.model.device)
+    device = prepare_device(contract.model.device, contract.model.dtype, contract.model.tf32,
+                            contract.run.deterministic)
 
     # --- 1. run directory: new, or (resume) a run of this contract and base model, continued
     # from its newest resume bundle; checked as the trainer checks its own, writing nothing
@@ -134,7 +136,11 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     params = [p for p in model.parameters() if p.requires_grad]
     backend = TorchBackend(model, adamw(params, contract.optim.lr, contract.optim.weight_decay),
                            contract.optim.grad_clip)  # clip, skip a non-finite step, as train
-    policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype)
+    sizes = resolve_sizes(contract.optim.micro_batch_tokens, "auto", device, model,
+                          contract.model.dtype,
+                          contract.limits.max_prompt_tokens + contract.limits.max_response_tokens)
+    policy = HFPolicy(model, tokenizer, device=device, compute_dtype=contract.model.dtype,
+                      batch_size=sizes.decode_batch)
 
     # --- 3. episodes -> kept (reward filter, never a held-out task) -> rendered sessions ---
     kept, rendered, counts = training_sessions(contract, data, tokenizer)
@@ -173,7 +179,8 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     with progress_bar(progress, total_steps, done, label="sft", status=lambda m: (
             f"loss {m['loss/sft']:.4f}  token accuracy {m['token_accuracy']:.2f}")) as advance:
         for step in range(done + 1, total_steps + 1):
-            metrics = sft_step(contract, backend, rendered, step, pad_id, device)
+            metrics = sft_step(contract, backend, rendered, step, pad_id, device,
+                               sizes.micro_batch_tokens)
             loggers.log(metrics, step)
             result.losses.append(metrics["loss/sft"])
             advance(metrics)
@@ -225,14 +232,15 @@ def resume_point(latest: Path | None, backend: TorchBackend, pins: dict[str, Any
 
 
 def sft_step(contract: SFTContract, backend: TorchBackend, rendered: list[Rendered], step: int,
-             pad_id: int, device: torch.device) -> dict[str, Any]:
+             pad_id: int, device: torch.device, micro_tokens: int) -> dict[str, Any]:
     """Optimizer step ``step``: its batch of sessions (``batch_of_step``) trained
-    (``sft_update``), and its record for ``metrics.jsonl``."""
+    (``sft_update``, in micro-batches of ``micro_tokens``: ``optim.micro_batch_tokens``
+    resolved), and its record for ``metrics.jsonl``."""
     t0 = time.perf_counter()
     epoch, picked = batch_of_step(step, len(rendered), contract.optim.batch_sessions,
                                   contract.optim.seed)
     metrics = sft_update(backend, [rendered[k] for k in picked], pad_id,
-                         contract.optim.micro_batch_tokens, device, contract.model.dtype)
+                         micro_tokens, device, contract.model.dtype)
     return metrics | {"step": step, "epoch": epoch, "step/seconds": time.perf_counter() - t0,
                       "memory/peak_rss_mb": peak_rss_mb()}
 

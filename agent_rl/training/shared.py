@@ -18,6 +18,7 @@ import envs
 from agent_rl.policies.models import add_lora, initial_model
 from agent_rl.policies.render import Rendered, SharedRow, collate_shared
 from agent_rl.run.contract import EnvSection, EvalSection, ModelSection
+from agent_rl.run.devices import to_device
 from agent_rl.training.metrics import held_out_tasks, summarize_eval
 from envs.core import TaskSpec
 from envs.runner import Sampling
@@ -126,8 +127,9 @@ def shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
 
 def device_batch(bins: list[list[SharedRow]], rendered: list[Rendered], pad_id: int,
                  device: torch.device) -> dict[str, torch.Tensor]:
-    """``render.collate_shared`` of a micro-batch, its tensors on the model's device."""
-    return {k: v.to(device) for k, v in collate_shared(bins, rendered, pad_id).items()}
+    """``render.collate_shared`` of a micro-batch, its tensors on the model's device (on CUDA
+    from pinned memory, the host not waiting: ``devices.to_device``)."""
+    return {k: to_device(v, device) for k, v in collate_shared(bins, rendered, pad_id).items()}
 
 
 

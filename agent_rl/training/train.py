@@ -52,7 +52,7 @@ import numpy as np
 from agent_rl.policies.hf import HFPolicy
 from agent_rl.run import checkpoint
 from agent_rl.run.contract import ExperimentContract
-from agent_rl.run.devices import resolve_device
+from agent_rl.run.devices import prepare_device
 from agent_rl.run.distributed import Backend, launched_world_size, write_bundle
 from agent_rl.run.guards import GuardTrip, holdout_train_reward
 from agent_rl.run.rundir import json_safe, logged_eval, rewind_logs, unpin_run_dir, write_file
@@ -114,7 +114,8 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     # anything is written ----------------------------------------------------------------------
     data = load_data(contract.env, contract.eval, contract.rollout.max_prompt_tokens)
     check_hints(contract.env, contract.hints is not None, data.train_tasks)
-    device = resolve_device(contract.model.device)  # a GPU asked for and missing fails here
+    device = prepare_device(contract.model.device, contract.model.dtype, contract.model.tf32,
+                            contract.run.deterministic)  # a GPU asked for and missing fails here
     check_world(contract, launched_world_size())
     check_engines(contract)
 
@@ -256,7 +257,8 @@ def update_policy(run: Run, sequences: list[TrainSequence]) -> dict[str, float]:
     update, prox = {}, {}
     for _ in range(contract.optim.updates_per_batch):
         update = {**update, **policy_update(run.backend, run.reference, sequences, contract,
-                                            pad_id=run.tokenizer.pad_token_id or 0, prox=prox)}
+                                            pad_id=run.tokenizer.pad_token_id or 0, prox=prox,
+                                            micro_tokens=run.micro_batch_tokens)}
         policy.revision += not update.get("optim/skipped")
     if not update.get("optim/skipped"):
         run.scheduler.step()

@@ -38,20 +38,15 @@ from agent_rl.policies.render import (
     share_prefixes,
 )
 from agent_rl.run.contract import ExperimentContract
-from agent_rl.run.devices import as_dtype, autocast
+from agent_rl.run.devices import as_dtype, autocast, to_device
 from agent_rl.run.distributed import Backend
+from agent_rl.run.sizing import HALF_ACTIVATIONS, cpu_micro_batch_tokens
 from agent_rl.training.grpo import KL_ESTIMATORS, behaviour_correction, policy_loss
 from agent_rl.training.rollout import TrainSequence
 from agent_rl.training.shared import device_batch
 
 # how a decoder layer recomputes its activations in backward (``recompute_layers``)
 RECOMPUTE = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-# what a token keeps for backward under bf16 autocast, as a share of what it keeps in float32
-# (``recompute_layers``): the products' inputs are kept in bf16, the residual stream and the
-# norms' inputs in float32. Measured (saved-tensor bytes a token): 0.71 on SmolLM2-135M's
-# Relay-v0 step (30.4 against 42.7 KB a layer), 0.69 on the tests' tiny Llama; where the
-# CPU accelerator's kernels run, the share it reports (``accel.step``'s handle)
-HALF_ACTIVATIONS = 0.72
 
 
 def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
@@ -81,7 +76,7 @@ def policy_update(backend: Backend, reference, sequences: list[TrainSequence],
     backend.zero_grad()
     rendered = [q.rendered for q in sequences]
     total_tokens = sum(int(r.loss_mask.sum()) for r in rendered)
-    micro_tokens = micro_tokens or contract.optim.micro_batch_tokens
+    micro_tokens = micro_tokens or cpu_micro_batch_tokens(contract.optim.micro_batch_tokens)
     micro = micro_batches(pack(share_prefixes(rendered), min(micro_tokens, ROW_TOKENS)), micro_tokens)
     loss_sum, sums = forward_backward(backend, reference, sequences, micro, contract, pad_id,
                                       prox, micro_tokens, total_tokens)
@@ -171,17 +166,18 @@ def micro_batch_loss(model, reference, sequences: list[TrainSequence],
     old, token_weights, mismatch = behaviour_correction(
         prox[index], batch["old_logprobs"], torch.ones_like(prox[index], dtype=torch.bool),
         contract.rollout.correction, contract.rollout.correction_cap)  # [N], [N] | None
-    dense = to_sequences(batch, members)  # [N] -> [B, G]
+    width = max(sequences[k].rendered.num_trained for k in members)  # G, from the host
+    dense = to_sequences(batch, members, width)  # [N] -> [B, G]
     loss, m = policy_loss(
         dense(logprobs), dense(old),
-        torch.tensor([sequences[k].advantage for k in members], device=device), dense(None),
+        to_device(torch.tensor([sequences[k].advantage for k in members]), device), dense(None),
         clip_low=contract.loss.clip_low, clip_high=contract.loss.clip_high,
         aggregation=contract.loss.aggregation,
         ratio=contract.loss.ratio, objective=contract.loss.objective,
         ref_logprobs=None if ref_logprobs is None else dense(ref_logprobs),
         beta=contract.loss.kl.beta, kl=contract.loss.kl.estimator,
         max_len=contract.rollout.max_response_tokens,
-        weights=torch.tensor([sequences[k].weight for k in members], device=device),
+        weights=to_device(torch.tensor([sequences[k].weight for k in members]), device),
         entropy=dense(entropy),
         token_weights=None if token_weights is None else dense(token_weights))
     if first_pass:
@@ -323,12 +319,13 @@ def checkpointing_layers(model) -> list[GradientCheckpointingLayer]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
+def to_sequences(batch: dict[str, torch.Tensor], members: list[int], width: int):
     """A function laying per-token values ``[N]`` out per sequence: ``[B, G]`` for the B
-    ``members`` (G: the most trained tokens of one); ``None`` gives the mask."""
-    local = {k: i for i, k in enumerate(members)}
-    seq = torch.tensor([local[int(k)] for k in batch["seq"]], device=batch["seq"].device)  # [N]
-    shape = (len(members), int(batch["rank"].max()) + 1)
+    ``members``, G = ``width`` (the most trained tokens of one: ``Rendered.num_trained``,
+    known on the host); ``None`` gives the mask. Each token's place among the members is
+    looked up on the device (``member_index``): nothing is read back to the host."""
+    seq = to_device(member_index(members), batch["seq"].device)[batch["seq"]]  # [N]
+    shape = (len(members), width)
 
     def dense(values: torch.Tensor | None) -> torch.Tensor:
         if values is None:
@@ -336,6 +333,14 @@ def to_sequences(batch: dict[str, torch.Tensor], members: list[int]):
         return torch.zeros(shape, dtype=values.dtype, device=seq.device).index_put((seq, batch["rank"]), values)
 
     return dense
+
+
+def member_index(members: list[int]) -> torch.Tensor:
+    """The lookup from a sequence's index (into the step's batch) to its place in ``members``:
+    ``[max(members) + 1]``, -1 where not a member."""
+    lookup = torch.full((max(members) + 1,), -1, dtype=torch.long)
+    lookup[members] = torch.arange(len(members))
+    return lookup
 
 
 def reference_logits(model, reference, batch, fast=None) -> torch.Tensor:

@@ -556,3 +556,49 @@ def test_a_full_disk_inside_a_backends_torch_save_names_the_last_complete_bundle
     assert opened == [checkpoint.OPTIMIZER_FILE]  # the backend's state, first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
     assert verify_bundle(first) and latest_complete(tmp_path) == first
+
+
+def test_every_rank_saves_and_restores_its_own_rng_states(tmp_path):
+    """A gloo world of 2 (torch's CPU generator standing in for the CUDA ones, which the same
+    ``rng_states`` reads): the bundle holds each rank's own state, and each rank, loading it,
+    draws what it drew right after saving."""
+    from agent_rl.run import distributed
+
+    worker = Path(__file__).with_name("_rng_worker.py")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(distributed.free_port()),
+         str(worker), str(tmp_path)], cwd=repo, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["saved"] != ranks[1]["saved"]  # two streams
+    bundle = Path(ranks[0]["bundle"])
+    states = torch.load(bundle / checkpoint.RNG_TORCH_FILE, weights_only=True)
+    assert [s["torch_cpu"].tolist() for s in states["ranks"]] == [r["saved"] for r in ranks]
+    assert states["torch_cpu"].tolist() == ranks[0]["saved"]  # the main rank's, as before
+    assert len(json.loads((bundle / checkpoint.RNG_JSON_FILE).read_text())["ranks"]) == 2
+    for r in ranks:
+        assert r["after_load"] == r["after_save"]
+
+
+def test_a_bundle_of_two_ranks_refuses_a_third_and_one_of_one_serves_every_rank(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    states = [checkpoint.rng_states(), checkpoint.rng_states()]
+    path = checkpoint.save_bundle(tmp_path, 1, model=model, meta={}, rank_rngs=states)
+    with pytest.raises(BundleError, match=r"RNG states of 2 ranks, none for rank 2: resume with "
+                                          r"the world size that wrote it \(2\)"):
+        checkpoint.load_bundle(path, model, rank=2)
+    single = checkpoint.save_bundle(tmp_path, 2, model=model, meta={})
+    assert "ranks" not in torch.load(single / checkpoint.RNG_TORCH_FILE, weights_only=True)
+    torch.manual_seed(5)
+    expected = torch.rand(2)
+    torch.manual_seed(5)
+    checkpoint.save_bundle(tmp_path, 3, model=model, meta={})
+    torch.manual_seed(6)
+    checkpoint.load_bundle(tmp_path / "step-000003", model, rank=1)  # one set: everyone's
+    assert torch.equal(torch.rand(2), expected)

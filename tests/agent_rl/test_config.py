@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_rl.run.contract import UNHASHED, ContractError, ExperimentContract
+from agent_rl.run.contract import UNHASHED, ContractError, ExperimentContract, SFTContract
 
 # The example of DESIGN section 7, verbatim: its key names are part of the contract.
 DESIGN_YAML = """\
@@ -353,10 +353,14 @@ def test_contract_hash_changes_with_any_hashed_field(design_file, override):
 def test_max_steps_is_left_out_of_the_hash(design_file):
     """max_steps says where to stop, not how a step is computed: extending a run by resuming
     with a larger max_steps is the same experiment (config.py's docstring)."""
-    assert UNHASHED == ("optim.max_steps", "log", "rollout.gpu_memory_utilization",
-                        "rollout.vllm_sleep")  # log: where metrics go (test_loggers.py); the
-    # engine's memory: test_vllm_colocation.py
+    assert UNHASHED == ("optim.max_steps", "log", "optim.micro_batch_tokens",
+                        "rollout.gpu_memory_utilization", "rollout.vllm_sleep")
+    # log: where metrics go (test_loggers.py); the engine's memory: test_vllm_colocation.py;
+    # micro-batches: the same gradient accumulated in another order (below)
     base = ExperimentContract.from_yaml(design_file)
+    for memory in ("optim.micro_batch_tokens=256", "optim.micro_batch_tokens=auto"):
+        assert ExperimentContract.from_yaml(design_file, [memory]).contract_hash() == \
+            base.contract_hash()
     longer = ExperimentContract.from_yaml(design_file, ["optim.max_steps=200"])
     assert longer.contract_hash() == base.contract_hash()
     assert longer.changes_from(base) == []
@@ -755,3 +759,26 @@ def test_unknown_names_of_splits_assigners_env_kwargs_and_envs_get_a_suggestion(
            "env.kwargs.hints?)" in contract_error(overrides=["env.kwargs.hintz=true"])
     assert "Did you mean ['agent_rl/Arithmetic-v0'" in contract_error(
         overrides=["env.id=agent_rl/Arithmetc-v0"])
+
+
+def test_gpu_keys_validate_and_name_themselves():
+    c = ExperimentContract.from_dict({}, overrides=[
+        "optim.micro_batch_tokens=2048", "rollout.decode_batch=64", "model.tf32=false",
+        "run.deterministic=true"])
+    assert (c.optim.micro_batch_tokens, c.rollout.decode_batch, c.model.tf32,
+            c.run.deterministic) == (2048, 64, False, True)
+    for override, message in (("optim.micro_batch_tokens=0", "optim.micro_batch_tokens: a positive integer or auto, got 0"),
+                              ("rollout.decode_batch=lots", "rollout.decode_batch: a positive integer or auto, got 'lots'"),
+                              ("rollout.decode_batch=true", "rollout.decode_batch: got the boolean true")):
+        with pytest.raises(ContractError, match=message):
+            ExperimentContract.from_dict({}, overrides=[override])
+
+
+def test_keys_added_later_leave_the_hash_alone_at_their_defaults():
+    c = ExperimentContract()
+    fields = c.hashed_fields()
+    assert "run" not in fields and "tf32" not in fields["model"]
+    assert "decode_batch" not in fields["rollout"]
+    assert "run" not in SFTContract().hashed_fields()
+    for override in ("model.tf32=false", "rollout.decode_batch=8", "run.deterministic=true"):
+        assert ExperimentContract.from_dict({}, overrides=[override]).contract_hash() != c.contract_hash()
