@@ -100,7 +100,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from envs.core import PROMPT_TOO_LONG
-from envs.proxy_batcher import Batcher
+from envs.proxy_batcher import FIRST_CALL_S, Batcher
 from envs.proxy_replies import (
     completion_body,
     finish_reason,
@@ -148,6 +148,7 @@ class EpisodeLink:
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    opened: float = field(default_factory=time.monotonic)
 
     @property
     def api_key(self) -> str:
@@ -224,7 +225,7 @@ class PolicyServer:
     def start(self) -> PolicyServer:
         if self._http is not None:
             return self
-        self._batcher = Batcher(self.policy, self.window_s, self.max_batch)
+        self._batcher = Batcher(self.policy, self.window_s, self.max_batch, self._awaited)
         self._http = _HTTPServer(("127.0.0.1", self.port), _handler(self))
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
@@ -268,6 +269,13 @@ class PolicyServer:
         with self._lock:
             self._links[token] = link
         return link
+
+    def _awaited(self) -> int:
+        """Open episodes, opened less than ``FIRST_CALL_S`` ago, that have not called yet."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for link in self._links.values()
+                       if link._next == 0 and now - link.opened < FIRST_CALL_S)
 
     def _close(self, link: EpisodeLink) -> None:
         with self._lock:

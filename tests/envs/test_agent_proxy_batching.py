@@ -50,3 +50,33 @@ def test_calls_arriving_one_after_another_within_the_window_are_one_batch():
     with PolicyServer(policy, Sampling(), window_s=0.1) as server:
         agents_at(server, [0.03 * k for k in range(8)])
     assert policy.batches == [8]
+
+
+def test_episodes_opened_together_are_one_first_batch_however_spread_their_agents_start():
+    """Eight episodes opened at once whose agents call over 1 s (each builds its client first;
+    gaps of 0.15 s, longer than the window, a spread longer than COLLECT_MAX_S): their first
+    calls are one batch, since each episode's first call is awaited (it took two or more)."""
+    policy = Recording()
+    with PolicyServer(policy, Sampling(), window_s=0.05) as server:
+        agents_at(server, [0.15 * k for k in range(8)])
+    assert policy.batches == [8]
+
+
+def test_an_episode_that_never_calls_delays_a_batch_only_until_first_call_s():
+    """An open episode whose agent never calls holds the first batch back at most FIRST_CALL_S,
+    and no batch once it was opened that long ago."""
+    from envs.proxy_batcher import FIRST_CALL_S
+
+    policy = Recording()
+    with PolicyServer(policy, Sampling(), window_s=0.05) as server:
+        silent, link = server.open_episode(), server.open_episode()
+        started = time.monotonic()
+        ask(link.base_url, 0.0)
+        first = time.monotonic() - started
+        started = time.monotonic()
+        ask(link.base_url, 0.0)
+        second = time.monotonic() - started
+        silent.close()
+    assert FIRST_CALL_S - 0.2 < first < FIRST_CALL_S + 1.0
+    assert second < 1.0
+    assert policy.batches == [1, 1]
