@@ -37,10 +37,11 @@ the checks before it on that model, returning a dict printed as one JSON line):
                        made before it usable; CUDA and vllm only
 Every check on CUDA also reports its peak allocated memory (``torch.cuda.max_memory_allocated``).
 
-MFU = 6 N tokens / seconds / peak (N parameters: a dense decoder's forward and backward,
-attention's own FLOPs ignored; the trained tokens over the seconds of the whole update:
-forward, backward, optimizer step, the push of the weights to the rollout copy), against the spec sheet's dense bf16 peak of the device
-(``PEAK_BF16_TFLOPS``) and against a bf16 matmul peak measured in the same run.
+MFU: the trainer's own ``perf/mfu_update`` and ``perf/mfu`` (``agent_rl.run.flops``: 6 FLOPs
+per trained parameter per trained token, over the seconds of the whole update, and of the whole
+step), the run given the device's peak as ``run.peak_flops``: the spec sheet's dense bf16 peak
+(``agent_rl.run.flops.PEAK_BF16_TFLOPS``), else a bf16 matmul peak measured in the same run;
+``mfu_of_measured_peak`` is the update's MFU against the measured one.
 """
 
 from __future__ import annotations
@@ -77,10 +78,6 @@ MIN_VERSIONS = {"torch": "2.4", "transformers": "4.56"}
 # the agent_rl modules the checks run; an import error among them names what is missing
 PROJECT_MODULES = ("agent_rl.training.train", "agent_rl.policies.hf", "agent_rl.policies.decode",
                    "agent_rl.run.contract", "envs")
-# dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's spec sheets (the figures "with
-# sparsity" halved), matched in order against torch.cuda.get_device_name()
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0),
-                    ("H100", 989.4), ("H200", 989.4), ("A100", 312.0))
 WHEELS_HINT = ("the fix for what is missing: `bash scripts/gpu_wheels.sh` here, then carry .whl "
                "in the device call (docs/scale-out.md, A first GPU run)")
 
@@ -301,6 +298,7 @@ def trainer_contract(target: Target, backend: str, steps: int) -> dict:
                     "max_response_tokens": response, "temperature": 1.0, "truncation": "keep",
                     "dynamic_sampling": False},
         "optim": {"lr": 1e-6, "max_steps": steps},
+        "run": {"peak_flops": target.peak_flops},
         "checkpoint": {"every": 0, "keep": 1},
         "guards": {"min_entropy": 0.0, "max_truncated_frac": 1.01},
         "run_dir": str(target.work / f"run-{target.name}-{backend}"),
@@ -324,13 +322,14 @@ def train_run(target: Target, backend: str) -> dict:
         return sum(r[key] for r in steady) / len(steady)
 
     train_tokens_per_s = mean("train/tokens") / mean("train/seconds")
-    flops = 6 * target.params * train_tokens_per_s
+    mfu = mean("perf/mfu_update")
     return {"backend": backend, "steps": len(records), "wall_s": round(wall, 1),
             "rollout_tokens_per_s": round(mean("rollout/tokens_per_s"), 1),
             "train_tokens_per_s": round(train_tokens_per_s, 1),
             "rollout_s": round(mean("rollout/seconds"), 3), "train_s": round(mean("train/seconds"), 3),
-            "mfu": float(f"{flops / target.peak_flops:.3g}"),  # tiny on a CPU: 3 digits
-            "mfu_of_measured_peak": float(f"{flops / target.measured_peak_flops:.3g}"),
+            "mfu": float(f"{mfu:.3g}"),  # tiny on a CPU: 3 digits
+            "mfu_step": float(f"{mean('perf/mfu'):.3g}"),
+            "mfu_of_measured_peak": float(f"{mfu * target.peak_flops / target.measured_peak_flops:.3g}"),
             "logprob_diff_mean": round(max(r["rollout/logprob_diff_mean"] for r in records), 6),
             "logprob_diff_max": round(max(r["rollout/logprob_diff_max"] for r in records), 6)}
 
@@ -474,13 +473,15 @@ def device_peak(device: str, measured: float) -> tuple[str, float, str]:
     """The device's name, its dense bf16 peak FLOP/s and where that figure came from."""
     import torch
 
+    from agent_rl.run.flops import spec_sheet_peak
+
     if not device.startswith("cuda"):
         return "cpu", measured, "measured"
     name = torch.cuda.get_device_name()
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key in name:
-            return name, tflops * 1e12, f"spec sheet ({key})"
-    return name, measured, "measured (not in PEAK_BF16_TFLOPS)"
+    peak = spec_sheet_peak(name)
+    if peak is None:
+        return name, measured, "measured (not in PEAK_BF16_TFLOPS)"
+    return name, peak.flops, peak.source
 
 
 def main() -> int:

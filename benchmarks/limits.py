@@ -1,9 +1,16 @@
 """This machine's limits, measured: the matmul peak in a dtype and the memory bandwidth. The
 benchmarks compare against these, measured in the same run (imported as ``limits`` by the
-scripts run as ``python benchmarks/<script>.py``)."""
+scripts run as ``python benchmarks/<script>.py``).
+
+Run as a script it prints the CPU's matmul peak in a dtype, the figure to give a training run
+as ``run.peak_flops`` so that it reports ``perf/mfu`` (docs/training.md, "Scale metrics"):
+
+    python benchmarks/limits.py --dtype bfloat16 [--seconds 5]
+"""
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -43,3 +50,20 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * 4 / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="This CPU's matmul peak in a dtype: the "
+                                                 "run.peak_flops of a training run on it.")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the run's model.dtype (default: bfloat16)")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="how long to multiply: the rate sustained over that long (default 5)")
+    args = parser.parse_args()
+    peak = matmul_peak("cpu", getattr(torch, args.dtype), seconds=args.seconds)
+    print(f"{args.dtype} matmul peak of this CPU: {peak / 1e9:.1f} GFLOP/s")
+    print(f"--set run.peak_flops={peak:.4g}")
+
+
+if __name__ == "__main__":
+    main()

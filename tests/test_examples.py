@@ -138,6 +138,7 @@ def test_gpu_check_sh_runs_as_a_cpu_smoke(tmp_path):
     assert trainer["status"] == "ok" and trainer["steps"] == 1
     assert trainer["rollout_tokens_per_s"] > 0 and trainer["train_tokens_per_s"] > 0
     assert 0 < trainer["mfu"] < 1 and 0 <= trainer["logprob_diff_mean"] <= trainer["logprob_diff_max"]
+    assert 0 < trainer["mfu_step"] < trainer["mfu"]  # the trainer's perf/mfu: rollouts count too
     assert all(check["peak_memory_gib"] is None for check in checks.values() if isinstance(check, dict))
     plan = checks["plan_vs_measured"]
     assert plan["status"] == "skipped" and "no resource plan" in plan["reason"]

@@ -17,7 +17,8 @@ with ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more 
 ``rollout.gpu_memory_utilization`` and ``rollout.vllm_sleep`` say where the engine's memory
 lives, never what it samples, and ``optim.micro_batch_tokens`` how a batch's gradient is
 accumulated (the same sum, in another order: equal up to float rounding): a run that ran out
-of memory resumes with another setting.
+of memory resumes with another setting. ``run.peak_flops`` says what ``perf/mfu`` is divided
+by, never what a step computes.
 """
 
 from __future__ import annotations
@@ -331,6 +332,12 @@ class RunSection(_Section):
     deterministic: bool = Field(False, description="bit-exact reruns and resumes on a GPU: torch.use_deterministic_algorithms(True) (an op without a deterministic kernel is an error naming it), CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts, cuDNN deterministic and without autotuning; slower (docs/scale-out.md says what stays inexact without it)")
 
 
+class TrainRunSection(RunSection):
+    """``RunSection`` with what training alone reports against."""
+
+    peak_flops: float | None = Field(None, gt=0.0, description="the device's peak FLOP/s that perf/mfu is taken against (e.g. what `python benchmarks/limits.py` measures on a CPU); null: NVIDIA's spec-sheet bf16 figure on a listed GPU under model.dtype bfloat16, else MFU not reported (perf/flops still is)")
+
+
 class CheckpointSection(_Section):
     every: int = Field(5, ge=0, description="0: only at the end")
     keep: int = Field(3, ge=1, description="complete bundles kept (the newest is never deleted)")
@@ -493,10 +500,17 @@ class _Contract(_Section):
         """The resolved contract as plain JSON types, less the ``UNHASHED`` keys, with every
         ``input_pins`` key holding its pin; a null ``model.init`` is left out (a contract
         without a warm start hashes as before the key existed, as do the ``LATER_KEYS`` at their
-        defaults)."""
+        defaults; the ``UNHASHED`` keys go first, so one inside a ``LATER_KEYS`` section, as
+        ``run.peak_flops``, leaves it as it was)."""
         data = self.model_dump(mode="json")
         if self.model.init is None:
             del data["model"]["init"]
+        for dotted in self.UNHASHED:
+            *sections, key = dotted.split(".")
+            node = data
+            for section in sections:
+                node = node[section]
+            del node[key]
         for dotted, default in self.LATER_KEYS.items():
             *sections, key = dotted.split(".")
             node = data
@@ -510,12 +524,6 @@ class _Contract(_Section):
             for section in sections:
                 node = node[section]
             node[key] = pin
-        for dotted in self.UNHASHED:
-            *sections, key = dotted.split(".")
-            node = data
-            for section in sections:
-                node = node[section]
-            del node[key]
         return data
 
     def contract_hash(self) -> str:
@@ -547,7 +555,7 @@ class ExperimentContract(_Contract):
 
     UNHASHED: ClassVar[tuple[str, ...]] = (  # the module docstring
         "optim.max_steps", "log", "optim.micro_batch_tokens", "rollout.gpu_memory_utilization",
-        "rollout.vllm_sleep")
+        "rollout.vllm_sleep", "run.peak_flops")
 
     name: str = "run"
     env: EnvSection = Field(default_factory=EnvSection)
@@ -564,7 +572,7 @@ class ExperimentContract(_Contract):
     optim: OptimSection = Field(default_factory=OptimSection)
     backend: BackendSection = Field(default_factory=BackendSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
-    run: RunSection = Field(default_factory=RunSection)
+    run: TrainRunSection = Field(default_factory=TrainRunSection)
     log: LogSection = Field(default_factory=LogSection)
     guards: GuardSection = Field(default_factory=GuardSection)
     acceptance: AcceptanceSection = Field(default_factory=AcceptanceSection)

@@ -31,6 +31,13 @@ reduce gradients in every backward, both collectives, so a rank that runs fewer 
 the others waiting. Pad with a real micro-batch times 0.0, never an empty one (0 * nan is nan
 and would skip the step). Every rank also runs the same no-grad forwards (``update_kl``).
 
+Collective time: `collective_seconds` adds up the seconds spent inside the backend's own
+collectives (`all_reduce_sum`, `all_gather_object`, `barrier`, `max_across`, the ZeRO-3 gather
+of `gathered`), waiting for slower ranks included; the trainer logs each step's share
+(`time/collective_s`). The gradient reductions and parameter gathers that DeepSpeed's engine
+runs inside `backward` and `step` are not in it (they are in `train/forward_backward_seconds`
+and `train/optimizer_seconds`). A world of one has none: 0.
+
 Non-finite steps, one rule for both backends: a loss that is not finite poisons its gradient
 (its gradient is multiplied by nan; a finite loss is passed unchanged), and the step is taken
 only when the global gradient norm is finite. Otherwise `StepResult.stepped` is False, the
@@ -73,6 +80,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +109,7 @@ class Backend(Protocol):
 
     rank: int
     world_size: int
+    collective_seconds: float  # so far, inside the collectives below (0 in a world of one)
     model: Any  # call it for forward passes (and .train() / .eval()): the DeepSpeed engine
     module: torch.nn.Module  # the wrapped nn.Module itself (under ZeRO-3 its parameters are
     # partitioned: read them inside `gathered()` or through `full_state_dict()`)
@@ -158,6 +167,7 @@ class TorchBackend:
     rank = 0
     world_size = 1
     is_main = True
+    collective_seconds = 0.0  # a world of one communicates with no one
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  grad_clip: float = 1.0):
@@ -349,6 +359,7 @@ class DeepSpeedBackend:
             model=model, optimizer=optimizer, config=config)
         self.model, self.module = self.engine, self.engine.module
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.collective_seconds = 0.0
         self._device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -384,42 +395,62 @@ class DeepSpeedBackend:
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
-    # --- collectives ---------------------------------------------------------------------------
+    # --- collectives: each timed into collective_seconds (``_timed``) ---------------------------
+
+    @contextlib.contextmanager
+    def _timed(self):
+        """Adds the seconds spent inside to ``collective_seconds``: the trainer's own collectives
+        (not those DeepSpeed's engine runs inside ``backward`` and ``step``)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.collective_seconds += time.perf_counter() - started
 
     def all_reduce_sum(self, x):
-        if isinstance(x, torch.Tensor):
-            out = x.detach().to(self._device, copy=True)
+        with self._timed():
+            if isinstance(x, torch.Tensor):
+                out = x.detach().to(self._device, copy=True)
+                dist.all_reduce(out, op=dist.ReduceOp.SUM)
+                return out.to(x.device)
+            out = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64,
+                               device=self._device)
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
-            return out.to(x.device)
-        out = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64,
-                           device=self._device)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return type(x)(out.item())
+            return type(x)(out.item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self._timed():
+            dist.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:
-        dist.barrier()
+        with self._timed():
+            dist.barrier()
 
     def max_across(self, n: int) -> int:
-        out = torch.tensor(int(n), dtype=torch.int64, device=self._device)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-        return int(out.item())
+        with self._timed():
+            out = torch.tensor(int(n), dtype=torch.int64, device=self._device)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+            return int(out.item())
 
     # --- weights and state ---------------------------------------------------------------------
 
-    def gathered(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def gathered(self):
         """Inside, every parameter of `module` holds its full value (ZeRO-3 all-gathers them
-        on every rank, read-only); a no-op for ZeRO 0-2. Collective."""
+        on every rank, read-only; the gather timed into ``collective_seconds``); a no-op for
+        ZeRO 0-2. Collective."""
         if self.zero_stage != 3:
-            return contextlib.nullcontext()
+            yield
+            return
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(list(self.module.parameters()),
-                                                 modifier_rank=None)
+        with contextlib.ExitStack() as stack:
+            with self._timed():
+                stack.enter_context(deepspeed.zero.GatheredParameters(
+                    list(self.module.parameters()), modifier_rank=None))
+            yield
 
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """CPU copies of the full weights (the module's dtype) on every rank: for a rollout

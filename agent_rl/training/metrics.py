@@ -1,5 +1,5 @@
 """What a training step and a held-out evaluation report: one namespaced record per step
-(``step_metrics``), the warnings of a step that trained less than it seems to
+(``step_metrics``, and what scaling out needs to watch: ``scale_metrics``), the warnings of a step that trained less than it seems to
 (``note_untrained``), held-out summaries and their paired comparison (``summarize_eval``,
 ``compare``) and the progress bar. The files they are written to: ``agent_rl.run.rundir``."""
 
@@ -13,9 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from agent_rl.run.distributed import Backend
+from agent_rl.run.flops import Peak, mfu
 from agent_rl.run.guards import LIMITS, EmptyStep, limit_clauses
 from agent_rl.training.rollout import (
     RolloutBatch,
+    TrainSequence,
     empty_reason,
     shown_hint,
     too_long_prompts,
@@ -36,9 +39,8 @@ def peak_rss_mb() -> float:
 
 def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollout_s: float,
                  train_s: float, counters: Counter, lag: dict[str, float],
-                 wait_s: float = 0.0, hint_share: float | None = None) -> dict[str, Any]:
+                 hint_share: float | None = None) -> dict[str, Any]:
     """One step's record. ``rollout_s``: generating the batch (on whatever thread did);
-    ``wait_s``: how long the trainer waited for it (all of ``rollout_s`` when synchronous);
     ``hint_share``: the share the contract's ``hints`` scheduled for this step (logged, when
     given, as ``hint/scheduled_share``, beside ``hint/share``: the share the episodes' hint
     provenance says was shown). ``reward/hinted_mean`` and ``reward/unhinted_mean`` split
@@ -92,7 +94,6 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "rollout/seconds": rollout_s,
         "rollout/policy_lag": lag["max"],
         "rollout/policy_lag_mean": lag["mean"],
-        "rollout/data_wait_s": wait_s,
         **{k: v for k, v in update.items() if k.startswith("rollout/")},
         "rollout/prompt_too_long": report["prompt_too_long"],
         "rollout/prompt_too_long_tokens": report["prompt_too_long_tokens"],
@@ -115,6 +116,39 @@ def step_metrics(step: int, batch: RolloutBatch, update: dict[str, float], rollo
         "rollout/acceptance": report["acceptance"],
     }
 
+
+
+def scale_metrics(backend: Backend, *, flops: float, peak: Peak | None, step_s: float,
+                  train_s: float, wait_s: float, collective_s: float, queue_age_s: float,
+                  trained: list[TrainSequence]) -> dict[str, Any]:
+    """What a step says about scaling out (docs/training.md, "Scale metrics"), on every rank:
+    its model FLOPs (``flops``: ``agent_rl.run.flops``' formula over the trained tokens) and MFU over
+    the whole step (``step_s``) and over the update alone (``train_s``) against ``peak`` (None:
+    not reported); ``wait_s``, the trainer's wait for its batch; ``queue_age_s``, how long that
+    batch had waited for the trainer (``pipeline.py``); ``collective_s``, this rank's seconds
+    inside the backend's collectives during the step; the straggler time, the slowest rank's
+    own work (its step less its collective seconds, waiting for others being no work) minus the
+    fastest's: one small gather, so collective; and the sessions in the loss (``batch_ids``)."""
+    busy = backend.all_gather_object(step_s - collective_s)  # [world_size] seconds
+    return {
+        "perf/flops": flops,
+        "perf/mfu": mfu(flops, step_s, peak),
+        "perf/mfu_update": mfu(flops, train_s, peak),
+        "rollout/queue_age_s": queue_age_s,
+        "time/data_wait_s": wait_s,
+        "time/collective_s": collective_s,
+        "time/straggler_s": max(busy) - min(busy),
+        "batch/ids": batch_ids(trained),
+    }
+
+
+def batch_ids(trained: list[TrainSequence]) -> dict[str, list[str]]:
+    """``batch/ids``: the sessions the step trained on, ``{episode_id: [session_id, ...]}``
+    (both sorted): the episodes are the ``rollouts.jsonl`` records of those ids."""
+    ids: dict[str, list[str]] = {}
+    for q in trained:
+        ids.setdefault(q.episode_id, []).append(q.session_id)
+    return {episode: sorted(sessions) for episode, sessions in sorted(ids.items())}
 
 
 def session_and_hint_metrics(episodes: list, hint_share: float | None) -> dict[str, Any]:

@@ -12,11 +12,16 @@ starts on weights of revision >= m - k - 1 and is trained at revision m - 1: its
 most k by construction. ``split_stale`` enforces the bound anyway, at the moment a batch is
 trained: a session sampled more than k revisions ago is dropped and counted
 (``rollout/dropped_stale``), never trained on.
+
+Queue age (``rollout/queue_age_s``): how long the batch the trainer takes waited, from the
+moment its rollout finished to the ``take``; 0 when the trainer was there first (it waited
+for the batch instead: ``time/data_wait_s``) and always 0 when synchronous.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -99,7 +104,10 @@ def split_stale(sequences: Sequence[Any], revision: int, max_lag: int) -> tuple[
 
 class Synchronous(Generic[T]):
     """``RolloutPipeline``'s interface for max_policy_lag 0: ``take(step)`` produces the batch
-    then and there, on the trainer's thread and weights."""
+    then and there, on the trainer's thread and weights (so no batch ever waits:
+    ``queue_age_s`` 0)."""
+
+    queue_age_s = 0.0
 
     def __init__(self, produce: Callable[[int], T]):
         self._produce = produce
@@ -120,15 +128,19 @@ class Synchronous(Generic[T]):
 class RolloutPipeline(Generic[T]):
     """``produce(step)`` for steps ``first..last`` on one background thread, batch m started
     only once batch m - ``max_lag`` was taken (module docstring). ``take(step)`` returns the
-    batch of that step (re-raising what ``produce`` raised); ``close()`` stops the thread after
-    the batch in flight. Use it as a context manager."""
+    batch of that step (re-raising what ``produce`` raised) and sets ``queue_age_s``: the
+    seconds it waited between its rollout's end and this take (module docstring); ``close()``
+    stops the thread after the batch in flight. Use it as a context manager."""
+
+    queue_age_s = 0.0  # of the batch the last take returned
 
     def __init__(self, produce: Callable[[int], T], first: int, last: int, max_lag: int):
         if max_lag < 1:
             raise ValueError(f"RolloutPipeline needs max_lag >= 1, got {max_lag} (0 is synchronous)")
         self._produce = produce
         self._max_lag = max_lag
-        self._ready: dict[int, tuple[T | None, BaseException | None]] = {}
+        # step -> (batch, error, when it was ready: time.perf_counter())
+        self._ready: dict[int, tuple[T | None, BaseException | None, float]] = {}
         self._taken = first - 1  # the last step whose batch the trainer took
         self._cond = threading.Condition()
         self._stop = False
@@ -147,7 +159,7 @@ class RolloutPipeline(Generic[T]):
             except BaseException as exc:  # handed to the trainer's thread by take()
                 item = (None, exc)
             with self._cond:
-                self._ready[step] = item
+                self._ready[step] = (*item, time.perf_counter())
                 self._cond.notify_all()
             if item[1] is not None:
                 return
@@ -159,7 +171,8 @@ class RolloutPipeline(Generic[T]):
             self._cond.wait_for(lambda: step in self._ready or not self._thread.is_alive())
             if step not in self._ready:
                 raise RuntimeError(f"the rollout thread ended before producing step {step}")
-            batch, error = self._ready.pop(step)
+            batch, error, ready = self._ready.pop(step)
+        self.queue_age_s = time.perf_counter() - ready
         if error is not None:
             raise error
         return batch

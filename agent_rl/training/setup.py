@@ -32,6 +32,7 @@ from agent_rl.run.distributed import (
     launched_rank,
     make_backend,
 )
+from agent_rl.run.flops import Peak, device_peak, flops_per_token
 from agent_rl.run.guards import Guards
 from agent_rl.run.loggers import Loggers, open_loggers
 from agent_rl.run.rundir import check_run_dir, log_json, pin_run_dir
@@ -70,6 +71,8 @@ class Run:
     guards: Guards
     eval_sampling: Sampling
     micro_batch_tokens: int  # optim.micro_batch_tokens, auto resolved (``run.sizing``)
+    flops_per_token: float  # model FLOPs per trained token (``run.flops``)
+    peak: Peak | None  # the device's peak FLOP/s MFU is taken against (None: not reported)
 
     @property
     def main(self) -> bool:
@@ -113,6 +116,7 @@ def start(contract: ExperimentContract, data: RunData, device: torch.device,
     reference = load_reference(contract, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)  # counted before ZeRO-3 partitions them
+    per_token = flops_per_token(model)
     optimizer = adamw(params, contract.optim.lr, contract.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     store = RolloutStore(run_dir / "rollouts.jsonl")
@@ -143,7 +147,8 @@ def start(contract: ExperimentContract, data: RunData, device: torch.device,
                              contract.rollout.max_response_tokens)
     return Run(contract, data, run_dir, pins, tokenizer, backend, policy, rollout_policy,
                reference, scheduler, store, loggers, guards, sampling,
-               sizes.micro_batch_tokens), state
+               sizes.micro_batch_tokens, per_token,
+               device_peak(device, contract.model.dtype, contract.run.peak_flops)), state
 
 
 def size_batches(contract: ExperimentContract, model, device: torch.device, policy: HFPolicy,

@@ -63,6 +63,7 @@ from agent_rl.training.metrics import (
     compare,
     note_untrained,
     progress_bar,
+    scale_metrics,
     step_metrics,
 )
 from agent_rl.training.pipeline import RolloutPipeline, Synchronous, split_stale
@@ -168,7 +169,7 @@ def train_loop(run: Run, state: State, progress: bool) -> RunResult:
             # collect episodes -> assign credit -> compute advantages -> build the loss batch:
             # rollout_batch over this rank's share of the step's tasks (``rollout_step``), then
             # the whole batch on every rank, recorded in the store
-            t0 = time.perf_counter()
+            t0, collective0 = time.perf_counter(), backend.collective_seconds
             batch, rollout_s = gather_batch(backend, *rollouts.take(step))
             # batch.episodes: [tasks_per_step * G], each with its filter decision
             # batch.sequences: [S] kept sessions, each [T_s] tokens with advantage and weight
@@ -186,8 +187,9 @@ def train_loop(run: Run, state: State, progress: bool) -> RunResult:
             update["rollout/dropped_stale"] = len(stale)
 
             # log
-            metrics = step_record(run, state, step, batch, update, lag,
-                                  {"rollout": rollout_s, "train": train_s, "wait": wait_s, "t0": t0})
+            metrics = step_record(run, state, step, batch, fresh, update, lag,
+                                  {"rollout": rollout_s, "train": train_s, "wait": wait_s, "t0": t0,
+                                   "queue_age": rollouts.queue_age_s, "collective0": collective0})
             result.losses.append(metrics["loss/policy"])
 
             # guards, evaluation
@@ -266,21 +268,29 @@ def update_policy(run: Run, sequences: list[TrainSequence]) -> dict[str, float]:
     return update
 
 
-def step_record(run: Run, state: State, step: int, batch: RolloutBatch, update: dict[str, float],
-                lag: dict[str, float], seconds: dict[str, float]) -> dict[str, Any]:
-    """The step's ``metrics.jsonl`` record (``metrics.step_metrics``), the run's counters
-    advanced. ``seconds``: rollout, train, wait (for the batch), and t0 (when the wait began)."""
+def step_record(run: Run, state: State, step: int, batch: RolloutBatch,
+                trained: list[TrainSequence], update: dict[str, float], lag: dict[str, float],
+                seconds: dict[str, float]) -> dict[str, Any]:
+    """The step's ``metrics.jsonl`` record (``metrics.step_metrics`` and ``scale_metrics``:
+    collective), the run's counters advanced. ``trained``: the sequences in the loss;
+    ``seconds``: rollout, train, wait (for the batch), queue_age (of the batch), t0 (when the
+    wait began) and collective0 (``backend.collective_seconds`` then)."""
     contract, counters = run.contract, state.counters
     counters["tokens_generated"] += batch.report["tokens_generated"]
     counters["tokens_trained"] += update.get("tokens", 0)
     counters["episodes"] += len(batch.episodes)
     metrics = step_metrics(step, batch, update, seconds["rollout"], seconds["train"], counters,
-                           lag, seconds["wait"], hint_share=scheduled_hints(contract, step))
+                           lag, hint_share=scheduled_hints(contract, step))
     # prompts over the limit, a step that trained no token, no reward contrast: counted,
     # warned (the guard nothing_trained stops a run whose limits let nothing train)
     metrics |= note_untrained(metrics, batch, counters, contract.rollout.max_prompt_tokens,
                               contract.rollout.max_response_tokens, warn=run.main)
     metrics["step/seconds"] = time.perf_counter() - seconds["t0"]  # waiting for the batch to here
+    metrics |= scale_metrics(
+        run.backend, flops=run.flops_per_token * update.get("tokens", 0) * contract.optim.updates_per_batch,
+        peak=run.peak, step_s=metrics["step/seconds"], train_s=seconds["train"],
+        wait_s=seconds["wait"], queue_age_s=seconds["queue_age"], trained=trained,
+        collective_s=run.backend.collective_seconds - seconds["collective0"])
     if state.selection is not None:  # the band in force and what estimating it cost
         metrics |= {**state.selection.metrics(step), "total/curriculum_tokens_generated":
                     counters["curriculum_tokens_generated"]}

@@ -354,10 +354,18 @@ def test_max_steps_is_left_out_of_the_hash(design_file):
     """max_steps says where to stop, not how a step is computed: extending a run by resuming
     with a larger max_steps is the same experiment (config.py's docstring)."""
     assert UNHASHED == ("optim.max_steps", "log", "optim.micro_batch_tokens",
-                        "rollout.gpu_memory_utilization", "rollout.vllm_sleep")
+                        "rollout.gpu_memory_utilization", "rollout.vllm_sleep", "run.peak_flops")
     # log: where metrics go (test_loggers.py); the engine's memory: test_vllm_colocation.py;
-    # micro-batches: the same gradient accumulated in another order (below)
+    # micro-batches: the same gradient accumulated in another order (below); the peak MFU is
+    # divided by (below)
     base = ExperimentContract.from_yaml(design_file)
+    # run.peak_flops sits in a section (run) hashed only off its defaults: the hash stays the
+    # one of a contract without the key, with it set or not
+    assert ExperimentContract.from_yaml(design_file, ["run.peak_flops=7e11"]).contract_hash() == \
+        base.contract_hash()
+    assert "run" not in base.hashed_fields()
+    with pytest.raises(ContractError, match="run.peak_flops"):
+        ExperimentContract.from_yaml(design_file, ["run.peak_flops=0"])
     for memory in ("optim.micro_batch_tokens=256", "optim.micro_batch_tokens=auto"):
         assert ExperimentContract.from_yaml(design_file, [memory]).contract_hash() == \
             base.contract_hash()

@@ -35,6 +35,7 @@ from agent_rl.policies.models import tiny_model
 from agent_rl.run import checkpoint
 from agent_rl.run.contract import ExperimentContract
 from agent_rl.run.distributed import TorchBackend
+from agent_rl.run.flops import flops_per_token
 from agent_rl.run.guards import NothingTrained
 from agent_rl.training import shared, train, update
 from agent_rl.training.rollout import TrainSequence, session_advantages
@@ -644,7 +645,52 @@ def test_the_rollout_trainer_mismatch_is_measured_every_step(straight):
     for m in read_jsonl(result.run_dir / "metrics.jsonl"):
         assert 0.0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < 1e-4
         assert m["rollout/dropped_stale"] == 0
-        assert m["rollout/data_wait_s"] == pytest.approx(m["rollout/seconds"], rel=0.2, abs=0.05)
+        assert m["time/data_wait_s"] == pytest.approx(m["rollout/seconds"], rel=0.2, abs=0.05)
+
+
+def test_scale_metrics_of_one_process(straight):
+    """One synchronous process on the CPU: the step's model FLOPs are 6 per parameter per
+    trained token (all trained; tied head), MFU is not reported (no peak on a CPU without
+    run.peak_flops), no batch waited, no collective ran, no rank straggled; ``batch/ids``
+    names exactly the kept episodes of rollouts.jsonl and their sessions that generated."""
+    _, result = straight
+    per_token = flops_per_token(tiny_model(0)[0])
+    episodes = {e.episode_id: e for e in RolloutStore(result.run_dir / "rollouts.jsonl").read()}
+    for m in read_jsonl(result.run_dir / "metrics.jsonl"):
+        assert m["perf/flops"] == per_token * m["train/tokens"] > 0
+        assert m["perf/mfu"] is None and m["perf/mfu_update"] is None
+        assert m["rollout/queue_age_s"] == 0.0 and m["time/collective_s"] == 0.0
+        assert m["time/straggler_s"] == 0.0
+        assert 0.0 < m["time/data_wait_s"] < m["step/seconds"]
+        ids = m["batch/ids"]
+        kept = {e.episode_id for e in episodes.values()
+                if e.group_id.startswith(f"step{m['step']}/") and e.filter["kept"]}
+        assert set(ids) == kept
+        for episode_id, sessions in ids.items():
+            generated = [s.session_id for s in episodes[episode_id].sessions
+                         if any(t.token_ids for t in s.turns)]
+            assert sessions == sorted(generated)
+        assert sum(map(len, ids.values())) == m["train/sequences"] - m["rollout/dropped_stale"]
+
+
+def test_scale_metrics_of_an_asynchronous_run(tmp_path):
+    """max_policy_lag 1 with run.peak_flops: MFU is the logged FLOPs over the step's (and the
+    update's) seconds and that peak; each batch either waited for the trainer (queue age) or
+    the trainer waited for it (data wait), never both, and no batch waited longer than the
+    step before it took."""
+    peak = 1e11
+    contract = make_contract(tmp_path / "run", "rollout.max_policy_lag=1", "eval.every=0",
+                             "optim.max_steps=3", f"run.peak_flops={peak}")
+    metrics = read_jsonl(train.run(contract, progress=False).run_dir / "metrics.jsonl")
+    assert len(metrics) == 3
+    for before, m in zip([None, *metrics[:-1]], metrics, strict=True):
+        assert m["perf/mfu"] == pytest.approx(m["perf/flops"] / m["step/seconds"] / peak, rel=1e-3)
+        assert m["perf/mfu_update"] == pytest.approx(m["perf/flops"] / m["train/seconds"] / peak)
+        assert 0.0 < m["perf/mfu"] < m["perf/mfu_update"] < 1.0
+        assert m["rollout/queue_age_s"] >= 0.0 and m["time/data_wait_s"] >= 0.0
+        assert min(m["rollout/queue_age_s"], m["time/data_wait_s"]) < 0.05
+        if before is not None:
+            assert m["rollout/queue_age_s"] < before["step/seconds"] + 0.5
 
 
 def test_asynchronous_rollouts_train_within_the_lag_bound(tmp_path):
@@ -803,6 +849,20 @@ def test_two_ranks_sample_and_train_what_one_process_does(straight, two_ranks, s
     backend = json.loads((checkpoint.latest_complete(two / "checkpoints") / "backend.json").read_text())
     assert backend == {"backend": "deepspeed", "world_size": 2, "zero_stage": stage}
     assert not [p for p in two.rglob("*") if ".tmp" in p.name]  # no rank left a staging folder
+
+
+@pytest.mark.slow
+def test_two_ranks_report_collective_and_straggler_time(two_ranks):
+    """Two ZeRO-2 ranks: each step spent time in collectives (the batch gathered, the metrics
+    summed, kl/update shared), less than the whole step, and the ranks' own work differed by
+    less than the step took; the FLOPs count the whole batch, as one process counts them."""
+    per_token = flops_per_token(tiny_model(0)[0])
+    for m in read_jsonl(two_ranks(2) / "metrics.jsonl"):
+        assert 0.0 < m["time/collective_s"] < m["step/seconds"]
+        assert 0.0 <= m["time/straggler_s"] < m["step/seconds"]
+        assert m["time/straggler_s"] > 0.0  # two processes never work equally long
+        assert m["perf/flops"] == per_token * m["train/tokens"]
+        assert m["rollout/queue_age_s"] == 0.0
 
 
 @pytest.mark.slow
