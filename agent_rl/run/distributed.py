@@ -70,7 +70,7 @@ state partitioning with a new world size is not currently supported"); its suppo
 across is the universal checkpoint: `deepspeed.checkpoint.ds_to_universal` merges the saved
 partitions into one folder per parameter (fp32, exp_avg, exp_avg_sq, step), which any world
 size loads (DeepSpeed's config `checkpoint: {load_universal: true}`). `load_state` does this
-when the bundle's world size differs (`reshard`): rank 0 converts the bundle's partitions into
+when the bundle's world size differs (`_reshard`): rank 0 converts the bundle's partitions into
 a staging folder beside the bundle (named like save_bundle's temp folders: removed after the
 load, or by `apply_retention` after a crash), then every rank loads its new partition from it.
 ZeRO 0 in fp32 keeps the whole optimizer state on every rank (in the module file), so it loads
@@ -466,26 +466,32 @@ class DeepSpeedBackend:
 
     def load_state(self, folder: str | os.PathLike) -> None:
         """Module weights, fp32 master weights and optimizer states as `save_state` wrote
-        them, on any number of ranks (another world size: `reshard`, the module docstring).
+        them, on any number of ranks (another world size: `_reshard`, the module docstring).
         Collective; on a fresh backend (ZeRO-3 cannot reload an engine it trained)."""
         folder = Path(folder)
         saved_world = _check_saved_by(folder, self._identity())
         if saved_world != self.world_size and self.partitioned:
-            self.reshard(folder)
+            self._reshard(folder)
             return
         self._load(folder, ".")
 
-    def reshard(self, folder: Path) -> None:
+    def _reshard(self, folder: Path) -> None:
         """Load a ZeRO 1-3 state that another world size wrote in ``folder``: rank 0 merges its
         partitions into a universal checkpoint (``universal_checkpoint``) in a staging folder
         beside ``folder``, every rank loads its own partition of it. Collective."""
         stage = Path(self.all_gather_object(str(
             folder.parent / f".tmp-universal-{folder.name}-{checkpoint._host()}-{os.getpid()}"))[0])
         try:
+            failed = None  # rank 0's conversion error, said on every rank (none waits for it)
             if self.is_main:
                 shutil.rmtree(stage, ignore_errors=True)
-                universal_checkpoint(folder, stage / "universal")
-            self.barrier()
+                try:
+                    universal_checkpoint(folder, stage / "universal")
+                except checkpoint.BundleError as exc:
+                    failed = str(exc)
+            failed = self.all_gather_object(failed)[0]
+            if failed is not None:
+                raise checkpoint.BundleError(failed)
             self.engine._config.load_universal_checkpoint = True  # read by load_checkpoint only
             try:
                 self._load(stage, "universal")
@@ -511,8 +517,9 @@ class DeepSpeedBackend:
 def universal_checkpoint(folder: Path, out: Path) -> None:
     """DeepSpeed's ``ds_to_universal``: the ZeRO 1-3 partitions ``save_state`` wrote in
     ``folder`` (any world size) as a universal checkpoint in ``out`` (one folder per parameter:
-    fp32 master, exp_avg, exp_avg_sq, step), which any world size loads (``reshard``); ``out.parent`` gets its ``latest_universal`` file. Serial, in this process; its
-    progress output is kept and shown only when it fails."""
+    fp32 master, exp_avg, exp_avg_sq, step), which any world size loads
+    (``DeepSpeedBackend._reshard``); ``out.parent`` gets its ``latest_universal`` file. Serial,
+    in this process; its progress output is kept and shown only when it fails."""
     from deepspeed.checkpoint import ds_to_universal
 
     args = SimpleNamespace(input_folder=str(folder), output_folder=str(out),

@@ -232,7 +232,7 @@ def test_resume_from_bundle_is_exact(world_of_one, two_ranks, tmp_path):
 def test_zero_states_resume_at_another_world_size(world_of_one, two_ranks, tmp_path):
     """Bundles written after step 2 by two ranks resume on one and on four, one written by a
     world of one resumes on two (ZeRO 0-3): ZeRO 1-3 through DeepSpeed's universal checkpoint
-    (``reshard``), ZeRO 0 as saved. Step 3 is the step of the run it continues, computed by
+    (``_reshard``), ZeRO 0 as saved. Step 3 is the step of the run it continues, computed by
     another number of ranks: its loss (from the loaded weights) and grad norm within
     LOSS_RTOL, its weights (Adam's update from the loaded moments) within the two-rank
     tolerance; a reset optimizer state would be ~lr = 1e-2 off. No staging folder stays."""
@@ -260,6 +260,15 @@ def test_zero_states_resume_at_another_world_size(world_of_one, two_ranks, tmp_p
             assert fraction_apart(run["weights"], full["weights"]) <= NEAR_FRACTION
             bundle = Path(full["bundle"])
             assert [p.name for p in bundle.parent.iterdir()] == [bundle.name]
+
+
+def test_partitions_deepspeed_cannot_merge_are_refused_with_the_fix(tmp_path):
+    pytest.importorskip("deepspeed")
+    bundle = tmp_path / "step-000002"
+    bundle.mkdir()  # no partitions in it
+    with pytest.raises(checkpoint.BundleError, match=r"could not merge its ZeRO partitions .*"
+                                                     r"resume with the world size in"):
+        distributed.universal_checkpoint(bundle, tmp_path / "staging" / "universal")
 
 
 def test_a_state_of_another_zero_stage_is_refused_with_the_fix(tmp_path):
