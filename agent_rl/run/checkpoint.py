@@ -10,7 +10,8 @@ A bundle is one folder, `root/step-000042/`:
     rng.json           python `random` and numpy global RNG states
     rng.pt             torch CPU RNG state, and every CUDA device's once CUDA is in use
                        (both: the main rank's; written by several ranks, each file also
-                       holds `ranks`, every rank's own, which `load_bundle(rank=r)` restores)
+                       holds `ranks`, every rank's own, which `load_bundle(rank=r)` restores;
+                       a rank beyond them restores the main rank's)
     meta.json          the caller's `meta` (token counts, contract hash, reference and
                        verifier ids, sampler position, data cursor, rollout-store cursor ...)
                        plus `format_version`, `step`, `created`, `trainable_only`,
@@ -290,20 +291,19 @@ def rng_states() -> tuple[dict, dict]:
     return as_json, as_torch
 
 
-def _own(states: dict, rank: int, file: Path) -> dict:
-    """Rank ``rank``'s states of an RNG file: its entry of ``ranks``; a bundle of one rank
-    (or of one written before ``ranks`` existed) holds one set, everyone's."""
+def _own(states: dict, rank: int) -> dict:
+    """Rank ``rank``'s states of an RNG file: its entry of ``ranks``. A rank the bundle holds
+    none for (a bundle of one rank, or a run resumed on more ranks than wrote it) takes the
+    main rank's, as every rank of a new run starts from the same seeded states; the entries
+    of ranks a smaller world no longer has are not read."""
     ranks = states.get("ranks")
     if ranks is None:
         return states
-    if rank >= len(ranks):
-        raise BundleError(f"{file}: RNG states of {len(ranks)} ranks, none for rank {rank}: "
-                          f"resume with the world size that wrote it ({len(ranks)})")
-    return ranks[rank]
+    return ranks[rank] if rank < len(ranks) else ranks[0]
 
 
 def _restore_rng(path: Path, rank: int) -> None:
-    states = _own(json.loads((path / RNG_JSON_FILE).read_text()), rank, path / RNG_JSON_FILE)
+    states = _own(json.loads((path / RNG_JSON_FILE).read_text()), rank)
     version, internal, gauss_next = states["python"]
     random.setstate((version, tuple(internal), gauss_next))
     np_state = states["numpy"]
@@ -316,7 +316,7 @@ def _restore_rng(path: Path, rank: int) -> None:
         }
     )
     torch_states = _own(torch.load(path / RNG_TORCH_FILE, map_location="cpu", weights_only=True),
-                        rank, path / RNG_TORCH_FILE)
+                        rank)
     torch.set_rng_state(torch_states["torch_cpu"])
     cuda_states = torch_states.get("torch_cuda")
     if cuda_states:
@@ -552,7 +552,7 @@ def load_bundle(
     rank: int = 0,
 ) -> dict[str, Any]:
     """Verify, then load parameters (by name), optimizer, scheduler and RNG states (``rank``'s
-    own, where several ranks wrote the bundle).
+    own, where several ranks wrote the bundle; the main rank's for a rank it has none for).
 
     Returns the bundle's meta. Nothing is loaded when the bundle fails verification or its
     parameters do not fit the model (the error lists missing, unexpected and mis-shaped keys).

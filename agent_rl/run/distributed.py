@@ -59,20 +59,37 @@ Training state and bundles. `save_state(folder)` / `load_state(folder)` are coll
 rank passes the same folder (shared by every rank). They write / read plain files: the
 backend's own optimizer state (`optimizer.pt` for torch; for DeepSpeed its module file and
 every rank's optimizer partition, as `engine.save_checkpoint` names them) and `backend.json`
-(backend, ZeRO stage, world size: a DeepSpeed state resumes only on the same stage and world
-size). `write_bundle` puts them into a checkpoint bundle through `save_bundle`'s
+(backend, ZeRO stage, world size: a state resumes only under the same backend and stage; at
+another world size see "Resume at another world size" below). `write_bundle` puts them into a
+checkpoint bundle through `save_bundle`'s
 `extra_writer`, next to model.safetensors written from the full parameters (`gathered`); a
 full disk there is `checkpoint.DiskFullError`, naming the last complete bundle. To
 resume: on every rank, `checkpoint.load_bundle(path, model, scheduler=..., rank=rank)` into
 the plain model BEFORE `make_backend` (ZeRO-3 partitions what it wraps), then
 `backend.load_state(path)`. The bundle's RNG files hold every rank's own states (gathered by
 `write_bundle`), and each rank restores its own.
+
+Resume at another world size. What defines the run's future is world-size independent: the
+full weights (model.safetensors), and the fp32 master weights and Adam moments, which ZeRO 1-3
+partition over the ranks that wrote them. DeepSpeed 0.19.8 refuses to load a ZeRO 1-3
+optimizer state at another data-parallel size ("Automatic adjustment of ZeRO's optimizer
+state partitioning with a new world size is not currently supported"); its supported way
+across is the universal checkpoint: `deepspeed.checkpoint.ds_to_universal` merges the saved
+partitions into one folder per parameter (fp32, exp_avg, exp_avg_sq, step), which any world
+size loads (DeepSpeed's config `checkpoint: {load_universal: true}`). `load_state` does this
+when the bundle's world size differs (`_reshard`): rank 0 converts the bundle's partitions into
+a staging folder beside the bundle (named like save_bundle's temp folders: removed after the
+load, or by `apply_retention` after a crash), then every rank loads its new partition from it.
+ZeRO 0 in fp32 keeps the whole optimizer state on every rank (in the module file), so it loads
+as is. Exact: the tensors are copied, not recomputed (tested: 2 -> 1, 1 -> 2 and 2 -> 4
+ranks under ZeRO 0-3).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import json
 import logging
 import math
@@ -85,6 +102,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal, NoReturn, Protocol
 
 import torch
@@ -144,15 +162,18 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True))
 
 
-def _check_saved_by(folder: Path, expected: dict[str, Any]) -> None:
+def _check_saved_by(folder: Path, expected: dict[str, Any]) -> int:
+    """The world size that wrote the training state in ``folder``; a state of another backend
+    or ZeRO stage is refused with the fix (another world size is not: ``load_state``)."""
     saved = _read_backend_file(folder)
     if saved is None and expected["backend"] == "torch":
-        return  # bundles from before backend.json: optimizer.pt alone
-    if saved != expected:
+        return 1  # bundles from before backend.json: optimizer.pt alone
+    if saved is None or {**saved, "world_size": None} != {**expected, "world_size": None}:
         raise checkpoint.BundleError(
             f"{folder / BACKEND_FILE}: the training state was saved by {saved}, this run is "
-            f"{expected}; resume with the same backend, ZeRO stage and world size, or start a "
-            "new run from the bundle's model.safetensors (model.init)")
+            f"{expected}; resume with the same backend and ZeRO stage, or start a new run "
+            "from the bundle's model.safetensors (model.init)")
+    return saved["world_size"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +368,8 @@ class DeepSpeedBackend:
         bf16 = dtypes == {torch.bfloat16}
         init_distributed(next(model.parameters()).device)
         self.zero_stage, self.offload, self.grad_clip = zero_stage, offload, grad_clip
+        # DeepSpeed splits the optimizer state over the ranks (ZeRO 1-3; bf16's optimizer too)
+        self.partitioned = zero_stage > 0 or bf16
         # ZeRO 0 in fp32 gives our optimizer to the engine as is (no norm, no overflow check):
         # we clip in its step pre-hook, after DeepSpeed's all-reduce, and skip from there.
         self._own_clip = zero_stage == 0 and not bf16
@@ -474,11 +497,45 @@ class DeepSpeedBackend:
 
     def load_state(self, folder: str | os.PathLike) -> None:
         """Module weights, fp32 master weights and optimizer states as `save_state` wrote
-        them. Collective; on a fresh backend (ZeRO-3 cannot reload an engine it trained)."""
+        them, on any number of ranks (another world size: `_reshard`, the module docstring).
+        Collective; on a fresh backend (ZeRO-3 cannot reload an engine it trained)."""
         folder = Path(folder)
-        _check_saved_by(folder, self._identity())
+        saved_world = _check_saved_by(folder, self._identity())
+        if saved_world != self.world_size and self.partitioned:
+            self._reshard(folder)
+            return
+        self._load(folder, ".")
+
+    def _reshard(self, folder: Path) -> None:
+        """Load a ZeRO 1-3 state that another world size wrote in ``folder``: rank 0 merges its
+        partitions into a universal checkpoint (``universal_checkpoint``) in a staging folder
+        beside ``folder``, every rank loads its own partition of it. Collective."""
+        stage = Path(self.all_gather_object(str(
+            folder.parent / f".tmp-universal-{folder.name}-{checkpoint._host()}-{os.getpid()}"))[0])
+        try:
+            failed = None  # rank 0's conversion error, said on every rank (none waits for it)
+            if self.is_main:
+                shutil.rmtree(stage, ignore_errors=True)
+                try:
+                    universal_checkpoint(folder, stage / "universal")
+                except checkpoint.BundleError as exc:
+                    failed = str(exc)
+            failed = self.all_gather_object(failed)[0]
+            if failed is not None:
+                raise checkpoint.BundleError(failed)
+            self.engine._config.load_universal_checkpoint = True  # read by load_checkpoint only
+            try:
+                self._load(stage, "universal")
+            finally:
+                self.engine._config.load_universal_checkpoint = False
+            self.barrier()
+        finally:
+            if self.is_main:
+                shutil.rmtree(stage, ignore_errors=True)
+
+    def _load(self, folder: Path, tag: str) -> None:
         load_path, _ = self.engine.load_checkpoint(
-            str(folder), tag=".", load_module_strict=True, load_optimizer_states=True,
+            str(folder), tag=tag, load_module_strict=True, load_optimizer_states=True,
             load_lr_scheduler_states=False)
         if load_path is None:
             raise checkpoint.BundleError(f"{folder}: DeepSpeed found no checkpoint to load")
@@ -486,6 +543,28 @@ class DeepSpeedBackend:
     def _identity(self) -> dict[str, Any]:
         return {"backend": "deepspeed", "zero_stage": self.zero_stage,
                 "world_size": self.world_size}
+
+
+def universal_checkpoint(folder: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal``: the ZeRO 1-3 partitions ``save_state`` wrote in
+    ``folder`` (any world size) as a universal checkpoint in ``out`` (one folder per parameter:
+    fp32 master, exp_avg, exp_avg_sq, step), which any world size loads
+    (``DeepSpeedBackend._reshard``); ``out.parent`` gets its ``latest_universal`` file. Serial,
+    in this process; its progress output is kept and shown only when it fails."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = SimpleNamespace(input_folder=str(folder), output_folder=str(out),
+                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                           strict=True, inject_missing_state=True)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            ds_to_universal.main(args)
+    except Exception as exc:
+        raise checkpoint.BundleError(
+            f"{folder}: DeepSpeed could not merge its ZeRO partitions for another world size "
+            f"({type(exc).__name__}: {exc}); resume with the world size in "
+            f"{folder / BACKEND_FILE}. Its output ended:\n{said.getvalue()[-2000:]}") from exc
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,14 +5,16 @@
 
 SPEC is a list of runs, done in order in this process:
     {"name", "backend": "torch"|"deepspeed", "zero": 0-3, "offload": "none"|"cpu",
-     "dtype": "float32"|"bfloat16", "steps": 3, "split": "whole"|"ranks", "poison_step": null|k (that step's loss is inf),
+     "dtype": "float32"|"bfloat16", "steps": 3, "split": "whole"|"ranks"|"strided",
+     "poison_step": null|k (that step's loss is inf),
      "save_after": null|k (write_bundle after step k into "bundle_root"),
      "resume_from": null|bundle path (load it, then run steps k+1..steps)}
 
 The batch is 4 sequences of a fixed seeded draw. "whole": this process takes micro-batches
 [0, 1] and [2, 3]; "ranks" (2 ranks): rank 0 takes [0] and [1], rank 1 takes [2, 3] and pads
-with one zero-weight micro-batch. Losses are scaled for the GLOBAL token count (the
-distributed module's rule), so every split computes the same gradient.
+with one zero-weight micro-batch; "strided" (any world size): rank r takes the sequences
+k = r, r + world_size, ..., one micro-batch each. Losses are scaled for the GLOBAL token
+count (the distributed module's rule), so every split computes the same gradient.
 OUT_DIR/<name>.json: per-step loss, grad_norm, stepped (main rank); <name>.safetensors: the
 final full state dict.
 """
@@ -42,9 +44,11 @@ def batch(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(3, vocab, (n,), generator=g) for n in LENGTHS]
 
 
-def micro_batches(split: str, rank: int) -> list[list[int]]:
+def micro_batches(split: str, rank: int, world_size: int) -> list[list[int]]:
     if split == "whole":
         return [[0, 1], [2, 3]]
+    if split == "strided":
+        return [[k] for k in range(rank, len(LENGTHS), world_size)]
     return [[[0], [1]], [[2, 3]]][rank]
 
 
@@ -77,7 +81,7 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("resume_from"):
         backend.load_state(spec["resume_from"])
     seqs = batch(len(tokenizer))
-    mine = micro_batches(spec.get("split", "whole"), backend.rank)
+    mine = micro_batches(spec.get("split", "whole"), backend.rank, backend.world_size)
     local_tokens = sum(len(seqs[k]) - 1 for members in mine for k in members)
     global_tokens = backend.all_reduce_sum(local_tokens)
     record = {"steps": [], "world_size": backend.world_size}

@@ -586,13 +586,21 @@ def test_every_rank_saves_and_restores_its_own_rng_states(tmp_path):
         assert r["after_load"] == r["after_save"]
 
 
-def test_a_bundle_of_two_ranks_refuses_a_third_and_one_of_one_serves_every_rank(tmp_path):
+def test_a_rank_the_bundle_has_no_rng_states_for_takes_the_main_ranks(tmp_path):
+    """Resumed on more ranks than wrote the bundle (2 -> 4, 1 -> 2), a rank beyond them draws
+    from the main rank's saved states, as every rank of a new run starts from the same seed;
+    the ranks the bundle has states for draw from their own (2 -> 1: rank 0 its own)."""
     model = torch.nn.Linear(2, 2)
-    states = [checkpoint.rng_states(), checkpoint.rng_states()]
+    draws, states = [], []
+    for seed in (5, 6):  # two ranks, two streams
+        torch.manual_seed(seed)
+        states.append(checkpoint.rng_states())
+        draws.append(torch.rand(2))
     path = checkpoint.save_bundle(tmp_path, 1, model=model, meta={}, rank_rngs=states)
-    with pytest.raises(BundleError, match=r"RNG states of 2 ranks, none for rank 2: resume with "
-                                          r"the world size that wrote it \(2\)"):
-        checkpoint.load_bundle(path, model, rank=2)
+    for rank, expected in ((0, draws[0]), (1, draws[1]), (2, draws[0]), (3, draws[0])):
+        torch.manual_seed(99)  # moved on
+        checkpoint.load_bundle(path, model, rank=rank)
+        assert torch.equal(torch.rand(2), expected), rank
     single = checkpoint.save_bundle(tmp_path, 2, model=model, meta={})
     assert "ranks" not in torch.load(single / checkpoint.RNG_TORCH_FILE, weights_only=True)
     torch.manual_seed(5)

@@ -13,6 +13,8 @@ the tolerances below cover with margin (tiny Llama, AdamW lr 1e-2, grad clip 1.0
     two ranks vs one process (ZeRO 2 and 3): losses 7e-7 relative, weights 3.6e-5
         absolute in 0.1% of the entries, the rest within 1e-6
     resume from a bundle vs uninterrupted: bit-identical
+    resume at another world size (2 -> 1, 1 -> 2, 2 -> 4; ZeRO 0-3) vs the uninterrupted run it
+        continues: losses 1e-7 relative, weights within the two-rank tolerance
 The few larger weight differences are Adam's: its update lr * m / (sqrt(v) + eps) turns
 round-off in gradient entries near eps (a different summation order) into up to lr.
 """
@@ -45,7 +47,7 @@ LOSS_RTOL = 1e-5
 
 WORLD_OF_ONE = [
     {"name": "torch", "backend": "torch", "save_after": 2},
-    *({"name": f"zero{z}", "backend": "deepspeed", "zero": z} for z in (0, 1, 2)),
+    *({"name": f"zero{z}", "backend": "deepspeed", "zero": z, "save_after": 2} for z in (0, 1, 2)),
     {"name": "zero3", "backend": "deepspeed", "zero": 3, "save_after": 2},
     {"name": "zero2-offload", "backend": "deepspeed", "zero": 2, "offload": "cpu"},
     {"name": "zero3-offload", "backend": "deepspeed", "zero": 3, "offload": "cpu"},
@@ -121,7 +123,7 @@ def two_ranks(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("two_ranks")
     return run_worker([{"name": f"zero{z}-ranks", "backend": "deepspeed", "zero": z,
                         "split": "ranks", "save_after": 2,
-                        "bundle_root": str(root / f"zero{z}" / "checkpoints")} for z in (2, 3)],
+                        "bundle_root": str(root / f"zero{z}" / "checkpoints")} for z in (0, 1, 2, 3)],
                       root, nproc=2)
 
 
@@ -226,6 +228,58 @@ def test_resume_from_bundle_is_exact(world_of_one, two_ranks, tmp_path):
         assert max_abs_diff(resumed["weights"], full["weights"]) == 0.0
 
 
+@pytest.mark.slow
+def test_zero_states_resume_at_another_world_size(world_of_one, two_ranks, tmp_path):
+    """Bundles written after step 2 by two ranks resume on one and on four, one written by a
+    world of one resumes on two (ZeRO 0-3): ZeRO 1-3 through DeepSpeed's universal checkpoint
+    (``_reshard``), ZeRO 0 as saved. Step 3 is the step of the run it continues, computed by
+    another number of ranks: its loss (from the loaded weights) and grad norm within
+    LOSS_RTOL, its weights (Adam's update from the loaded moments) within the two-rank
+    tolerance; a reset optimizer state would be ~lr = 1e-2 off. No staging folder stays."""
+    stages = (0, 1, 2, 3)
+
+    def resumed(sources: dict[int, dict], nproc: int, where: str) -> dict[int, dict]:
+        out = run_worker([{"name": f"zero{z}", "backend": "deepspeed", "zero": z,
+                           "split": "strided", "resume_from": sources[z]["bundle"]}
+                          for z in stages], tmp_path / where, nproc=nproc)
+        return {int(name[4]): record for name, record in out.items()}
+
+    from_two = {z: two_ranks[f"zero{z}-ranks"] for z in stages}
+    from_one = {z: world_of_one[f"zero{z}"] for z in stages}
+    for sources, runs, nproc in ((from_two, resumed(from_two, 1, "one"), 1),
+                                 (from_one, resumed(from_one, 2, "two"), 2),
+                                 (from_two, resumed(from_two, 4, "four"), 4)):
+        for z in stages:
+            run, full = runs[z], sources[z]
+            assert run["world_size"] == nproc
+            assert [s["step"] for s in run["steps"]] == [3] and run["steps"][0]["stepped"]
+            assert run["steps"][0]["loss"] == pytest.approx(full["steps"][2]["loss"], rel=LOSS_RTOL)
+            assert run["steps"][0]["grad_norm"] == pytest.approx(full["steps"][2]["grad_norm"],
+                                                                 rel=LOSS_RTOL)
+            assert max_abs_diff(run["weights"], full["weights"]) <= TWO_RANKS_WEIGHT_ATOL, (z, nproc)
+            assert fraction_apart(run["weights"], full["weights"]) <= NEAR_FRACTION
+            bundle = Path(full["bundle"])
+            assert [p.name for p in bundle.parent.iterdir()] == [bundle.name]
+
+
+def test_partitions_deepspeed_cannot_merge_are_refused_with_the_fix(tmp_path):
+    pytest.importorskip("deepspeed")
+    bundle = tmp_path / "step-000002"
+    bundle.mkdir()  # no partitions in it
+    with pytest.raises(checkpoint.BundleError, match=r"could not merge its ZeRO partitions .*"
+                                                     r"resume with the world size in"):
+        distributed.universal_checkpoint(bundle, tmp_path / "staging" / "universal")
+
+
+def test_a_state_of_another_zero_stage_is_refused_with_the_fix(tmp_path):
+    (tmp_path / distributed.BACKEND_FILE).write_text(json.dumps(
+        {"backend": "deepspeed", "zero_stage": 2, "world_size": 2}))
+    expected = {"backend": "deepspeed", "zero_stage": 3, "world_size": 4}
+    with pytest.raises(checkpoint.BundleError, match="resume with the same backend and ZeRO stage"):
+        distributed._check_saved_by(tmp_path, expected)
+    assert distributed._check_saved_by(tmp_path, {**expected, "zero_stage": 2}) == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # In process (no DeepSpeed)
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +380,7 @@ def test_state_from_another_backend_is_refused_with_the_fix(tmp_path):
         {"backend": "deepspeed", "zero_stage": 2, "world_size": 2}))
     model = _mlp()
     backend = TorchBackend(model, torch.optim.AdamW(model.parameters(), lr=0.1))
-    with pytest.raises(checkpoint.BundleError, match="same backend, ZeRO stage and world size"):
+    with pytest.raises(checkpoint.BundleError, match="resume with the same backend and ZeRO stage"):
         backend.load_state(tmp_path)
 
 

@@ -879,6 +879,56 @@ def test_two_ranks_resume_exactly(two_ranks, tmp_path):
     assert bundle_params_hash(resumed) == bundle_params_hash(straight_two)
 
 
+def sampled(run_dir: Path) -> list[tuple]:
+    """Every stored episode: its id, task, reward and the token ids its turns sampled."""
+    return [(e.episode_id, e.task_id, e.reward.total,
+             [t.token_ids for s in e.sessions for t in s.turns if t.token_ids])
+            for e in RolloutStore(run_dir / "rollouts.jsonl").read()]
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_another_number_of_ranks(straight, two_ranks, tmp_path):
+    """ZeRO-2, checkpointed after step 2 on two ranks and resumed in one process (2 -> 1),
+    and the other way (1 -> 2): steps 3 and 4 continue the run that wrote the bundle. The
+    same tasks and the same sampled tokens and rewards as the uninterrupted run (the task
+    order and every job's sampling stream are functions of the seed, the step and the job's
+    global index; the weights and Adam moments are loaded exactly), so the whole rollout store
+    equals it; losses and grad norms computed by the other number of ranks within summation
+    round-off (abs 1e-6, rel 1e-5, as two ranks against one), final weights within 1e-4.
+    Against the uninterrupted run at the new size the same holds here, but only through it:
+    its weights differ from the old size's by round-off from step 1 on. Nothing drew from the
+    process-global generators, so which rank restores whose states changes nothing."""
+    zero2 = [*DS, "backend.zero_stage=2"]
+    keys = ("reward/mean", "rollout/tokens_generated", "groups/dropped", "train/tokens")
+    down = launch(tmp_path / "down", *zero2, "optim.max_steps=2")
+    train.run(make_contract(down, *zero2), resume=True, progress=False)
+    up = tmp_path / "up"
+    train.run(make_contract(up, *zero2, "optim.max_steps=2"), progress=False)
+    launch(up, *zero2, resume=True)
+    for resumed, full in ((down, two_ranks(2)), (up, straight[1].run_dir)):
+        ours, theirs = read_jsonl(resumed / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")
+        assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+        for a, b in zip(ours[2:], theirs[2:], strict=True):
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+            assert a["loss/policy"] == pytest.approx(b["loss/policy"], abs=1e-6)
+            assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-5)
+        assert sampled(resumed) == sampled(full)
+        ours_w, theirs_w = (safetensors.torch.load_file(
+            checkpoint.latest_complete(d / "checkpoints") / "model.safetensors") for d in (resumed, full))
+        assert max(float((ours_w[k] - theirs_w[k]).abs().max()) for k in ours_w) < 1e-4
+        assert not [p for p in resumed.rglob("*") if ".tmp" in p.name]
+    assert json.loads((checkpoint.latest_complete(down / "checkpoints") / "backend.json")
+                      .read_text())["world_size"] == 1
+    # the global generators carry nothing: every rank's, saved after step 4, is the seeded one
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # optim.seed
+        seeded = torch.get_rng_state()
+    for run_dir in (down, up):
+        states = torch.load(checkpoint.latest_complete(run_dir / "checkpoints") / "rng.pt",
+                            weights_only=True)
+        assert all(torch.equal(r["torch_cpu"], seeded) for r in states.get("ranks", [states]))
+
+
 @pytest.mark.slow
 def test_two_ranks_asynchronous_under_zero3(tmp_path):
     """max_policy_lag 1 on two ZeRO-3 ranks: each rank's rollout copy takes the all-gathered
