@@ -183,3 +183,13 @@ def test_plan_command_with_zero3_over_two_ranks(capsys):
                  "--set", "backend.zero_stage=3"]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["world_size"] == 2 and result["parts"]["parameters"] == 4 * P // 2
+
+
+def test_smollm2s_architecture_without_reading_the_gguf():
+    from agent_rl.policies.models import architecture
+
+    arch = architecture("smollm2-135m")
+    assert arch.params == 134_515_008  # the de-quantized GGUF's parameter count
+    assert (arch.layers, arch.hidden, arch.intermediate, arch.kv_width, arch.vocab) == \
+        (30, 576, 1536, 3 * 64, 49152)
+    assert arch.lora_params(16) == 4_884_480  # 30 x 16 x (1152 + 768 + 768 + 1152 + 3 x 2112)
