@@ -27,8 +27,9 @@ the checks before it on that model, returning a dict printed as one JSON line):
   trainer              ``train.run`` on Arithmetic-v0 (HF rollouts, bf16, group 8): rollout and
                        train tokens/s (steps after the first), MFU, the rollout-vs-trainer
                        log-prob difference the trainer logs
-  plan_vs_measured     the resource plan's memory per rank against the trainer's peak; this code
-                       has no resource plan (no ``agent-rl plan``), and the check says so
+  plan_vs_measured     ``agent-rl plan`` of the trainer check's contract (the device's total
+                       memory) against that check's peak allocated memory: the plan's total
+                       per rank, the measured peak and the error (plan - peak) / peak
   vllm                 ``train.run`` with ``rollout.backend: vllm``, where vllm imports (it does
                        not on the lent image: skipped, with the reason)
   vllm_sleep           ``check_vllm_sleep``: the engine beside resident trainer weights with its
@@ -357,8 +358,10 @@ def plan_vs_measured(target: Target, earlier: dict) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         main(["plan", str(config)])
-    return {"plan": json.loads(printed.getvalue().strip().splitlines()[-1]),
-            "measured_peak_gib": earlier.get("trainer", {}).get("peak_memory_gib")}
+    plan = json.loads(printed.getvalue().strip().splitlines()[-1])
+    peak = earlier.get("trainer", {}).get("peak_memory_gib")
+    return {"plan": plan, "measured_peak_gib": peak,
+            "error": round((plan["total_gib"] - peak) / peak, 3) if peak else None}
 
 
 def vllm(target: Target, earlier: dict) -> dict:

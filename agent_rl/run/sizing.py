@@ -81,10 +81,15 @@ class Sizes:
     decode_batch: int  # rollout.decode_batch: HFPolicy.batch_size
 
 
+def layer_token_bytes(shape: ModelShape) -> int:
+    """What one decoder layer keeps for backward per token, in float32 (the module docstring)."""
+    return 4 * (9 * shape.hidden + 4 * shape.intermediate + 3 * shape.kv_width)
+
+
 def trainer_token_bytes(shape: ModelShape, half: bool) -> float:
     """What one token of a micro-batch holds until its backward (the module docstring)."""
-    layer = 4 * (9 * shape.hidden + 4 * shape.intermediate + 3 * shape.kv_width)
-    return shape.layers * layer * (HALF_ACTIVATIONS if half else 1.0) + 12 * shape.vocab
+    return shape.layers * layer_token_bytes(shape) * (HALF_ACTIVATIONS if half else 1.0) \
+        + 12 * shape.vocab
 
 
 def decode_row_bytes(shape: ModelShape, kv_bytes: int, row_tokens: int) -> float:

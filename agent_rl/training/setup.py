@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from agent_rl.policies.hf import HFPolicy
-from agent_rl.policies.models import load_model, model_fingerprint, rollout_copy
+from agent_rl.policies.models import architecture, load_model, model_fingerprint, rollout_copy
 from agent_rl.run import checkpoint
 from agent_rl.run.contract import EnvSection, ExperimentContract
 from agent_rl.run.distributed import (
@@ -35,6 +35,7 @@ from agent_rl.run.distributed import (
 from agent_rl.run.flops import Peak, device_peak, flops_per_token
 from agent_rl.run.guards import Guards
 from agent_rl.run.loggers import Loggers, open_loggers
+from agent_rl.run.plan import Plan, check_fits, device_memory, reference_loaded, resource_plan
 from agent_rl.run.rundir import check_run_dir, log_json, pin_run_dir
 from agent_rl.run.sizing import Sizes, resolve_sizes
 from agent_rl.training import curriculum
@@ -223,6 +224,27 @@ def check_world(contract: ExperimentContract, world_size: int) -> None:
     if contract.rollout.backend == "vllm":
         raise ValueError(f"rollout.backend: vllm with WORLD_SIZE={world_size}: one vLLM engine "
                          "per rank is not built yet; use rollout.backend: hf, or one process")
+
+
+def contract_plan(contract: ExperimentContract, world_size: int,
+                  given_gib: float | None = None) -> tuple[Plan, str]:
+    """One rank's resource plan (``run.plan.resource_plan``) from the architectures of
+    ``model.id`` and of the reference it loads (``models.architecture``: no weights read), for
+    the device's memory (``run.plan.device_memory``: ``given_gib``, ``model.device_memory``
+    or a CUDA device's total); and what names that device."""
+    device = device_memory(contract.model, given_gib)
+    reference = architecture(contract.reference) if reference_loaded(contract) else None
+    return resource_plan(contract, architecture(contract.model.id), reference, world_size,
+                         device.memory, device.gpu), device.where
+
+
+def check_plan(contract: ExperimentContract, world_size: int) -> None:
+    """A run whose resource plan cannot fit its device is refused before anything is written
+    (``run.plan.PlanError``: the biggest parts, what to change); nothing is checked where the
+    device's memory is not known (the CPU without ``model.device_memory``)."""
+    if device_memory(contract.model).memory is None:
+        return
+    check_fits(*contract_plan(contract, world_size))
 
 
 def check_engines(contract: ExperimentContract) -> None:

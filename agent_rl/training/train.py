@@ -82,6 +82,7 @@ from agent_rl.training.setup import (
     TaskSampler,
     check_engines,
     check_hints,
+    check_plan,
     check_world,
     start,
 )
@@ -104,7 +105,9 @@ class RunResult:
 def run(contract: ExperimentContract, resume: bool = False, progress: bool = True) -> RunResult:
     """Train under ``contract`` (the module docstring), holding its run directory for the whole
     run (``runlock``): a second process there is refused at once naming this one, a folder
-    that cannot be written before anything else is done."""
+    that cannot be written before anything else is done; a resource plan that cannot fit the
+    device (``setup.check_plan``) before that."""
+    check_plan(contract, launched_world_size())
     with hold_if_main(contract.check_run_dir(), resume):
         return _run(contract, resume, progress)
 
