@@ -354,8 +354,10 @@ def test_max_steps_is_left_out_of_the_hash(design_file):
     """max_steps says where to stop, not how a step is computed: extending a run by resuming
     with a larger max_steps is the same experiment (config.py's docstring)."""
     assert UNHASHED == ("optim.max_steps", "log", "optim.micro_batch_tokens",
-                        "rollout.gpu_memory_utilization", "rollout.vllm_sleep", "run.peak_flops")
+                        "rollout.gpu_memory_utilization", "rollout.vllm_sleep",
+                        "rollout.vllm_lora", "run.peak_flops")
     # log: where metrics go (test_loggers.py); the engine's memory: test_vllm_colocation.py;
+    # the adapter merged or beside the weights: test_vllm_lora.py;
     # micro-batches: the same gradient accumulated in another order (below); the peak MFU is
     # divided by (below)
     base = ExperimentContract.from_yaml(design_file)
