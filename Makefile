@@ -63,3 +63,4 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/agent_rl/test_vllm_policy.py
 	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_export.py  # a process of its own: one engine each
 	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_colocation.py  # its own: process-group state
+	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_lora.py  # its own: LoRA engines

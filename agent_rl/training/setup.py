@@ -273,7 +273,8 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
     weight copy (HF with max_policy_lag > 0, a rollout.dtype, or LoRA: adapters merged, so no
     adapter work per sampled token, 1.6x faster on the demo at 3e-5 mismatch) or a vLLM engine
     (``rollout.backend: vllm``), given the weights of ``model`` (full, never ZeRO-3
-    partitions) now and after every update. A vLLM engine beside the trainer's
+    partitions) now and after every update (a LoRA adapter alone where the engine applies it:
+    ``rollout.vllm_lora``). A vLLM engine beside the trainer's
     ``trainable_params`` takes its GPU memory share and sleep mode from the contract
     (``vllm_policy``: the budget, the sleep through synchronous updates)."""
     rollout = contract.rollout
@@ -281,9 +282,10 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
             and contract.model.adapter != "lora"):
         return policy
     if rollout.backend == "vllm":
-        from agent_rl.policies.vllm_policy import VLLMPolicy, engine_sleeps
+        from agent_rl.policies.vllm_policy import VLLMPolicy, engine_sleeps, pushes_adapter_only
 
         engine = VLLMPolicy.from_model(model, tokenizer, run_dir / "rollout-engine",
+                                       adapter_only=pushes_adapter_only(rollout.vllm_lora, model),
                                        dtype=rollout.dtype or contract.model.dtype, device=policy.device,
                                        max_model_len=contract.rollout.max_prompt_tokens
                                        + contract.rollout.max_response_tokens,

@@ -354,11 +354,12 @@ def test_max_steps_is_left_out_of_the_hash(design_file):
     """max_steps says where to stop, not how a step is computed: extending a run by resuming
     with a larger max_steps is the same experiment (config.py's docstring)."""
     assert UNHASHED == ("optim.max_steps", "log", "optim.micro_batch_tokens",
-                        "rollout.gpu_memory_utilization", "rollout.vllm_sleep", "run.peak_flops",
-                        "model.device_memory")
+                        "rollout.gpu_memory_utilization", "rollout.vllm_sleep",
+                        "rollout.vllm_lora", "run.peak_flops", "model.device_memory")
     # log: where metrics go (test_loggers.py); the engine's memory: test_vllm_colocation.py;
-    # the device's memory: test_plan.py; micro-batches: the same gradient accumulated in
-    # another order (below); the peak MFU is divided by (below)
+    # the adapter merged or beside the weights: test_vllm_lora.py; the device's memory:
+    # test_plan.py; micro-batches: the same gradient accumulated in another order (below);
+    # the peak MFU is divided by (below)
     base = ExperimentContract.from_yaml(design_file)
     # run.peak_flops sits in a section (run) hashed only off its defaults: the hash stays the
     # one of a contract without the key, with it set or not
