@@ -6,22 +6,22 @@ that do not exist, env kwargs the env's constructor does not take and impossible
 are errors that name the key), hashed (``contract_hash``: sha256 of the canonical JSON of the
 resolved contract). The key names are the YAML contract of DESIGN section 7.
 
-What the hash leaves out: ``optim.max_steps`` and the ``log`` section (``UNHASHED``).
-``max_steps`` says where the run stops, not how any step is computed: the learning-rate
-schedule is constant and nothing else reads the horizon, so the first j steps of a K-step run
-are exactly a j-step run. Leaving it out is what lets ``--resume --set optim.max_steps=K``
-extend a finished or killed run under the same contract. A schedule that depends on the
-horizon (warm-up or decay to ``max_steps``) must put it back in the hash. ``log`` says where
-the step metrics are mirrored (``agent_rl.run.loggers``), never what they are: a run resumed
-with ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more place.
-``rollout.gpu_memory_utilization`` and ``rollout.vllm_sleep`` say where the engine's memory
-lives, never what it samples, ``model.device_memory`` how much memory the device has, and ``optim.micro_batch_tokens`` how a batch's gradient is
-accumulated (the same sum, in another order: equal up to float rounding): a run that ran out
-of memory resumes with another setting. ``rollout.vllm_lora`` says how the trained adapter
-reaches the engine: merged into the weights (W + s B A, rounded once to the engine's dtype)
-or applied beside them (x W^T + s (x A^T) B^T): the same model, equal up to float rounding
-(measured: greedy tokens identical, log-probs within 1e-4 in float32). ``run.peak_flops`` says what ``perf/mfu`` is divided
-by, never what a step computes.
+What the hash leaves out (``UNHASHED``): keys that say where a run stops, where its numbers go
+and where its memory lives, never what a step computes.
+- ``optim.max_steps``: where the run stops. The learning-rate schedule is constant and nothing
+  else reads the horizon, so the first j steps of a K-step run are exactly a j-step run; this
+  is what lets ``--resume --set optim.max_steps=K`` extend a finished or killed run. A
+  schedule that depends on the horizon (warm-up or decay) must put it back in the hash.
+- ``log``: where the step metrics are mirrored (``agent_rl.run.loggers``): a run resumed with
+  ``--set log.to=[jsonl,wandb]`` is the same experiment, watched in one more place.
+- ``run.peak_flops``: what ``perf/mfu`` is divided by.
+- Memory, so that a run that ran out of it resumes with another setting:
+  ``rollout.gpu_memory_utilization`` and ``rollout.vllm_sleep`` (where the engine's memory
+  lives), ``model.device_memory`` (how much the device has), ``optim.micro_batch_tokens`` (the
+  same gradient accumulated in another order: equal up to float rounding) and
+  ``rollout.vllm_lora`` (the adapter merged into the engine's weights, W + s B A rounded once,
+  or applied beside them, x W^T + s (x A^T) B^T: the same model up to float rounding; measured
+  in float32, greedy tokens identical and log-probs within 1e-4).
 """
 
 from __future__ import annotations
