@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -157,6 +158,17 @@ def ignore_library_deprecations() -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
+    quiet_deepspeed_detection()
+
+
+def quiet_deepspeed_detection() -> None:
+    """transformers imports DeepSpeed wherever it is installed, and DeepSpeed warns "Setting
+    accelerator to CPU. If you have GPU ..." on every command of a machine without one: where
+    torch sees no CUDA device, DeepSpeed is told the CPU (``DS_ACCELERATOR``, unless set)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 _SHOWN: set[tuple[type, str]] = set()  # (category, message) of the warnings printed so far

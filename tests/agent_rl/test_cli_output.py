@@ -6,8 +6,10 @@ codes. A terminal wide enough for a table still gets the table."""
 from __future__ import annotations
 
 import io
+import os
 import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -263,3 +265,23 @@ def test_no_task_scored_on_both_sides_is_no_paired_difference_not_a_crash():
     with pytest.warns(UserWarning, match="held-out y: no task"):
         out = compare(before, half)
     assert out["reward_diff"] == 1.0 and out["n"] == 1 and list(out["splits"]) == ["x"]
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_deepspeeds_accelerator_notice_stays_out_of_a_cpu_run(quiet):
+    """transformers imports DeepSpeed where it is installed, and DeepSpeed's detection warns
+    "Setting accelerator to CPU. If you have GPU ..." into every command's output on a machine
+    without one; the CLI tells it the CPU first."""
+    import subprocess
+
+    pytest.importorskip("deepspeed")
+    code = ("from agent_rl.cli.common import ignore_library_deprecations\n"
+            f"{'ignore_library_deprecations()' if quiet else ''}\n"
+            "from deepspeed.accelerator import get_accelerator\n"
+            "print(get_accelerator().device_name())\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "cpu"  # the notice goes to stdout
+    assert ("Setting accelerator to CPU" in result.stderr + result.stdout) is not quiet
