@@ -45,6 +45,7 @@ from pydantic import (
     model_validator,
 )
 
+from agent_rl.run.env_checks import check_env_kwargs, check_split_names
 from agent_rl.run.overrides import (
     ContractError,
     apply_override,
@@ -53,8 +54,6 @@ from agent_rl.run.overrides import (
     set_key,
 )
 from agent_rl.run.pins import (
-    AGENT_ENV,
-    DATASET_ENV,
     content_hash,
     env_pins,
     function_pin,
@@ -684,44 +683,6 @@ def _nonfinite(value: Any, key: str):
     elif isinstance(value, dict | list):
         for k, v in value.items() if isinstance(value, dict) else enumerate(value):
             yield from _nonfinite(v, f"{key}.{k}")
-
-
-def check_split_names(env: EnvSection, eval_: EvalSection) -> None:
-    """``env.split`` and every ``eval.split`` name a split ``evals.splits`` builds."""
-    from evals.splits import SPLIT_NAMES
-
-    for key, names in (("env.split", [env.split]), ("eval.split", eval_.splits)):
-        unknown = [n for n in names if n not in SPLIT_NAMES]
-        if unknown:
-            raise ValueError(f"{key}: no split {unknown[0]!r}"
-                             f"{did_you_mean(unknown[0], SPLIT_NAMES)}; splits are "
-                             f"{list(SPLIT_NAMES)}")
-
-
-def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
-    """``env.id`` is registered and its constructor takes every ``env.kwargs`` name, without
-    building the environment (``envs.accepted_kwargs``)."""
-    import envs
-
-    try:
-        takes = envs.accepted_kwargs(env_id)
-    except (LookupError, ImportError) as exc:
-        raise ValueError(f"env.id: {exc}") from None
-    unknown = sorted(set(kwargs) - takes) if takes is not None else []
-    if unknown:
-        raise ValueError(f"env.kwargs.{unknown[0]}: {env_id} takes no such argument"
-                         f"{did_you_mean(unknown[0], takes, 'env.kwargs.')}; it takes "
-                         f"{sorted(takes)}")
-    if env_id in (DATASET_ENV, AGENT_ENV):  # arguments checked without reading a file
-        from envs.agent_env import AgentSpecError
-        from envs.agent_env import check_arguments as check_agent
-        from envs.datasets import DatasetError, check_arguments
-
-        try:
-            (check_arguments if env_id == DATASET_ENV else check_agent)(**kwargs)
-        except (DatasetError, AgentSpecError) as exc:
-            raise ValueError(f"env.kwargs.{exc.key}: {exc}" if exc.key else
-                             f"env.kwargs: {exc}") from None
 
 
 UNHASHED = ExperimentContract.UNHASHED

@@ -34,7 +34,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agent_rl.run.contract import DATASET_ENV, ContractError, EnvSection, ExperimentContract
+from agent_rl.run.contract import ContractError, EnvSection, ExperimentContract
+from agent_rl.run.pins import DATASET_ENV
 from agent_rl.run.rundir import inputs_file
 from agent_rl.training.train import RunResult, run
 from trajectories.functions import function_spec
