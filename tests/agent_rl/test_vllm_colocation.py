@@ -24,7 +24,7 @@ from agent_rl.policies.vllm_policy import (
 )
 from agent_rl.run.contract import ContractError, ExperimentContract
 from envs.runner import Sampling
-from tests.agent_rl.test_vllm_policy import needs_vllm, tiny_vllm_llama
+from tests.agent_rl.test_vllm_policy import needs_vllm, saved_tiny_vllm_llama, tiny_vllm_llama
 
 GiB = 2**30
 H100 = 80 * GiB  # total bytes of the GPU in the hand computations
@@ -243,10 +243,8 @@ def test_gpu_checks_vllm_sleep_check_runs_on_the_cpu(tmp_path, monkeypatch):
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look it up
     spec.loader.exec_module(gpu_check)
-    model, tokenizer = tiny_vllm_llama()
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    result = gpu_check.check_vllm_sleep(str(tmp_path / "model"), tmp_path, "float32")
+    folder = saved_tiny_vllm_llama(tmp_path / "model")
+    result = gpu_check.check_vllm_sleep(str(folder), tmp_path, "float32")
     assert result == {"check": "vllm_sleep", "gpu_memory_utilization": None, "freed_gib": 0.0,
                       "same_greedy_tokens": True, "process_group_kept": True, "ok": True}
     assert not dist.is_initialized()  # the check's own group, destroyed

@@ -31,6 +31,7 @@ from tests.agent_rl.test_vllm_policy import (
     lora_model,
     max_logprob_diff,
     needs_vllm,
+    saved_tiny_vllm_llama,
     tiny_vllm_llama,
 )
 
@@ -194,10 +195,7 @@ def test_training_with_adapter_only_pushes(tmp_path):
     from tests.agent_rl import toy_env
     from trajectories import RolloutStore
 
-    model, tokenizer = tiny_vllm_llama()
-    folder = tmp_path / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = saved_tiny_vllm_llama(tmp_path / "model")
     toy_env.register()
     try:
         result = train.run(ExperimentContract.from_dict({

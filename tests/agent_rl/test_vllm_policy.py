@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +57,14 @@ def tiny_vllm_llama(seed: int = 0) -> tuple[LlamaForCausalLM, object]:
     with torch.no_grad():
         model.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids("<|im_end|>"), 0] += 2.0
     return model, tokenizer
+
+
+def saved_tiny_vllm_llama(folder: Path) -> Path:
+    """``tiny_vllm_llama()`` and its tokenizer written to ``folder`` (a model.id)."""
+    model, tokenizer = tiny_vllm_llama()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def perturbed(model: LlamaForCausalLM, seed: int, scale: float = 0.05) -> LlamaForCausalLM:
@@ -325,10 +334,7 @@ def test_training_on_vllm_rollouts(tmp_path, lag):
     from tests.agent_rl import toy_env
     from trajectories import RolloutStore
 
-    model, tokenizer = tiny_vllm_llama()
-    folder = tmp_path / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = saved_tiny_vllm_llama(tmp_path / "model")
     toy_env.register()
     try:
         contract = ExperimentContract.from_dict({
