@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,13 +160,15 @@ def run_eval(
     num_envs: int = 16,
     split: str | None = None,
     hinted: bool = False,
+    on_round: Callable[[int, int], None] | None = None,
 ) -> EvalRun:
     """Run every task ``samples_per_task`` times; the episodes and one ``EvalRecord`` per
     episode, in task order.
 
     ``env_kwargs`` build the environments; hints are hidden whatever they say unless
     ``hinted=True``. ``split`` names where the tasks come from (recorded on every episode and
-    record). Episodes are seeded as ``run_episodes`` seeds them.
+    record). Episodes are seeded as ``run_episodes`` seeds them; ``on_round(done, total)``
+    reports progress in episodes as it does there.
     """
     jobs = len(tasks) * samples_per_task
     if jobs == 0:
@@ -177,7 +179,7 @@ def run_eval(
     try:
         episodes = run_episodes(pool, tasks, policy, sampling or Sampling(),
                                 samples_per_task=samples_per_task, seed=seed, split=split,
-                                hints=hinted)
+                                hints=hinted, on_round=on_round)
     finally:
         for env in pool:
             env.close()

@@ -49,6 +49,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hinted", action="store_true",
                         help="show the tasks' hints (evaluation is hint-free without it; every "
                              "record says whether a hint was shown)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines")
 
 
 def eval_splits(split: str | None, env_id: str, contract) -> list[str]:
@@ -133,6 +134,7 @@ def slice_table(rows: list[dict[str, Any]], title: str):
 
 @command("eval", "evaluate a policy on a task split, per slice, with intervals", _eval_arguments)
 def eval_(args: argparse.Namespace) -> int:
+    from agent_rl.training.metrics import episode_progress
     from envs.runner import Sampling
     from evals.report import inspect_command, write_report
     from evals.run import EvalRun, run_eval, write_episodes, write_records
@@ -156,10 +158,13 @@ def eval_(args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens or response_limit(contract)
     sampling = Sampling(temperature=args.temperature, top_p=1.0, max_new_tokens=max_new,
                         seed=args.seed)
-    runs = [run_eval(loaded.policy, env_id, split_tasks, sampling, seed=args.seed,
-                     env_kwargs=env_kwargs, policy_name=loaded.name,
-                     bundle_hash=loaded.bundle_hash, split=split, hinted=args.hinted)
-            for split, split_tasks in tasks.items()]
+    runs = []
+    for split, split_tasks in tasks.items():
+        with episode_progress(not args.no_progress, len(split_tasks), f"eval {split}") as on_round:
+            runs.append(run_eval(loaded.policy, env_id, split_tasks, sampling, seed=args.seed,
+                                 env_kwargs=env_kwargs, policy_name=loaded.name,
+                                 bundle_hash=loaded.bundle_hash, split=split,
+                                 hinted=args.hinted, on_round=on_round))
     run = EvalRun([r for one in runs for r in one.records], [e for one in runs for e in one.episodes])
     names = "+".join(tasks)
     out = Path(args.out or f"runs/eval-{env_id.rsplit('/', 1)[-1]}-{names}")

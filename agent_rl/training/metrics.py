@@ -9,6 +9,7 @@ import resource
 import time
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -346,18 +347,19 @@ class progress_bar:
     step count and, from the steps taken so far, the time left (``ETA``); nothing when not
     ``enabled``. On a terminal one line redrawn in place (with a bar where it is at least
     ``WIDE`` columns); otherwise (a log, a pipe: ``plain`` None decides by stdout) plain lines
-    ``LABEL step N/TOTAL  STATUS  ETA M:SS`` on the first and last step and every
-    ``total / PLAIN_LINES`` steps between, no control codes. The status is shown as text, never markup, its control characters
+    ``LABEL UNIT N/TOTAL  STATUS  ETA M:SS`` on the first and last step and every
+    ``total / PLAIN_LINES`` steps between, no control codes. ``advance(metrics, n)`` counts
+    ``n`` units done at once (an evaluation round finishes several episodes). The status is shown as text, never markup, its control characters
     escaped: a caller's status may quote what a step saw (a task id, a reply)."""
 
     def __init__(self, enabled: bool, total: int, completed: int, label: str = "train",
-                 status=train_status, plain: bool | None = None):
+                 status=train_status, plain: bool | None = None, unit: str = "step"):
         self.enabled, self.total, self.completed = enabled, total, completed
-        self.label, self.status, self.plain = label, status, plain
+        self.label, self.status, self.plain, self.unit = label, status, plain, unit
 
     def __enter__(self):
         if not self.enabled:
-            return lambda metrics: None
+            return lambda metrics, n=1: None
         from rich.console import Console
 
         terminal = Console()
@@ -374,16 +376,20 @@ class progress_bar:
             task = self.progress.add_task(self.label, total=self.total, completed=self.completed,
                                           status="")
 
-        def advance(m: dict[str, Any]) -> None:
+        def advance(m: dict[str, Any], n: int = 1) -> None:
             nonlocal done
-            done += 1
+            if n < 1:
+                return
+            done += n
             elapsed = time.perf_counter() - start
             eta = clock(elapsed / (done - first) * max(self.total - done, 0))
             status = escape_terminal(self.status(m))
             if not plain:
-                self.progress.update(task, advance=1, status=f"{status}  ETA {eta}")
-            elif done in (first + 1, self.total) or (done - first) % every == 0:
-                print(f"{self.label} step {done}/{self.total}  {status}  ETA {eta}", flush=True)
+                self.progress.update(task, advance=n, status=f"{status}  ETA {eta}")
+            elif done - n == first or done == self.total or (done - first) // every > (
+                    done - n - first) // every:
+                parts = (f"{self.label} {self.unit} {done}/{self.total}", status, f"ETA {eta}")
+                print("  ".join(part for part in parts if part), flush=True)
 
         self.plain_mode = plain
         return advance
@@ -391,3 +397,19 @@ class progress_bar:
     def __exit__(self, *exc) -> None:
         if self.enabled and not self.plain_mode:
             self.progress.stop()
+
+
+@contextmanager
+def episode_progress(enabled: bool, total: int, label: str):
+    """``on_round(done, total)`` for ``evals.run.run_eval``: ``progress_bar`` over its
+    ``total`` episodes, advanced by those each policy round finished."""
+    with progress_bar(enabled, total, 0, label=label, status=lambda m: "",
+                      unit="episode") as advance:
+        shown = 0
+
+        def on_round(done: int, _total: int) -> None:
+            nonlocal shown
+            advance({}, done - shown)
+            shown = done
+
+        yield on_round

@@ -162,7 +162,7 @@ def _run(contract: SFTContract, resume: bool, progress: bool) -> SFTResult:
     def evaluate(tag: str, step: int) -> dict[str, Any]:  # hint-free, as `train` evaluates
         model.eval()
         summary = evaluate_held_out(policy, data, contract.env, contract.eval, sampling, tag,
-                                    run_dir, backend)
+                                    run_dir, backend, progress)
         log_json(run_dir / "eval.jsonl", {"step": step, "tag": tag, **summary})
         return summary
 

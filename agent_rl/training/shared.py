@@ -19,7 +19,7 @@ from agent_rl.policies.models import add_lora, initial_model
 from agent_rl.policies.render import Rendered, SharedRow, collate_shared
 from agent_rl.run.contract import EnvSection, EvalSection, ModelSection
 from agent_rl.run.devices import to_device
-from agent_rl.training.metrics import held_out_tasks, summarize_eval
+from agent_rl.training.metrics import episode_progress, held_out_tasks, summarize_eval
 from envs.core import TaskSpec
 from envs.runner import Sampling
 from evals.run import run_eval, write_episodes, write_records
@@ -97,16 +97,21 @@ def eval_sampling(evaluation: EvalSection, max_prompt_tokens: int, max_response_
 
 
 def evaluate_held_out(policy, data: RunData, section: EnvSection, evaluation: EvalSection,
-                      sampling: Sampling, tag: str, run_dir: Path, backend) -> dict[str, Any]:
+                      sampling: Sampling, tag: str, run_dir: Path, backend,
+                      progress: bool = False) -> dict[str, Any]:
     """The held-out summary of ``policy`` (``summarize_eval``), hint-free whatever env.kwargs
     say; its records and episodes written under ``run_dir/evals`` (``agent-rl inspect`` shows
     them) by the main rank. Each of ``backend``'s ranks evaluates its slice of every split,
-    seeded as one process seeds the whole (``shard``). Collective."""
+    seeded as one process seeds the whole (``shard``); ``progress`` shows the main rank's
+    episodes done per split. Collective."""
     records, episodes = [], []
     for name, tasks in data.eval_sets.items():
         lo, hi = shard(len(tasks), backend.rank, backend.world_size)
-        mine = run_eval(policy, section.id, tasks[lo:hi], sampling, seed=evaluation.seed + lo,
-                        env_kwargs=section.kwargs, policy_name=tag, split=name)
+        with episode_progress(progress and backend.is_main, hi - lo,
+                              f"eval {tag} {name}") as on_round:
+            mine = run_eval(policy, section.id, tasks[lo:hi], sampling,
+                            seed=evaluation.seed + lo, env_kwargs=section.kwargs,
+                            policy_name=tag, split=name, on_round=on_round)
         for part in backend.all_gather_object(mine):
             records += part.records
             episodes += part.episodes

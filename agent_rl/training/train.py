@@ -138,7 +138,7 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
 
     # --- 3. evaluate the starting policy on the held-out tasks -------------------------------
     if state.before is None:
-        state.before = evaluate(run, "before")
+        state.before = evaluate(run, "before", progress)
         run.log("eval.jsonl", {"step": state.step, "tag": "before", **state.before})
 
     # --- 4. the loop -------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
     # --- 5. evaluate the trained policy on the same held-out tasks, same seeds (once: a
     # finished run resumed again re-reports what it logged) ----------------------------------
     if result.stopped is None:
-        finish(run, state, result)
+        finish(run, state, result, progress)
     return result
 
 
@@ -300,10 +300,10 @@ def step_record(run: Run, state: State, step: int, batch: RolloutBatch,
     return metrics
 
 
-def evaluate(run: Run, tag: str) -> dict[str, Any]:
+def evaluate(run: Run, tag: str, progress: bool = False) -> dict[str, Any]:
     """The held-out summary of the policy now (``shared.evaluate_held_out``), hint-free."""
     return evaluate_held_out(run.policy, run.data, run.contract.env, run.contract.eval,
-                             run.eval_sampling, tag, run.run_dir, run.backend)
+                             run.eval_sampling, tag, run.run_dir, run.backend, progress)
 
 
 def save(run: Run, state: State, step: int, extra: dict[str, Any] | None = None) -> None:
@@ -329,14 +329,14 @@ def stop(run: Run, state: State, step: int, trip: GuardTrip) -> GuardTrip:
     return trip
 
 
-def finish(run: Run, state: State, result: RunResult) -> None:
+def finish(run: Run, state: State, result: RunResult, progress: bool = False) -> None:
     """After the last step: its checkpoint, the held-out result of the trained policy (the
     logged one when a finished run is resumed again), the comparison, ``result.json``."""
     if not (run.run_dir / "checkpoints" / f"step-{result.steps:06d}").exists():
         save(run, state, result.steps)
     result.after = run.backend.all_gather_object(logged_eval(run.run_dir, "after", result.steps))[0]
     if result.after is None:
-        result.after = evaluate(run, "after")
+        result.after = evaluate(run, "after", progress)
         run.log("eval.jsonl", {"step": result.steps, "tag": "after", **result.after})
     result.comparison = compare(state.before, result.after)
     if run.main:

@@ -81,6 +81,10 @@ def test_train_progress_in_a_redirected_log_is_plain_lines(tmp_path):
     assert re.fullmatch(r"train step 1/2  reward \d\.\d{3}  held-out \d\.\d{3} \(before\)  "
                         r"\d+ tok/s  ETA \d+:\d\d", progress[0]), progress[0]
     assert progress[1].startswith("train step 2/2  ") and progress[1].endswith("ETA 0:00")
+    evaluation = [line for line in result.stdout.splitlines() if line.startswith("eval ")]
+    # the held-out evaluations before and after, per split, counted in episodes
+    assert any(re.match(r"eval before \w+ episode 1?\d+/\d+  ETA", line) for line in evaluation)
+    assert any(re.match(r"eval after \w+ episode \d+/\d+  ETA 0:00", line) for line in evaluation)
 
 
 def test_bad_config_key_exits_2_naming_the_key(tmp_path):

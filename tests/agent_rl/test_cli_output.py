@@ -184,6 +184,28 @@ def test_progress_in_a_log_is_plain_periodic_lines(capsys):
     assert lines[-1].endswith("ETA 0:00")
 
 
+def test_evaluation_progress_counts_the_episodes_each_round_finished(capsys):
+    from agent_rl.training.metrics import episode_progress
+
+    # 40 episodes: a line at the first round, every ceil(40 / 20) = 2 episodes crossed, the last
+    with episode_progress(True, 40, "eval before holdout") as on_round:
+        for done in (5, 5, 6, 17, 40):  # a round may finish none, one or many episodes
+            on_round(done, 40)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in lines] == [
+        "eval before holdout episode 5/40", "eval before holdout episode 6/40",
+        "eval before holdout episode 17/40", "eval before holdout episode 40/40"]
+    assert lines[-1].endswith("  ETA 0:00") and "   " not in lines[0]  # no empty status
+
+
+def test_evaluation_progress_off_prints_nothing(capsys):
+    from agent_rl.training.metrics import episode_progress
+
+    with episode_progress(False, 4, "eval") as on_round:
+        on_round(4, 4)
+    assert capsys.readouterr().out == ""
+
+
 def test_a_resumed_run_counts_from_its_checkpoint(capsys):
     with progress_bar(True, 10, 8, status=lambda m: f"loss {m['step']}") as advance:
         advance(metrics(9))
