@@ -46,9 +46,12 @@ SESSION_CURVES = [("sessions per episode", "sessions/per_episode"),
                   ("notes per episode (compressions)", "sessions/compressions_per_episode"),
                   ("tokens per note", "sessions/summary_tokens"),
                   ("share of notes the final answer used", "sessions/summary_used_frac"),
-                  ("branches per step", "sessions/branches")]
-# eval.jsonl's note columns (the held-out episodes' notes), shown when any is non-zero
-EVAL_NOTES = ("compressions_per_episode", "summary_tokens", "summary_used_frac")
+                  ("branches per step", "sessions/branches"),
+                  ("share of sub-agents the final answer used", "sessions/branch_used_frac")]
+# eval.jsonl's session columns (the held-out episodes' notes and sub-agents), shown when any
+# is non-zero
+EVAL_NOTES = ("compressions_per_episode", "summary_tokens", "summary_used_frac",
+              "branches_per_episode", "branched_frac", "branch_used_frac")
 # slice_summary columns that are numbers, not slice keys.
 SLICE_NUMBERS = ("n", "n_tasks", "n_infra_faults", "reward/mean", "reward/lo", "reward/hi",
                  "success/k", "success/rate", "success/lo", "success/hi")

@@ -84,6 +84,7 @@ class EvalRecord(BaseModel):
     branches: int = 0
     summary_tokens: int = Field(0, description="generated tokens of the summaries written")
     summaries_used: int = Field(0, description="compressed sessions whose output reached the answer")
+    branches_used: int = Field(0, description="sub-agent sessions whose output reached the answer")
     latency_s: float = Field(0.0, description="reset to terminal step, policy time included")
 
     @property
@@ -116,7 +117,10 @@ class EvalRecord(BaseModel):
             sessions=len(episode.sessions), compressions=origins.count("compression"),
             branches=origins.count("branch"),
             summary_tokens=sum(len(s.last_reply.token_ids or []) for s in compressed),
-            summaries_used=sum(bool(s.used_by_final) for s in compressed), latency_s=latency_s)
+            summaries_used=sum(bool(s.used_by_final) for s in compressed),
+            branches_used=sum(bool(s.used_by_final) for s in episode.sessions
+                              if s.origin == "branch"),
+            latency_s=latency_s)
 
 
 class _Timed(gymnasium.Wrapper):

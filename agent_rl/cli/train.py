@@ -84,7 +84,9 @@ def before_after_lines(result) -> list[str]:
     """``before_after_table`` as plain lines (a log, a narrow terminal: ``common.show``): per
     split, overall first, the key line ``held-out all: 0.371 -> 0.565, paired +0.194 [0.121,
     0.272] (n=96)``, then each policy's reward and success with 95% intervals and, where
-    episodes wrote notes, notes per episode, tokens per note and the share used."""
+    episodes wrote notes, notes per episode, tokens per note and the share used; where they
+    spawned sub-agents, sub-agents per episode, the share of episodes with one and the share
+    of sub-agents whose answer was used."""
     comparison = result.comparison or {}
     lines = ["held-out reward before -> after (greedy, hint-free; 95% intervals)"]
     for name in _splits(result):
@@ -110,6 +112,11 @@ def before_after_lines(result) -> list[str]:
             lines.append(f"  notes: {_arrow(summaries, 'compressions_per_episode', '.2f')} per "
                          f"episode, {_arrow(summaries, 'summary_tokens', '.1f')} tokens each, "
                          f"{_arrow(summaries, 'summary_used_frac', '.0%')} used")
+        if any(s.get("branches_per_episode") for _, s in sides):
+            summaries = [s for _, s in sides]
+            lines.append(f"  sub-agents: {_arrow(summaries, 'branches_per_episode', '.2f')} per "
+                         f"episode, {_arrow(summaries, 'branched_frac', '.0%')} spawned, "
+                         f"{_arrow(summaries, 'branch_used_frac', '.0%')} used")
     return lines
 
 

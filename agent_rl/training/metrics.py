@@ -158,11 +158,14 @@ def session_and_hint_metrics(episodes: list, hint_share: float | None) -> dict[s
     hinted = [e.reward.total for e in episodes if shown_hint(e)]
     unhinted = [e.reward.total for e in episodes if not shown_hint(e)]
     compressed = [s for e in episodes for s in e.compressed_sessions()]
+    branches = [s for e in episodes for s in e.sessions if s.origin == "branch"]
     return {
         "sessions/per_episode": float(np.mean([len(e.sessions) for e in episodes])),
         "sessions/compressions": sum(s.origin == "compression" for e in episodes for s in e.sessions),
         "sessions/compressions_per_episode": len(compressed) / max(len(episodes), 1),
-        "sessions/branches": sum(s.origin == "branch" for e in episodes for s in e.sessions),
+        "sessions/branches": len(branches),
+        "sessions/branch_used_frac": (sum(bool(s.used_by_final) for s in branches) / len(branches)
+                                      if branches else 0.0),
         "sessions/summary_tokens": (float(np.mean([len(s.last_reply.token_ids or []) for s in compressed]))
                                     if compressed else 0.0),
         "sessions/summary_used_frac": (sum(bool(s.used_by_final) for s in compressed) / len(compressed)
@@ -252,7 +255,9 @@ def held_out_tasks(splits: Splits, names: list[str], n: int) -> dict[str, list[T
 
 def summarize_eval(records: list[EvalRecord], requested: int | None = None) -> dict[str, Any]:
     """Held-out summary from ``evals.run.slice_summary`` (overall and, with several splits,
-    per split), with what crossed compression boundaries and the per-task rewards a paired
+    per split), with what crossed compression boundaries, the sub-agents (branches per
+    episode, the share of episodes that branched, the share of branches whose output reached
+    the answer) and the per-task rewards a paired
     comparison needs (infrastructure faults are counted, never scored). ``requested``: the
     tasks asked for per split (``eval.n``), recorded as ``n_requested`` beside
     ``n_evaluated`` (``{split: tasks evaluated}``), which may be fewer."""
@@ -261,6 +266,7 @@ def summarize_eval(records: list[EvalRecord], requested: int | None = None) -> d
         (row,) = slice_summary(group, by=(), n_boot=2000)
         scored = [r for r in group if not r.infra_fault]
         compressions = sum(r.compressions for r in scored)
+        branches = sum(r.branches for r in scored)
         return {"reward_mean": row["reward/mean"], "reward_lo": row["reward/lo"],
                 "reward_hi": row["reward/hi"], "success": row["success/rate"],
                 "success_lo": row["success/lo"], "success_hi": row["success/hi"], "n": row["n"],
@@ -268,6 +274,9 @@ def summarize_eval(records: list[EvalRecord], requested: int | None = None) -> d
                 "compressions_per_episode": compressions / max(len(scored), 1),
                 "summary_tokens": sum(r.summary_tokens for r in scored) / max(compressions, 1),
                 "summary_used_frac": sum(r.summaries_used for r in scored) / max(compressions, 1),
+                "branches_per_episode": branches / max(len(scored), 1),
+                "branched_frac": sum(r.branches > 0 for r in scored) / max(len(scored), 1),
+                "branch_used_frac": sum(r.branches_used for r in scored) / max(branches, 1),
                 "rewards": [r.reward for r in scored], "task_ids": [r.task_id for r in scored],
                 "keys": [f"{r.split}:{r.task_id}:{r.sample_id}" for r in scored]}
 

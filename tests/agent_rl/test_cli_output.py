@@ -72,6 +72,20 @@ def test_before_after_at_80_columns_keeps_every_digit():
     assert "notes" not in iid
 
 
+def test_before_after_shows_the_sub_agents_where_episodes_spawned_them():
+    before = summary(0.145, 0.084, 0.213, 64, 0.094, 0.044, 0.19)
+    after = summary(0.25, 0.17, 0.33, 64, 0.2, 0.12, 0.31)
+    before |= {"branches_per_episode": 0.6875, "branched_frac": 0.6875, "branch_used_frac": 0.5}
+    after |= {"branches_per_episode": 1.0, "branched_frac": 0.9375, "branch_used_frac": 0.75}
+    result = SimpleNamespace(before=before, after=after, comparison={
+        "reward_diff": 0.105, "lo": 0.01, "hi": 0.2, "n": 64})
+    text = printed(before_after_table(result), before_after_lines(result), 80, terminal=False)
+    assert_readable(text)
+    # per episode; the share of episodes that spawned one; the share whose answer was used
+    assert "  sub-agents: 0.69 -> 1.00 per episode, 69% -> 94% spawned, 50% -> 75% used\n" in text
+    assert "notes" not in text  # no compressions, no notes line
+
+
 def test_before_after_in_a_redirected_log_is_plain_even_when_the_console_is_wide():
     result = demo_result()
     text = printed(before_after_table(result), before_after_lines(result), 200, terminal=False)

@@ -270,3 +270,27 @@ def test_slice_members_are_the_rows_records():
         assert len(members) == row["n"] and {r.structure for r in members} == {row["structure"]}
     assert slice_members(records, {}) == records
     assert [r.task_id for r in slice_members(records, {"skills": ["add", "mul"]})] == ["t3"] * 2
+
+
+def test_held_out_summary_counts_sub_agents_and_their_use():
+    from agent_rl.training.metrics import session_and_hint_metrics, summarize_eval
+    from trajectories.testing import episode, session
+
+    def ep(i: int, branches: list[bool]):
+        root = session("root", episode_id=f"ep-{i}")
+        subs = [session(f"b{j}", "root", "branch", episode_id=f"ep-{i}", used_by_final=used)
+                for j, used in enumerate(branches)]
+        return episode([root, *subs], 0.5, episode_id=f"ep-{i}", task_id=f"t{i}",
+                       final_session_id="root")
+
+    # 4 episodes: two sub-agents (one used), one (used), none, none
+    episodes = [ep(0, [True, False]), ep(1, [True]), ep(2, []), ep(3, [])]
+    step = session_and_hint_metrics(episodes, None)  # the training step's metrics
+    assert step["sessions/branches"] == 3 and step["sessions/branch_used_frac"] == 2 / 3
+    records = [EvalRecord.from_episode(e) for e in episodes]
+    assert [r.branches_used for r in records] == [1, 1, 0, 0]
+    out = summarize_eval(records)
+    assert out["branches_per_episode"] == 3 / 4
+    assert out["branched_frac"] == 2 / 4
+    assert out["branch_used_frac"] == 2 / 3
+    assert summarize_eval(records[2:])["branch_used_frac"] == 0.0  # no sub-agent: 0, not NaN
