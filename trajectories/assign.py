@@ -13,7 +13,7 @@ method              credit of session s                                         
 ``uniform_split``   R / number of sessions                                       episode
 ``discounted``      R * gamma ** d(s, F), d = tree edges between s and F         session
 ``usage_weighted``  used_by_final: R * usage(s); unused: ``unused_value``        session
-``turn_discount``   per assistant turn: R * gamma ** k, k = turns after it        turn
+``turn_discount``   per assistant turn: R * gamma ** k, k = turns after it       turn
 ==================  ===========================================================  ========
 
 ``turn_discount`` is AReaL's discounted-to-turn credit. The episode's assistant turns are

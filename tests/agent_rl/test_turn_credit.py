@@ -11,7 +11,7 @@ import torch
 
 from agent_rl.policies.models import tiny_model
 from agent_rl.policies.render import micro_batches, pack, share_prefixes
-from agent_rl.run.contract import ExperimentContract
+from agent_rl.run.contract import ContractError, ExperimentContract
 from agent_rl.training import grpo, update
 from agent_rl.training.rollout import build_sequences, session_advantages
 from agent_rl.training.shared import device_batch
@@ -142,3 +142,12 @@ def test_the_per_token_advantages_reach_the_loss(tiny, monkeypatch):
         return torch.autograd.grad(loss, lp)[0]  # [B, T]
 
     assert not torch.allclose(gradient(rows), gradient(per_session), atol=0.0)
+
+
+def test_the_contract_takes_turn_discount_and_names_a_bad_gamma():
+    contract = ExperimentContract.from_yaml(TINY, ["credit.assigner=turn_discount",
+                                                   "credit.params={gamma: 0.5}"])
+    assert (contract.credit.assigner, contract.credit.params) == ("turn_discount", {"gamma": 0.5})
+    with pytest.raises(ContractError, match=r"credit\.params: assigner 'turn_discount' refuses "
+                                            r"\{'gamma': 0\}: .*gamma must be in \(0, 1\]"):
+        ExperimentContract.from_yaml(TINY, ["credit.assigner=turn_discount", "credit.params={gamma: 0}"])

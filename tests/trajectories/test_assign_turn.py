@@ -58,3 +58,4 @@ def test_a_turn_credit_of_the_wrong_length_is_refused(monkeypatch):
     monkeypatch.setitem(ASSIGNERS, "short", (lambda ep: {s.session_id: (1.0,) for s in ep.sessions}, "turn"))
     with pytest.raises(ValueError, match="session root has 2 assistant turns but its credit has 1"):
         assign(three_turn_episode(), "short")
+
