@@ -124,6 +124,13 @@ def assistant_turns(session: Session) -> list[int]:
     return [i for i, t in enumerate(session.turns) if t.role == "assistant"]
 
 
+def session_credit(value: float | TurnCredit) -> float:
+    """One number for a session's credit: itself, or the mean over its assistant turns."""
+    if isinstance(value, tuple):
+        return sum(value) / len(value) if value else 0.0
+    return value
+
+
 def _turn_credit(method: str, session: Session, values: typing.Sequence[float]) -> TurnCredit:
     n = len(assistant_turns(session))
     if len(values) != n:

@@ -59,3 +59,23 @@ def test_a_turn_credit_of_the_wrong_length_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="session root has 2 assistant turns but its credit has 1"):
         assign(three_turn_episode(), "short")
 
+
+
+def test_the_tree_and_the_summary_show_turn_credit():
+    import io
+
+    from rich.console import Console
+
+    from trajectories.display import episode_tree, summary_table
+
+    ep = three_turn_episode(1.0)
+    out = io.StringIO()
+    console = Console(file=out, width=200, color_system=None)
+    console.print(episode_tree(ep, assign(ep, "turn_discount", gamma=0.5),
+                               {"root": (-0.5, 0.0), "next": (1.0,)}))
+    console.print(summary_table([ep], "turn_discount", {"gamma": 0.5}))
+    text = out.getvalue()
+    assert "credit [0.25, 0.5]" in text and "advantage [-0.5, +0]" in text
+    assert "credit [1]" in text and "advantage [+1]" in text
+    # a session's credit is the mean over its turns: (0.375 + 1.0) / 2 sessions
+    assert "0.6875" in text
