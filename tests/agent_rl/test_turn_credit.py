@@ -4,6 +4,8 @@ that reaches ``grpo.policy_loss``; session-level credit keeps its ``[B]`` path u
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,15 @@ def test_the_contract_takes_turn_discount_and_names_a_bad_gamma():
     with pytest.raises(ContractError, match=r"credit\.params: assigner 'turn_discount' refuses "
                                             r"\{'gamma': 0\}: .*gamma must be in \(0, 1\]"):
         ExperimentContract.from_yaml(TINY, ["credit.assigner=turn_discount", "credit.params={gamma: 0}"])
+
+
+@pytest.mark.slow
+def test_a_tiny_run_trains_with_turn_discount(tmp_path):
+    from tests.agent_rl.test_cli import train_tiny
+
+    run_dir = tmp_path / "turn"
+    result = train_tiny(run_dir, "credit.assigner=turn_discount", "credit.params={gamma: 0.5}")
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["train/tokens"] > 0 and math.isfinite(m["loss/policy"]) for m in steps)
