@@ -64,9 +64,12 @@
    kept episodes, never the sessions, so an episode cut into more sessions does not pull the
    mean or the spread; a group whose rewards are all equal gives 0 everywhere. Under
    ``broadcast`` this is exactly plain GRPO per episode whatever the session count; under
-   ``terminal_only`` the non-final sessions of a rewarded episode are pushed down.
+   ``terminal_only`` the non-final sessions of a rewarded episode are pushed down. A turn-level
+   credit (``turn_discount``: one value per assistant turn) is measured against the same
+   episode baseline, turn by turn.
 8. Render: each session becomes one sequence (``render.render_session``) with its own loss
-   mask and old log-probs, carrying its advantage and weight.
+   mask and old log-probs, carrying its advantage and weight; under a turn-level credit the
+   advantage is one per trained token, each token taking its turn's (``token_advantages``).
 
 The group statistics (``all_correct``, ``all_wrong``, ...) are counted over every valid
 episode's task reward before dynamic sampling drops anything, so they mean the same with it on
