@@ -339,14 +339,14 @@ def advantage_rows(advantages: list[float | torch.Tensor], width: int) -> torch.
     """The B sequences' advantages for ``grpo.policy_loss``: ``[B]`` when each is one float;
     ``[B, G]`` laid out as ``to_sequences`` lays tokens (G = ``width``, zero padding) when
     some carry one per trained token (``TrainSequence.advantage``, a turn-level credit)."""
-    if all(isinstance(a, float) for a in advantages):
+    if not any(isinstance(a, torch.Tensor) for a in advantages):
         return torch.tensor(advantages)  # [B]
     rows = torch.zeros(len(advantages), width)  # [B, G]
     for row, a in zip(rows, advantages, strict=True):
-        if isinstance(a, float):
-            row.fill_(a)
-        else:
+        if isinstance(a, torch.Tensor):
             row[:len(a)] = a
+        else:
+            row.fill_(a)
     return rows
 
 
