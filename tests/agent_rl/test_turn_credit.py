@@ -165,3 +165,8 @@ def test_a_tiny_run_trains_with_turn_discount(tmp_path):
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["train/tokens"] > 0 and math.isfinite(m["loss/policy"]) for m in steps)
+
+
+def test_a_mixed_micro_batch_lays_out_one_row_per_sequence():
+    rows = advantage_rows([0.5, torch.tensor([1.0, -1.0]), 2], width=3)
+    assert rows.tolist() == [[0.5, 0.5, 0.5], [1.0, -1.0, 0.0], [2.0, 2.0, 2.0]]
