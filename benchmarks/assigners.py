@@ -36,7 +36,7 @@ from agent_rl.run.contract import ExperimentContract  # noqa: E402
 from agent_rl.training import train  # noqa: E402
 from evals.stats import paired_bootstrap  # noqa: E402
 
-ASSIGNERS = ("broadcast", "terminal_only", "uniform_split", "discounted", "usage_weighted")
+ASSIGNERS = ("broadcast", "terminal_only", "uniform_split", "discounted", "usage_weighted", "turn_discount")
 
 
 def run_one(config: Path, assigner: str, seed: int, steps: int | None, out: Path,

@@ -13,7 +13,16 @@ method              credit of session s                                         
 ``uniform_split``   R / number of sessions                                       episode
 ``discounted``      R * gamma ** d(s, F), d = tree edges between s and F         session
 ``usage_weighted``  used_by_final: R * usage(s); unused: ``unused_value``        session
+``turn_discount``   per assistant turn: R * gamma ** k, k = turns after it       turn
 ==================  ===========================================================  ========
+
+``turn_discount`` is AReaL's discounted-to-turn credit. The episode's assistant turns are
+ordered along the path the episode ran: sessions in creation order (``episode.sessions``, the
+order the tree iterates them; a sibling branch counts in that order like any other session),
+turns in order within a session. The last turn gets R, a turn k turns before it gets
+R * gamma ** k. Its credit of a session is a tuple with one value per assistant turn of that
+session (``TurnCredit``), not one float; the trainer gives each generated token its turn's
+advantage.
 
 ``usage_weighted`` follows Mosaic's idea of crediting sessions by whether their output reached
 the answer. usage(s) is the session's marginal use in [0, 1], read from
@@ -42,14 +51,16 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from trajectories import functions
-from trajectories.models import Episode
+from trajectories.models import Episode, Session
 
 RewardUnit = Literal["token", "turn", "session", "episode", "candidate_set"]
-Assigner = Callable[..., dict[str, float]]
+TurnCredit = tuple[float, ...]  # one value per assistant turn of a session, in order
+Assigner = Callable[..., dict[str, float | TurnCredit]]
 
 
 class Credit(dict):
-    """dict[session_id, credit] that remembers how it was made."""
+    """dict[session_id, credit] that remembers how it was made; a credit is a float, or a
+    ``TurnCredit`` (one float per assistant turn) from a turn-level assigner."""
 
     def __init__(self, values: dict[str, float], method: str, unit: RewardUnit, params: dict):
         super().__init__(values)
@@ -102,7 +113,30 @@ def assign(episode: Episode, method: str = "broadcast", **params) -> Credit:
     ids = [s.session_id for s in episode.sessions]
     if sorted(values) != sorted(ids):
         raise ValueError(f"assigner {method!r} must credit exactly the sessions {ids}, got {sorted(values)}")
+    for s in episode.sessions:
+        if isinstance(values[s.session_id], (tuple, list)):
+            values[s.session_id] = _turn_credit(method, s, values[s.session_id])
     return Credit(values, method, unit, params)
+
+
+def assistant_turns(session: Session) -> list[int]:
+    """Indices into ``session.turns`` of its assistant turns, in order."""
+    return [i for i, t in enumerate(session.turns) if t.role == "assistant"]
+
+
+def session_credit(value: float | TurnCredit) -> float:
+    """One number for a session's credit: itself, or the mean over its assistant turns."""
+    if isinstance(value, tuple):
+        return sum(value) / len(value) if value else 0.0
+    return value
+
+
+def _turn_credit(method: str, session: Session, values: typing.Sequence[float]) -> TurnCredit:
+    n = len(assistant_turns(session))
+    if len(values) != n:
+        raise ValueError(f"assigner {method!r}: session {session.session_id} has {n} assistant "
+                         f"turns but its credit has {len(values)} values (one per turn)")
+    return tuple(float(v) for v in values)
 
 
 def check_params(method: str, params: dict[str, Any]) -> None:
@@ -167,6 +201,19 @@ def usage_weighted(episode: Episode, unused_value: float = 0.0) -> dict[str, flo
         if not 0.0 <= usage <= 1.0:
             raise ValueError(f"session {s.session_id}: metrics['usage'] must be in [0, 1], got {usage}")
         credit[s.session_id] = episode.reward.total * usage if used else unused_value
+    return credit
+
+
+@register_assigner("turn_discount", unit="turn")
+def turn_discount(episode: Episode, gamma: float = 0.9) -> dict[str, TurnCredit]:
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"turn_discount: gamma must be in (0, 1], got {gamma}")
+    counts = [len(assistant_turns(s)) for s in episode.sessions]  # creation order
+    after = sum(counts)  # turns from the first one to the end of the episode
+    credit = {}
+    for s, n in zip(episode.sessions, counts, strict=True):
+        credit[s.session_id] = tuple(episode.reward.total * gamma ** (after - 1 - k) for k in range(n))
+        after -= n
     return credit
 
 

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from trajectories.assign import assign
+from trajectories.assign import TurnCredit, assign, session_credit
 from trajectories.models import Episode, Session
 
 ORIGIN_STYLE = {"root": "bold cyan", "compression": "magenta", "branch": "yellow"}
@@ -83,10 +83,17 @@ def _session_label(session: Session, credit: Mapping[str, float] | None, final: 
     label.append(f" · {len(session.turns)} turns · {session.generated_tokens} gen tokens")
     label.append(f" · used_by_final={session.used_by_final}")
     if credit is not None:
-        label.append(f" · credit {credit[session.session_id]:.4g}", style="bold green")
+        label.append(f" · credit {_number(credit[session.session_id], '.4g')}", style="bold green")
     if advantages is not None and session.session_id in advantages:
-        label.append(f" · advantage {advantages[session.session_id]:+.4g}", style="bold")
+        label.append(f" · advantage {_number(advantages[session.session_id], '+.4g')}", style="bold")
     return label
+
+
+def _number(value: float | TurnCredit, spec: str) -> str:
+    """A session's credit or advantage: one number, or one per assistant turn in brackets."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(format(v, spec) for v in value) + "]"
+    return format(value, spec)
 
 
 def episode_tree(episode: Episode, credit: Mapping[str, float] | None = None,
@@ -130,7 +137,7 @@ def summary_table(episodes: Iterable[Episode], method: str = "broadcast",
         tokens += sum(s.generated_tokens for s in ep.sessions)
         reward_sum += ep.reward.total
         outcomes[ep.reward.outcome.value] += 1
-        credit_sum += sum(assign(ep, method, **(params or {})).values())
+        credit_sum += sum(map(session_credit, assign(ep, method, **(params or {})).values()))
     table = Table(title=terminal_text(f"{n} episodes · credit: {method}"))
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -64,9 +64,12 @@
    kept episodes, never the sessions, so an episode cut into more sessions does not pull the
    mean or the spread; a group whose rewards are all equal gives 0 everywhere. Under
    ``broadcast`` this is exactly plain GRPO per episode whatever the session count; under
-   ``terminal_only`` the non-final sessions of a rewarded episode are pushed down.
+   ``terminal_only`` the non-final sessions of a rewarded episode are pushed down. A turn-level
+   credit (``turn_discount``: one value per assistant turn) is measured against the same
+   episode baseline, turn by turn.
 8. Render: each session becomes one sequence (``render.render_session``) with its own loss
-   mask and old log-probs, carrying its advantage and weight.
+   mask and old log-probs, carrying its advantage and weight; under a turn-level credit the
+   advantage is one per trained token, each token taking its turn's (``token_advantages``).
 
 The group statistics (``all_correct``, ``all_wrong``, ...) are counted over every valid
 episode's task reward before dynamic sampling drops anything, so they mean the same with it on
@@ -96,7 +99,8 @@ from agent_rl.run.guards import EmptyStep
 from agent_rl.training.grpo import GroupBaseline, group_baseline
 from envs.core import TaskSpec
 from envs.runner import Policy, Sampling, run_episodes
-from trajectories import Episode, Outcome, RewardBreakdown, assign, session_weights
+from trajectories import Episode, Outcome, RewardBreakdown, Session, assign, session_weights
+from trajectories.assign import assistant_turns
 
 if TYPE_CHECKING:
     from agent_rl.run.contract import ExperimentContract
@@ -110,7 +114,7 @@ class TrainSequence:
     session_id: str
     group_id: str
     rendered: Rendered
-    advantage: float
+    advantage: float | torch.Tensor  # one for the session, or [rendered.num_trained] per token
     weight: float
     policy_revision: int | None = None  # optimizer steps of the weights that sampled it
 
@@ -337,7 +341,9 @@ NO_GROUPS = {"groups": 0, "zero_contrast": 0, "all_correct": 0, "all_wrong": 0,
 
 
 class Advantages(dict):
-    """``{(episode_id, session_id): advantage}`` with the group statistics (``stats``)."""
+    """``{(episode_id, session_id): advantage}`` with the group statistics (``stats``); an
+    advantage is a float, or a tuple with one per assistant turn under a turn-level credit
+    (``trajectories.assign.TurnCredit``)."""
 
     def __init__(self, values: dict[tuple[str, str], float], stats: dict[str, int]):
         super().__init__(values)
@@ -367,11 +373,15 @@ def session_advantages(
                 members.append(i)
     if not keys:
         return Advantages({}, baseline.stats)
-    index = torch.tensor(members)  # [S] the episode of each session
-    per_session = GroupBaseline(baseline.mean[index], baseline.scale[index],
-                                baseline.flat[index], baseline.stats)
-    values = per_session.advantages(torch.tensor(credits, dtype=baseline.mean.dtype))  # [S]
-    return Advantages(dict(zip(keys, values.tolist(), strict=True)), baseline.stats)
+    turns = [len(c) if isinstance(c, tuple) else 1 for c in credits]  # values per session
+    flat = [v for c in credits for v in (c if isinstance(c, tuple) else (c,))]  # [V]
+    index = torch.tensor(members).repeat_interleave(torch.tensor(turns))  # [V] each value's episode
+    per_value = GroupBaseline(baseline.mean[index], baseline.scale[index],
+                              baseline.flat[index], baseline.stats)
+    values = iter(per_value.advantages(torch.tensor(flat, dtype=baseline.mean.dtype)).tolist())  # [V]
+    out = {key: tuple(next(values) for _ in range(len(c))) if isinstance(c, tuple) else next(values)
+           for key, c in zip(keys, credits, strict=True)}
+    return Advantages(out, baseline.stats)
 
 
 def stored_advantages(
@@ -426,11 +436,28 @@ def build_sequences(
         weights = session_weights(e, session_weighting)
         for s in e.sessions:
             if (e.episode_id, s.session_id) in advantages:
+                rendered = render_session(tokenizer, s, memo=memo)
+                advantage = advantages[e.episode_id, s.session_id]
+                if isinstance(advantage, tuple):
+                    advantage = token_advantages(rendered, s, advantage)
                 sequences.append(TrainSequence(
-                    e.episode_id, s.session_id, e.group_id, render_session(tokenizer, s, memo=memo),
-                    advantages[e.episode_id, s.session_id], weights[s.session_id],
-                    s.policy_revision))
+                    e.episode_id, s.session_id, e.group_id, rendered, advantage,
+                    weights[s.session_id], s.policy_revision))
     return sequences, advantages.stats
+
+
+def token_advantages(rendered: Rendered, session: Session, per_turn: tuple[float, ...]) -> torch.Tensor:
+    """``[rendered.num_trained]``: each trained token takes the advantage of the assistant
+    turn that generated it (``per_turn``: one value per assistant turn of ``session``)."""
+    of_turn = dict(zip(assistant_turns(session), per_turn, strict=True))  # turn index -> value
+    values = [of_turn[span.turn] for span in rendered.spans if span.kind == "generated"
+              for _ in range(span.end - span.start)]
+    out = torch.tensor(values, dtype=torch.float32)  # [num_trained]
+    if len(out) != rendered.num_trained:
+        raise ValueError(f"session {session.session_id}: {len(out)} generated tokens but "
+                         f"{rendered.num_trained} trained ones; per-turn advantages need every "
+                         "generated token trained")
+    return out
 
 
 def contrast_stats(episodes: Sequence[Episode]) -> dict[str, int]:

@@ -170,7 +170,7 @@ def micro_batch_loss(model, reference, sequences: list[TrainSequence],
     dense = to_sequences(batch, members, width)  # [N] -> [B, G]
     loss, m = policy_loss(
         dense(logprobs), dense(old),
-        to_device(torch.tensor([sequences[k].advantage for k in members]), device), dense(None),
+        to_device(advantage_rows([sequences[k].advantage for k in members], width), device), dense(None),
         clip_low=contract.loss.clip_low, clip_high=contract.loss.clip_high,
         aggregation=contract.loss.aggregation,
         ratio=contract.loss.ratio, objective=contract.loss.objective,
@@ -333,6 +333,21 @@ def to_sequences(batch: dict[str, torch.Tensor], members: list[int], width: int)
         return torch.zeros(shape, dtype=values.dtype, device=seq.device).index_put((seq, batch["rank"]), values)
 
     return dense
+
+
+def advantage_rows(advantages: list[float | torch.Tensor], width: int) -> torch.Tensor:
+    """The B sequences' advantages for ``grpo.policy_loss``: ``[B]`` when each is one float;
+    ``[B, G]`` laid out as ``to_sequences`` lays tokens (G = ``width``, zero padding) when
+    some carry one per trained token (``TrainSequence.advantage``, a turn-level credit)."""
+    if not any(isinstance(a, torch.Tensor) for a in advantages):
+        return torch.tensor(advantages)  # [B]
+    rows = torch.zeros(len(advantages), width)  # [B, G]
+    for row, a in zip(rows, advantages, strict=True):
+        if isinstance(a, torch.Tensor):
+            row[:len(a)] = a
+        else:
+            row.fill_(a)
+    return rows
 
 
 def member_index(members: list[int]) -> torch.Tensor:
