@@ -114,7 +114,7 @@ def _one_letter_more(a: str, b: str) -> bool:
         return False
     if len(a) > len(b):
         a, b = b, a
-    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
     return a[i:] == b[i + 1:]
 
 
