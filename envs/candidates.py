@@ -3,8 +3,9 @@
 Description
     One episode (one session, one reply) proposes a *set*: "Name 4 different words that start
     with the letter b" (family ``letter_words``) or "List 3 different even numbers from 20 to
-    50" (``even_numbers``, ``odd_numbers``). Tasks vary by letter or range and by the count k
-    (``meta.length``, 3 to 5), so a count or a family can be held out. Each member is scored
+    50" (``even_numbers``, ``odd_numbers``; ranges 20 or 30 wide starting at 10 to 60). Tasks
+    vary by letter (18 letters) or range and by the count k (``meta.length``, 3 to 5), so a
+    count or a family can be held out. Each member is scored
     for validity and for novelty against the members *before* it (Wadhwa et al.'s
     candidate-set reward). The set is one episode: splits, dynamic sampling, the GRPO group
     and the bootstrap (``candidate_intervals``, clustered by episode) keep its members together.
@@ -13,12 +14,14 @@ Tools
     None.
 
 Observation
-    ``[system, example user, example assistant, user]``: instructions, one worked example (a
-    letter_words task with k = 3, letter t, never a pool task) and the task.
+    ``[system, (example user, example assistant) x 2, user]``: instructions, two worked
+    examples (words starting with t, odd numbers from 1 to 9; never pool tasks) and the task.
 
 Reward
-    Members are the reply's first k non-empty lines, a list marker (``-``, ``*``, ``1.``,
-    ``2)``) and trailing ``.,;`` removed; lines past k are ignored, missing members score 0.
+    Members are the reply's first k non-empty pieces split at line breaks, commas and
+    semicolons (the prompt asks for one per line; a 135M model often writes ``10, 12, 14``),
+    a list marker (``-``, ``*``, ``1.``, ``2)``) and trailing full stops removed; pieces past
+    k are ignored, missing members score 0.
     member score = validity x novelty; ``set`` = sum of member scores / k (weight 1.0), so
     the reward is in [0, 1]. Validity (0 or 1): ``letter_words``: one word of 3 to 20 letters
     a-z holding a vowel (a e i o u y), starting with the letter (a form check, no dictionary);
@@ -28,7 +31,8 @@ Reward
     duplicate (0); for words, a near duplicate is 0.5: the same stem (one suffix of ``ing ed
     es er ly s`` removed, the stem kept at 3 letters or more) or, when both are at least 5
     letters long, one letter inserted or deleted (``balloon``/``baloon``); otherwise 1. A
-    changed letter is a different word (``house``/``horse``, ``bat``/``bag``). Numbers have no near duplicates (12 and 13 are different numbers).
+    changed letter is a different word (``house``/``horse``, ``bat``/``bag``). Numbers have no
+    near duplicates (12 and 13 are different numbers).
     Components of weight 0: ``valid`` (valid members / k), ``novel`` (mean novelty of the
     members given, 0 when none), ``count`` (members given / k). ``audit["members"]``: per
     member its text (first 64 characters), ``valid``, ``novelty`` and ``score``; ``audit["k"]``.
@@ -54,7 +58,7 @@ from envs.core import TaskMeta, TaskSpec, ToolEnv
 from trajectories import Outcome, RewardBreakdown
 
 __all__ = ["FAMILIES", "WEIGHTS", "CandidatesEnv", "Member", "candidate_intervals",
-           "member_lines", "score_members", "set_reward"]
+           "split_members", "score_members", "set_reward"]
 
 WEIGHTS = {"set": 1.0, "valid": 0.0, "novel": 0.0, "count": 0.0}
 FAMILIES = ("letter_words", "even_numbers", "odd_numbers")
@@ -67,9 +71,15 @@ _WORDS = {  # the scripted solver's words; the letters tasks are drawn from
     "l": "lamp lion leaf lake lemon", "m": "moon milk mouse map music",
     "p": "pen pig park plant piano", "r": "rain road rock river rose",
     "s": "sun sock star salt snake", "w": "wind wolf water wall wheel",
+    "n": "nest nose nail night note", "k": "kite king key kettle kitten",
+    "j": "jam jar jelly jacket juice", "v": "van vase vest violin valley",
+    "e": "egg eagle engine earth elbow", "o": "owl orange ocean olive oven",
 }
-_EXAMPLE = ("Name 3 different words that start with the letter t. Write one per line and "
-            "nothing else.", "tree\ntable\ntiger")
+_EXAMPLES = [("Name 3 different words that start with the letter t. Write one per line and "
+              "nothing else.", "tree\ntable\ntiger"),
+             ("List 3 different odd numbers from 1 to 9. Write one per line and nothing else.",
+              "3\n5\n7")]
+_SEPARATOR = re.compile(r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029,;]")
 _MARKER = re.compile(r"^(?:[-*\u2022]+|\(?\d{1,2}[.)])\s+")
 _SUFFIXES = ("ing", "ed", "es", "er", "ly", "s")
 
@@ -84,11 +94,12 @@ class Member:
     score: float  # valid x novelty
 
 
-def member_lines(reply: str, k: int) -> list[str]:
-    """The first ``k`` non-empty lines of ``reply``, list markers and trailing ``.,;`` removed."""
+def split_members(reply: str, k: int) -> list[str]:
+    """The first ``k`` non-empty pieces of ``reply`` split at line breaks, commas and
+    semicolons, list markers and trailing full stops removed."""
     members: list[str] = []
-    for line in reply.splitlines():
-        text = _MARKER.sub("", line.strip()).rstrip(".,; \t")
+    for piece in _SEPARATOR.split(reply):
+        text = _MARKER.sub("", piece.strip()).rstrip(". \t")
         if text:
             members.append(text)
             if len(members) == k:
@@ -155,7 +166,7 @@ def _novelty(task: dict, text: str, earlier: Sequence[str]) -> float:
 
 def score_members(task: dict, reply: str) -> list[Member]:
     """Each of the first ``task['k']`` members of ``reply`` scored (``Member``), in order."""
-    texts = member_lines(reply, task["k"])
+    texts = split_members(reply, task["k"])
     members = []
     for i, text in enumerate(texts):
         valid = 1.0 if _valid(task, text) else 0.0
@@ -235,8 +246,8 @@ class CandidatesEnv(ToolEnv):
             prompt = f"Name {k} different words that start with the letter {letter}."
             task_id = f"cand-{k}-words-{letter}"
         else:
-            lo = int(rng.integers(1, 10)) * 10
-            hi = lo + int(rng.integers(2, 6)) * 10
+            lo = int(rng.integers(1, 7)) * 10
+            hi = lo + int(rng.integers(2, 4)) * 10
             task = {"family": family, "k": k, "lo": lo, "hi": hi}
             kind = family.split("_")[0]
             prompt = f"List {k} different {kind} numbers from {lo} to {hi}."
@@ -248,7 +259,7 @@ class CandidatesEnv(ToolEnv):
             target=task)
 
     def examples(self, compressions: int) -> list[tuple[str, str]]:
-        return [_EXAMPLE] if compressions == 0 else []
+        return list(_EXAMPLES) if compressions == 0 else []
 
     def score(self, task: TaskSpec, answer: str, state: None) -> RewardBreakdown:
         return set_reward(task.target, answer, f"{self.env_id}@{self.version}")

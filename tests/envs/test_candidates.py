@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 import envs
-from envs.candidates import candidate_intervals, member_lines, score_members, set_reward
+from envs.candidates import candidate_intervals, score_members, set_reward, split_members
 from evals.splits import default_splits
 from evals.stats import cluster_bootstrap
 from trajectories import Outcome
@@ -72,9 +72,15 @@ def test_fewer_and_more_lines_than_asked():
 
 
 def test_list_markers_and_trailing_punctuation_are_removed():
-    assert member_lines("1. ball\n2) bird.\n- book,\n* bread;\n(5) boat", 5) == [
+    assert split_members("1. ball\n2) bird.\n- book,\n* bread;\n(5) boat", 5) == [
         "ball", "bird", "book", "bread", "boat"]
-    assert member_lines("12\n14.", 2) == ["12", "14"]  # a bare number is not a marker
+    assert split_members("12\n14.", 2) == ["12", "14"]  # a bare number is not a marker
+
+
+def test_commas_and_semicolons_separate_members_too():
+    assert split_members("10, 12; 14, 16.", 3) == ["10", "12", "14"]
+    assert set_reward(EVEN_3, "The numbers are 12, 14, 16").total == pytest.approx(2 / 3)
+    assert set_reward(EVEN_3, "20, 40 and 30.").total == pytest.approx(1 / 3)
 
 
 def test_empty_reply_is_a_format_error():
