@@ -235,23 +235,23 @@ class CandidatesEnv(ToolEnv):
 
     def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
         rng = np.random.default_rng(seed)
-        return [self._make_task(rng) for _ in range(n)]
+        return [self._make_task(rng, f"cand-{seed}-{i}") for i in range(n)]
 
-    def _make_task(self, rng: np.random.Generator) -> TaskSpec:
+    def _make_task(self, rng: np.random.Generator, prefix: str) -> TaskSpec:
         family = str(rng.choice(self.families))
         k = int(rng.choice(self.counts))
         if family == "letter_words":
             letter = str(rng.choice(sorted(_WORDS)))
             task = {"family": family, "k": k, "letter": letter}
             prompt = f"Name {k} different words that start with the letter {letter}."
-            task_id = f"cand-{k}-words-{letter}"
+            task_id = f"{prefix}-{k}-words-{letter}"
         else:
             lo = int(rng.integers(1, 7)) * 10
             hi = lo + int(rng.integers(2, 4)) * 10
             task = {"family": family, "k": k, "lo": lo, "hi": hi}
             kind = family.split("_")[0]
             prompt = f"List {k} different {kind} numbers from {lo} to {hi}."
-            task_id = f"cand-{k}-{kind}-{lo}-{hi}"
+            task_id = f"{prefix}-{k}-{kind}-{lo}-{hi}"
         return TaskSpec(
             task_id=task_id, prompt=prompt + " Write one per line and nothing else.",
             meta=TaskMeta(skills=[family], structure=family, entity_group=family.split("_")[-1],
