@@ -3,7 +3,7 @@
 Description
     One episode (one session, one reply) proposes a *set*: "Name 4 different words that start
     with the letter b" (family ``letter_words``) or "List 3 different even numbers from 20 to
-    50" (``even_numbers``, ``odd_numbers``; ranges 20 or 30 wide starting at 10 to 60). Tasks
+    50" (``even_numbers``, ``odd_numbers``; ranges 20, 30 or 40 wide starting at 0 to 30). Tasks
     vary by letter (18 letters) or range and by the count k (``meta.length``, 3 to 5), so a
     count or a family can be held out. Each member is scored
     for validity and for novelty against the members *before* it (Wadhwa et al.'s
@@ -246,8 +246,8 @@ class CandidatesEnv(ToolEnv):
             prompt = f"Name {k} different words that start with the letter {letter}."
             task_id = f"{prefix}-{k}-words-{letter}"
         else:
-            lo = int(rng.integers(1, 7)) * 10
-            hi = lo + int(rng.integers(2, 4)) * 10
+            lo = int(rng.integers(0, 4)) * 10
+            hi = lo + int(rng.integers(2, 5)) * 10
             task = {"family": family, "k": k, "lo": lo, "hi": hi}
             kind = family.split("_")[0]
             prompt = f"List {k} different {kind} numbers from {lo} to {hi}."
