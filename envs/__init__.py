@@ -32,6 +32,7 @@ register("agent_rl/Relay-v0", "envs.relay:RelayEnv")
 register("agent_rl/CodeTests-v0", "envs.codetests.env:CodeTestsEnv")
 register("agent_rl/Dataset-v0", "envs.datasets.env:DatasetEnv")
 register("agent_rl/Agent-v0", "envs.agent_env:AgentEnv")
+register("agent_rl/Candidates-v0", "envs.candidates:CandidatesEnv")
 
 __all__ = [
     "accepted_kwargs",

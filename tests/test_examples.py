@@ -86,13 +86,11 @@ def test_example_configs_are_valid_contracts_with_their_splits(config):
     import envs
     from agent_rl.run.contract import read_contract
     from agent_rl.training.shared import check_data
-    from evals.splits import default_splits
 
     contract = read_contract(config)  # an RL contract, or a warm start's (examples/*_sft.yaml)
     limits = getattr(contract, "rollout", None) or contract.limits
     env = envs.make(contract.env.id, **contract.env.kwargs)
-    splits = default_splits(env, contract.env.pool_size, contract.env.pool_seed,
-                            iid_fraction=contract.env.iid_fraction)
+    splits = contract.env.splits(env)  # with the config's env.holdout, as training splits
     eval_sets = {name: list(splits[name])[: contract.eval.n] for name in contract.eval.splits}
     check_data(contract.env, env, list(splits[contract.env.split]), eval_sets,
                limits.max_prompt_tokens)

@@ -5,16 +5,22 @@ default; the method and its reward unit are recorded with every result (``Credit
 ``Credit.unit``). With R the episode reward (``episode.reward.total``) and F the session that
 produced the final answer (``Episode.final_session``):
 
-==================  ===========================================================  ========
+==================  ===========================================================  =============
 method              credit of session s                                          unit
-==================  ===========================================================  ========
+==================  ===========================================================  =============
 ``broadcast``       R                                                            episode
 ``terminal_only``   R if s is F, else 0                                          session
 ``uniform_split``   R / number of sessions                                       episode
 ``discounted``      R * gamma ** d(s, F), d = tree edges between s and F         session
 ``usage_weighted``  used_by_final: R * usage(s); unused: ``unused_value``        session
 ``turn_discount``   per assistant turn: R * gamma ** k, k = turns after it       turn
-==================  ===========================================================  ========
+``candidate_set``   R (the set's reward: ``envs.candidates``)                   candidate_set
+==================  ===========================================================  =============
+
+``candidate_set`` is ``broadcast`` under its own reward unit: the episode is one candidate
+set (``agent_rl/Candidates-v0``) whose members are scored together (validity x novelty against
+the earlier members), so every session gets the set's reward and the set stays one unit in
+the GRPO group, dynamic sampling and the bootstrap.
 
 ``turn_discount`` is AReaL's discounted-to-turn credit. The episode's assistant turns are
 ordered along the path the episode ran: sessions in creation order (``episode.sessions``, the
@@ -167,6 +173,11 @@ def check_params(method: str, params: dict[str, Any]) -> None:
 
 @register_assigner("broadcast", unit="episode")
 def broadcast(episode: Episode) -> dict[str, float]:
+    return {s.session_id: episode.reward.total for s in episode.sessions}
+
+
+@register_assigner("candidate_set", unit="candidate_set")
+def candidate_set(episode: Episode) -> dict[str, float]:
     return {s.session_id: episode.reward.total for s in episode.sessions}
 
 
