@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.agent_rl.test_vllm_policy import needs_vllm, tiny_vllm_llama
 
@@ -44,6 +45,29 @@ def run(script: Path, *args: str, nproc: int = 1) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-6000:]}"
+
+
+def test_an_engine_among_several_ranks_needs_the_launchers_rank(monkeypatch):
+    """In a world of several ranks the engine takes its rank and device from RANK and
+    LOCAL_RANK (vLLM's external launcher); a world made without them is refused with the fix.
+    A world of one, or none, starts the plain in-process engine."""
+    from agent_rl.policies.vllm_policy import rank_launch_options
+
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert rank_launch_options() == {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert rank_launch_options() == {}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_launch_options() == {"distributed_executor_backend": "external_launcher",
+                                     "tensor_parallel_size": 1}
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(RuntimeError, match="a world of 2 ranks without LOCAL_RANK set: launch "
+                                           "the ranks with torchrun or deepspeed"):
+        rank_launch_options()
 
 
 @needs_vllm
@@ -129,3 +153,14 @@ def test_two_ranks_train_on_their_own_engines(tmp_path, lag):
         for a, b in zip(metrics, theirs, strict=True):
             assert a["reward/mean"] == b["reward/mean"]
             assert a["rollout/tokens_generated"] == b["rollout/tokens_generated"]
+
+
+def test_each_rank_keeps_its_engine_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    from agent_rl.training.setup import engine_folder
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert engine_folder(tmp_path) == tmp_path / "rollout-engine"  # a world of one, as before
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert engine_folder(tmp_path) == tmp_path / "rollout-engine-rank1"
