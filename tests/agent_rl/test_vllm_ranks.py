@@ -9,7 +9,7 @@ own per launch) against one process:
   both temperatures, both weights), and the push lands on both ranks (weights hash);
 - the trainer (``_train_worker.py``, DeepSpeed ZeRO-2): three steps on vLLM rollouts at lag 0
   and 1 sample the episodes the one-process run samples (same ids, rewards and token counts
-  measured at lag 0) and train on them.
+  measured at lag 0, full weights and LoRA adapter-only pushes) and train on them.
 """
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def train_contract(model: Path, run_dir: Path, lag: int, backend: dict) -> dict:
+def train_contract(model: Path, run_dir: Path, lag: int, adapter: str, backend: dict) -> dict:
     from tests.agent_rl import toy_env
 
     return {"env": {"id": toy_env.ENV_ID, "pool_size": 64}, "eval": {"n": 2, "every": 0},
-            "model": {"id": str(model), "adapter": "none"},
+            "model": {"id": str(model), "adapter": adapter},
             "rollout": {"backend": "vllm", "group_size": 4, "tasks_per_step": 2,
                         "max_response_tokens": 12, "truncation": "keep", "max_policy_lag": lag},
             "optim": {"lr": 1e-4, "max_steps": 3}, "checkpoint": {"every": 0},
@@ -111,12 +111,14 @@ def train_contract(model: Path, run_dir: Path, lag: int, backend: dict) -> dict:
 
 
 @needs_vllm
-@pytest.mark.parametrize("lag", [0, 1])
-def test_two_ranks_train_on_their_own_engines(tmp_path, lag):
+@pytest.mark.parametrize(("lag", "adapter"), [(0, "none"), (1, "none"), (0, "lora")])
+def test_two_ranks_train_on_their_own_engines(tmp_path, lag, adapter):
     """`train.run` on two ranks (ZeRO-2), each rolling out its task of the step on its own
     engine and pushing the update into it, against the torch backend in one process: three
     steps; every session records the revision that sampled it, within the lag bound; the
-    engines' log-probs match the trainer's at lag 0; the episodes are the one-process run's."""
+    engines' log-probs match the trainer's at lag 0; the episodes are the one-process run's.
+    With LoRA each engine applies the adapter pushed alone (rollout.vllm_lora: auto), from its
+    own folder."""
     from trajectories import RolloutStore
 
     model, tokenizer = tiny_vllm_llama()
@@ -128,12 +130,15 @@ def test_two_ranks_train_on_their_own_engines(tmp_path, lag):
     for name, nproc, backend in (("one", 1, {"name": "torch"}),
                                  ("two", 2, {"name": "deepspeed", "zero_stage": 2})):
         spec = tmp_path / f"{name}.json"
-        spec.write_text(json.dumps(train_contract(folder, tmp_path / name, lag, backend)))
+        spec.write_text(json.dumps(train_contract(folder, tmp_path / name, lag, adapter, backend)))
         run(worker, str(spec), nproc=nproc)
         runs[name] = tmp_path / name
     two, one = runs["two"], runs["one"]
     assert sorted(p.name for p in two.glob("rollout-engine*")) == \
         ["rollout-engine-rank0", "rollout-engine-rank1"]
+    if adapter == "lora":  # the last revision's adapter, one per rank's engine
+        assert [[p.name for p in (two / f"rollout-engine-rank{r}" / "adapters").iterdir()]
+                for r in (0, 1)] == [["revision-3"], ["revision-3"]]
     metrics = read_jsonl(two / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["rollout/policy_lag"] <= lag and m["rollout/dropped_stale"] == 0 for m in metrics)
