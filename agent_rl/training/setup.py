@@ -277,7 +277,8 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
     adapter work per sampled token, 1.6x faster on the demo at 3e-5 mismatch) or a vLLM engine
     (``rollout.backend: vllm``), given the weights of ``model`` (full, never ZeRO-3
     partitions) now and after every update (a LoRA adapter alone where the engine applies it:
-    ``rollout.vllm_lora``). A vLLM engine beside the trainer's
+    ``rollout.vllm_lora``); among several ranks each rank has an engine of its own
+    (``engine_folder``, ``vllm_policy.rank_launch_options``). A vLLM engine beside the trainer's
     ``trainable_params`` takes its GPU memory share and sleep mode from the contract
     (``vllm_policy``: the budget, the sleep through synchronous updates)."""
     rollout = contract.rollout
