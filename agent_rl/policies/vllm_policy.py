@@ -91,6 +91,15 @@ cache's memory is still free while the push's tensors are resident). The trainer
 has the whole GPU but the engine's CUDA graphs, and the engine's budget only has to leave the
 trainer's persistent state (the optimizer's) free.
 
+Several ranks (a trainer launched by torchrun or deepspeed, ``WORLD_SIZE`` > 1): each rank
+starts an engine of its own, tensor parallel size 1, on its own device, and samples its own
+share of the tasks (``rank_launch_options``). vLLM's ``external_launcher`` backend is what makes
+the engine take the launcher's rank and device (``RANK``, ``LOCAL_RANK``; vLLM's in-process
+default, ``uni``, would put every rank's engine on device 0 as rank 0). Its world group spans
+the trainer's ranks but every parallel group it builds holds one rank, so ``generate`` and a
+push run no collective; engine start does (the groups are made, the free memory is the minimum
+over ranks), so the ranks start their engines together, as ``training.setup.start`` does.
+
 Shutdown (``close``): vLLM's worker reuses the default process group when one exists (a
 trainer's, under DeepSpeed) and creates it otherwise; vLLM's ``EngineCore.shutdown`` ends with
 ``cleanup_dist_env_and_memory``, which destroys the default group either way, and the
@@ -229,6 +238,23 @@ class EngineSleep:
             load()
         self.llm.wake_up(tags=["kv_cache"])
         self.asleep = False
+
+
+def rank_launch_options() -> dict[str, Any]:
+    """``vllm.LLM`` options for an engine inside a trainer's world of several ranks (the
+    default process group initialised, world size > 1): vLLM's ``external_launcher``, so that
+    the engine takes this rank and its device from the launcher (``RANK``, ``LOCAL_RANK``)
+    instead of rank 0 on device 0; with tensor parallel size 1 it is an engine of this rank
+    alone (the module docstring). Nothing in a world of one."""
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    missing = [name for name in ("RANK", "LOCAL_RANK") if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"VLLMPolicy: a world of {dist.get_world_size()} ranks without "
+                           f"{', '.join(missing)} set: launch the ranks with torchrun or "
+                           "deepspeed, which set them")
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
 
 
 def release_engine_groups(created_default_group: bool) -> None:
@@ -562,6 +588,7 @@ class VLLMPolicy:
             options.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                            max_lora_rank=lora_rank_slot(max([lora_config.r,
                                                              *lora_config.rank_pattern.values()])))
+        options.update(rank_launch_options())  # an engine of this rank alone, among several
         self.gpu_memory_utilization = gpu_memory_utilization  # None on CPU
         # the default process group: the trainer's (kept at close) or the engine's own
         self._created_default_group = not torch.distributed.is_initialized()

@@ -949,7 +949,8 @@ def test_several_ranks_are_checked_before_anything_is_written(tmp_path, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "2")
     cases = {(): "several ranks train through backend.name: deepspeed",
              (*DS, "rollout.tasks_per_step=3"): "does not split over WORLD_SIZE=2 ranks",
-             (*DS, "rollout.backend=vllm"): "one vLLM engine per rank is not built yet"}
+             (*DS, "rollout.backend=vllm", "backend.zero_stage=3"):
+                 "backend.zero_stage: 3 on WORLD_SIZE=2.*layer-by-layer gather is not built"}
     for overrides, message in cases.items():
         with pytest.raises(ValueError, match=message):
             train.run(make_contract(tmp_path / "run", *overrides), progress=False)
