@@ -222,11 +222,6 @@ def check_world(contract: ExperimentContract, world_size: int) -> None:
         raise ValueError(f"rollout.tasks_per_step={contract.rollout.tasks_per_step} does not "
                          f"split over WORLD_SIZE={world_size} ranks: make it a multiple of "
                          f"{world_size}")
-    if contract.rollout.backend == "vllm" and contract.backend.zero_stage == 3:
-        raise ValueError(f"rollout.backend: vllm with backend.zero_stage: 3 on WORLD_SIZE="
-                         f"{world_size}: pushing to one engine per rank would gather the whole "
-                         "model on every rank at once (a layer-by-layer gather is not built); "
-                         "use backend.zero_stage: 2 (or 1), or rollout.backend: hf")
 
 
 def contract_plan(contract: ExperimentContract, world_size: int,

@@ -7,7 +7,9 @@ own per launch) against one process:
   conversations, each row on its global random stream, greedily and at T = 0.7, before and
   after a weight push; the tokens are the one-process engine's, row for row (measured: equal,
   both temperatures, both weights), and the push lands on both ranks (weights hash);
-- the trainer (``_train_worker.py``, DeepSpeed ZeRO-2): three steps on vLLM rollouts at lag 0
+- the engine under ZeRO-3: the push from a partitioned model, layer by layer, lands on both
+  ranks' engines (weights hash) and gives the one-process tokens after it;
+- the trainer (``_train_worker.py``, DeepSpeed ZeRO-2, and ZeRO-3 at lag 0): three steps on vLLM rollouts at lag 0
   and 1 sample the episodes the one-process run samples (same ids, rewards and token counts
   measured at lag 0, full weights and LoRA adapter-only pushes) and train on them.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.agent_rl.test_vllm_policy import needs_vllm, tiny_vllm_llama
+from tests.agent_rl.test_vllm_policy import needs_vllm, saved_tiny_vllm_llama
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -94,6 +96,27 @@ def test_an_engine_per_rank_samples_and_takes_pushes_as_one_process(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("engine-2-*")) == ["engine-2-0", "engine-2-1"]
 
 
+@needs_vllm
+def test_a_zero3_push_lands_on_every_ranks_engine_layer_by_layer(tmp_path):
+    """The weights pushed from a model DeepSpeed ZeRO-3 partitions over two ranks, streamed as
+    the trainer streams them (``Backend.layer_by_layer``: one layer gathered at a time, each
+    rank loading its engine as the layers come): both engines hold the pushed weights (hash),
+    and after the push each rank samples the one-process engine's tokens for its rows,
+    greedily and at T = 0.7 (the one process pushed the same weights whole)."""
+    worker = Path(__file__).with_name("_vllm_ranks_worker.py")
+    run(worker, str(tmp_path))
+    run(worker, str(tmp_path), "zero3", nproc=2)
+    one = json.loads((tmp_path / "rank0-of1.json").read_text())
+    ranks = [json.loads((tmp_path / f"rank{r}-of2-zero3.json").read_text()) for r in (0, 1)]
+    assert all(r["partitioned"] for r in ranks)  # no rank held the pushed model whole
+    assert ranks[0]["engine_hash"] == ranks[1]["engine_hash"] == one["engine_hash"] == \
+        ranks[0]["pushed_hash"]
+    for temperature in ("greedy", "t0.7"):
+        assert ranks[0]["after"][temperature] + ranks[1]["after"][temperature] == \
+            one["after"][temperature], temperature
+    assert all(r["revision"] == 1 for r in ranks)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -111,9 +134,10 @@ def train_contract(model: Path, run_dir: Path, lag: int, adapter: str, backend: 
 
 
 @needs_vllm
-@pytest.mark.parametrize(("lag", "adapter"), [(0, "none"), (1, "none"), (0, "lora")])
-def test_two_ranks_train_on_their_own_engines(tmp_path, lag, adapter):
-    """`train.run` on two ranks (ZeRO-2), each rolling out its task of the step on its own
+@pytest.mark.parametrize(("lag", "adapter", "zero"),
+                         [(0, "none", 2), (1, "none", 2), (0, "lora", 2), (0, "none", 3)])
+def test_two_ranks_train_on_their_own_engines(tmp_path, lag, adapter, zero):
+    """`train.run` on two ranks (ZeRO-2, or ZeRO-3: pushes gathered layer by layer), each rolling out its task of the step on its own
     engine and pushing the update into it, against the torch backend in one process: three
     steps; every session records the revision that sampled it, within the lag bound; the
     engines' log-probs match the trainer's at lag 0; the episodes are the one-process run's.
@@ -121,14 +145,11 @@ def test_two_ranks_train_on_their_own_engines(tmp_path, lag, adapter):
     own folder."""
     from trajectories import RolloutStore
 
-    model, tokenizer = tiny_vllm_llama()
-    folder = tmp_path / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = saved_tiny_vllm_llama(tmp_path / "model")
     worker = Path(__file__).with_name("_train_worker.py")
     runs = {}
     for name, nproc, backend in (("one", 1, {"name": "torch"}),
-                                 ("two", 2, {"name": "deepspeed", "zero_stage": 2})):
+                                 ("two", 2, {"name": "deepspeed", "zero_stage": zero})):
         spec = tmp_path / f"{name}.json"
         spec.write_text(json.dumps(train_contract(folder, tmp_path / name, lag, adapter, backend)))
         run(worker, str(spec), nproc=nproc)
