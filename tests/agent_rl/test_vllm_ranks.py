@@ -190,3 +190,21 @@ def test_each_rank_keeps_its_engine_in_a_folder_of_its_own(monkeypatch, tmp_path
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert engine_folder(tmp_path) == tmp_path / "rollout-engine-rank1"
+
+
+def test_a_streamed_push_is_checked_name_by_name():
+    """A push streamed into an engine (ZeRO-3: one layer at a time) cannot be listed first:
+    an unknown name stops it before its tensor is passed on, a missing one at its end."""
+    from agent_rl.policies.vllm_policy import push_names_checked
+
+    t = torch.zeros(1)
+    expected, optional = frozenset({"a", "b"}), frozenset({"lm_head.weight"})
+    passed = []
+    with pytest.raises(ValueError, match=r"missing \[\], unknown \['c'\]"):
+        for name, _ in push_names_checked(iter([("a", t), ("c", t), ("b", t)]), expected, optional):
+            passed.append(name)
+    assert passed == ["a"]
+    with pytest.raises(ValueError, match=r"missing \['b'\], unknown \[\]"):
+        list(push_names_checked(iter([("a", t), ("lm_head.weight", t)]), expected, optional))
+    assert [n for n, _ in push_names_checked(iter([("b", t), ("a", t)]), expected, optional)] == \
+        ["b", "a"]
