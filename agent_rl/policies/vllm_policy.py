@@ -91,6 +91,15 @@ cache's memory is still free while the push's tensors are resident). The trainer
 has the whole GPU but the engine's CUDA graphs, and the engine's budget only has to leave the
 trainer's persistent state (the optimizer's) free.
 
+Several ranks (a trainer launched by torchrun or deepspeed, ``WORLD_SIZE`` > 1): each rank
+starts an engine of its own, tensor parallel size 1, on its own device, and samples its own
+share of the tasks (``rank_launch_options``). vLLM's ``external_launcher`` backend is what makes
+the engine take the launcher's rank and device (``RANK``, ``LOCAL_RANK``; vLLM's in-process
+default, ``uni``, would put every rank's engine on device 0 as rank 0). Its world group spans
+the trainer's ranks but every parallel group it builds holds one rank, so ``generate`` and a
+push run no collective; engine start does (the groups are made, the free memory is the minimum
+over ranks), so the ranks start their engines together, as ``training.setup.start`` does.
+
 Shutdown (``close``): vLLM's worker reuses the default process group when one exists (a
 trainer's, under DeepSpeed) and creates it otherwise; vLLM's ``EngineCore.shutdown`` ends with
 ``cleanup_dist_env_and_memory``, which destroys the default group either way, and the
@@ -108,7 +117,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -229,6 +238,23 @@ class EngineSleep:
             load()
         self.llm.wake_up(tags=["kv_cache"])
         self.asleep = False
+
+
+def rank_launch_options() -> dict[str, Any]:
+    """``vllm.LLM`` options for an engine inside a trainer's world of several ranks (the
+    default process group initialised, world size > 1): vLLM's ``external_launcher``, so that
+    the engine takes this rank and its device from the launcher (``RANK``, ``LOCAL_RANK``)
+    instead of rank 0 on device 0; with tensor parallel size 1 it is an engine of this rank
+    alone (the module docstring). Nothing in a world of one."""
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    missing = [name for name in ("RANK", "LOCAL_RANK") if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"VLLMPolicy: a world of {dist.get_world_size()} ranks without "
+                           f"{', '.join(missing)} set: launch the ranks with torchrun or "
+                           "deepspeed, which set them")
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
 
 
 def release_engine_groups(created_default_group: bool) -> None:
@@ -391,13 +417,38 @@ def pushes_adapter_only(setting: str | bool, model: Any) -> bool:
     return not blockers
 
 
-def adapter_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def push_names_checked(named_tensors: Iterable[tuple[str, torch.Tensor]], expected: frozenset[str],
+                       optional: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_tensors`` passed on while their names are the engine's: an unknown name (not
+    in ``expected`` or ``optional``) raises before its tensor is passed on, a name of
+    ``expected`` never seen raises once the stream ends."""
+    seen: set[str] = set()
+
+    def refuse(missing: list[str], unknown: list[str]) -> NoReturn:
+        raise ValueError(
+            f"load_weights: a push must carry exactly the engine's {len(expected)} weights (HF "
+            f"names); missing {missing[:4]}{'...' if len(missing) > 4 else ''}, unknown "
+            f"{unknown[:4]}{'...' if len(unknown) > 4 else ''}. Fix: push "
+            "named_weights_for_push(model) (LoRA merged), not only the trainable tensors")
+
+    for name, tensor in named_tensors:
+        if name not in expected and name not in optional:
+            refuse([], [name])
+        seen.add(name)
+        yield name, tensor
+    if expected - seen:
+        refuse(sorted(expected - seen), [])
+
+
+def adapter_tensors(model: Any, within: Callable[[str], bool] | None = None,
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The active adapter's tensors with the names peft's ``save_pretrained`` writes
     (``base_model.model.<module>.lora_A.weight``, ...), detached: what an adapter-only push
-    sends."""
+    sends; ``within``: those whose names it accepts only."""
     from peft.utils import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    named = {name: t for name, t in model.state_dict().items() if within is None or within(name)}
+    state = get_peft_model_state_dict(model, state_dict=named, adapter_name=model.active_adapter)
     for name, tensor in state.items():
         yield name, tensor.detach()
 
@@ -562,6 +613,7 @@ class VLLMPolicy:
             options.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                            max_lora_rank=lora_rank_slot(max([lora_config.r,
                                                              *lora_config.rank_pattern.values()])))
+        options.update(rank_launch_options())  # an engine of this rank alone, among several
         self.gpu_memory_utilization = gpu_memory_utilization  # None on CPU
         # the default process group: the trainer's (kept at close) or the engine's own
         self._created_default_group = not torch.distributed.is_initialized()
@@ -662,36 +714,38 @@ class VLLMPolicy:
         )
 
     # --- weight sync ---------------------------------------------------------------------
-    def weights_to_push(self, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights_to_push(self, model: Any, within: Callable[[str], bool] | None = None,
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
         """What this engine is sent after an update: ``named_weights_for_push(model)``, or
-        ``adapter_tensors(model)`` when it applies the adapter itself (``lora_config``)."""
+        ``adapter_tensors(model)`` when it applies the adapter itself (``lora_config``);
+        ``within``: of the parameters whose names it accepts only (a ZeRO-3 push, layer by
+        layer: ``distributed.by_unit``)."""
         if self.lora_config is not None:
-            return adapter_tensors(model)
-        return named_weights_for_push(model)
+            return adapter_tensors(model, within)
+        return named_weights_for_push(model, within=within)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], revision: int) -> None:
         """Load HF-named tensors into the running engine (no restart) and take ``revision``.
 
         A push carries every weight of the checkpoint the engine started from, with the names
         of ``named_weights_for_push`` (vLLM reloads layer by layer: a layer given only some of
-        its tensors, such as q_proj without k_proj and v_proj, would be left half-loaded), so
-        the names are checked before anything is loaded. The prefix cache is emptied after. An
-        engine asleep (``release_weights``) wakes around the load (``EngineSleep.wake``).
-        An engine with a ``lora_config`` takes the adapter alone instead (``load_adapter``)."""
+        its tensors, such as q_proj without k_proj and v_proj, would be left half-loaded). A
+        list is checked before anything is loaded; any other iterable streams into the engine
+        as it comes (a ZeRO-3 push, one gathered layer at a time: ``Backend.layer_by_layer``),
+        an unknown name refused before it reaches the engine and a missing one after the load
+        (``push_names_checked``). The prefix cache is emptied after. An engine asleep
+        (``release_weights``) wakes around the load (``EngineSleep.wake``). An engine with a
+        ``lora_config`` takes the adapter alone instead (``load_adapter``)."""
         if self.lora_config is not None:
             self.load_adapter(named_tensors, revision)
             return
-        named_tensors = list(named_tensors)
         if self.weight_names is not None:
-            names = {name for name, _ in named_tensors}
-            missing = sorted(self.weight_names - names)
-            unknown = sorted(names - self.weight_names - self._optional_names)
-            if missing or unknown:
-                raise ValueError(
-                    f"load_weights: a push must carry exactly the engine's {len(self.weight_names)} "
-                    f"weights (HF names); missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
-                    f"unknown {unknown[:4]}{'...' if len(unknown) > 4 else ''}. Fix: push "
-                    "named_weights_for_push(model) (LoRA merged), not only the trainable tensors")
+            if isinstance(named_tensors, list):
+                for _ in push_names_checked(named_tensors, self.weight_names, self._optional_names):
+                    pass
+            else:
+                named_tensors = push_names_checked(named_tensors, self.weight_names,
+                                                   self._optional_names)
 
         def reload() -> None:
             self.llm.collective_rpc("reload_weights", kwargs={

@@ -99,7 +99,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,6 +142,7 @@ class Backend(Protocol):
     def barrier(self) -> None: ...
     def max_across(self, n: int) -> int: ...
     def gathered(self) -> contextlib.AbstractContextManager: ...
+    def layer_by_layer(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]: ...
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]: ...
     def save_state(self, folder: str | os.PathLike) -> None: ...
     def load_state(self, folder: str | os.PathLike) -> None: ...
@@ -225,6 +226,9 @@ class TorchBackend:
 
     def gathered(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def layer_by_layer(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(weights(self.module, None))
 
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         return _state_dict(self.module, trainable_only)
@@ -475,6 +479,24 @@ class DeepSpeedBackend:
                     list(self.module.parameters()), modifier_rank=None))
             yield
 
+    def layer_by_layer(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights(module, None)`` (a policy's ``weights_to_push``) as a push streams it:
+        under ZeRO-3 read one ``push_units`` piece at a time inside a gather of its parameters
+        alone (``by_unit``), never the whole model gathered at once; as it is for ZeRO 0-2.
+        Collective under ZeRO-3: every rank consumes the stream to its end."""
+        if self.zero_stage != 3:
+            return iter(weights(self.module, None))
+        import deepspeed
+
+        @contextlib.contextmanager
+        def gather(params: list[torch.nn.Parameter]):
+            with contextlib.ExitStack() as stack:
+                with self._timed():
+                    stack.enter_context(deepspeed.zero.GatheredParameters(params, modifier_rank=None))
+                yield
+
+        return by_unit(self.module, weights, gather)
+
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """CPU copies of the full weights (the module's dtype) on every rank: for a rollout
         copy or model.safetensors. Collective."""
@@ -602,6 +624,79 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
     fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point()
                                  for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
+# A policy's ``weights_to_push(model, within)``: HF-named tensors of the parameters whose names
+# ``within`` accepts (every one when None), computed from those alone.
+Weights = Callable[[Any, Callable[[str], bool] | None], Iterator[tuple[str, torch.Tensor]]]
+PEFT_PREFIX = "base_model.model."  # a peft model's names for its base model's parameters
+
+
+@dataclass(frozen=True)
+class PushUnit:
+    """A piece of the model a ZeRO-3 push gathers at once: a block of a ``ModuleList`` (a
+    transformer layer) or a module outside them (embeddings, final norm, head) with all its
+    parameters (``whole``), or a module's own parameters alone where its children hold
+    blocks (``whole`` False). ``name``: the module's, in the base model (a peft model's)."""
+
+    name: str
+    params: tuple[torch.nn.Parameter, ...]
+    whole: bool
+
+    def holds(self, name: str) -> bool:
+        """Whether the parameter (or a pushed tensor) called ``name`` is this unit's: named
+        in the base model or in its peft model (``base_model.model.`` first), a LoRA layer's
+        ``base_layer`` and adapters included."""
+        name = name.removeprefix(PEFT_PREFIX)
+        if self.whole:
+            return name.startswith(f"{self.name}.")
+        return name.rpartition(".")[0] == self.name
+
+
+def push_units(model: torch.nn.Module) -> list[PushUnit]:
+    """``model`` (its base model under peft) cut into the pieces a ZeRO-3 push gathers one at
+    a time, in parameter order; together they hold every parameter once. Largest: the larger
+    of a transformer block and the embeddings (or an untied head)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    units: list[PushUnit] = []
+    seen: set[int] = set()  # a tied parameter (a head tied to the embeddings) is gathered once
+
+    def add(name: str, params: Iterable[torch.nn.Parameter], whole: bool) -> None:
+        fresh = tuple(p for p in params if id(p) not in seen)
+        seen.update(id(p) for p in fresh)
+        if fresh:
+            units.append(PushUnit(name, fresh, whole))
+
+    def has_blocks(module: torch.nn.Module) -> bool:
+        return any(isinstance(m, torch.nn.ModuleList) for m in module.modules())
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        add(prefix.rstrip("."), module.parameters(recurse=False), whole=False)
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.ModuleList):
+                for i, block in enumerate(child):
+                    add(f"{prefix}{name}.{i}", block.parameters(), whole=True)
+            elif has_blocks(child):
+                walk(child, f"{prefix}{name}.")
+            else:
+                add(f"{prefix}{name}", child.parameters(), whole=True)
+
+    walk(base, "")
+    return units
+
+
+def by_unit(model: torch.nn.Module, weights: Weights,
+            gather: Callable[[list[torch.nn.Parameter]], contextlib.AbstractContextManager],
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights(model, within)`` one ``push_units`` piece at a time: inside ``gather`` of
+    that piece's parameters, ``within`` accepting its names alone; each tensor cloned (a
+    consumer may keep it after the gather ends: vLLM buffers a layer's tensors until the
+    layer is complete). At most one piece is gathered, and one piece's tensors copied, at
+    a time."""
+    for unit in push_units(model):
+        with gather(list(unit.params)):
+            for name, tensor in weights(model, unit.holds):
+                yield name, tensor.clone()
 
 
 def make_backend(name: Literal["torch", "deepspeed"], zero_stage: int, offload: str,

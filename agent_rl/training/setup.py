@@ -30,6 +30,7 @@ from agent_rl.run.distributed import (
     adamw,
     check_world_size,
     launched_rank,
+    launched_world_size,
     make_backend,
 )
 from agent_rl.run.flops import Peak, device_peak, flops_per_token
@@ -221,9 +222,6 @@ def check_world(contract: ExperimentContract, world_size: int) -> None:
         raise ValueError(f"rollout.tasks_per_step={contract.rollout.tasks_per_step} does not "
                          f"split over WORLD_SIZE={world_size} ranks: make it a multiple of "
                          f"{world_size}")
-    if contract.rollout.backend == "vllm":
-        raise ValueError(f"rollout.backend: vllm with WORLD_SIZE={world_size}: one vLLM engine "
-                         "per rank is not built yet; use rollout.backend: hf, or one process")
 
 
 def contract_plan(contract: ExperimentContract, world_size: int,
@@ -274,7 +272,8 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
     adapter work per sampled token, 1.6x faster on the demo at 3e-5 mismatch) or a vLLM engine
     (``rollout.backend: vllm``), given the weights of ``model`` (full, never ZeRO-3
     partitions) now and after every update (a LoRA adapter alone where the engine applies it:
-    ``rollout.vllm_lora``). A vLLM engine beside the trainer's
+    ``rollout.vllm_lora``); among several ranks each rank has an engine of its own
+    (``engine_folder``, ``vllm_policy.rank_launch_options``). A vLLM engine beside the trainer's
     ``trainable_params`` takes its GPU memory share and sleep mode from the contract
     (``vllm_policy``: the budget, the sleep through synchronous updates)."""
     rollout = contract.rollout
@@ -284,7 +283,7 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
     if rollout.backend == "vllm":
         from agent_rl.policies.vllm_policy import VLLMPolicy, engine_sleeps, pushes_adapter_only
 
-        engine = VLLMPolicy.from_model(model, tokenizer, run_dir / "rollout-engine",
+        engine = VLLMPolicy.from_model(model, tokenizer, engine_folder(run_dir),
                                        adapter_only=pushes_adapter_only(rollout.vllm_lora, model),
                                        dtype=rollout.dtype or contract.model.dtype, device=policy.device,
                                        max_model_len=contract.rollout.max_prompt_tokens
@@ -309,6 +308,15 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
     synced = SyncedPolicy(engine, synchronous=not rollout.max_policy_lag)
     synced.push(synced.weights_to_push(model), policy.revision)
     return synced
+
+
+def engine_folder(run_dir: Path) -> Path:
+    """Where this rank's vLLM engine keeps the weights it starts from (and its adapters):
+    ``rollout-engine`` in a world of one, ``rollout-engine-rank{RANK}`` among several (an
+    engine per rank, each writing its own)."""
+    if launched_world_size() == 1:
+        return run_dir / "rollout-engine"
+    return run_dir / f"rollout-engine-rank{launched_rank()}"
 
 
 def load_reference(contract: ExperimentContract, model, device: torch.device):

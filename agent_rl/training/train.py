@@ -415,12 +415,12 @@ def gather_batch(backend: Backend, batch: RolloutBatch, rollout_s: float) -> tup
 
 
 def sync_weights(backend: Backend, policy: HFPolicy, rollout_policy) -> None:
-    """After an update, the policies holding their own weights take the trained ones (read
-    whole inside ``backend.gathered()``; under ZeRO-3 that all-gathers them): the evaluation
-    policy's full copy under ZeRO-3, and the rollout copy or vLLM engine (pushed, applied at
-    its next generate) when rollouts are asynchronous or on vLLM. Collective."""
-    with backend.gathered():
-        if policy.model is not backend.module:
-            policy.load_weights(policy.weights_to_push(backend.module), policy.revision)
-        if rollout_policy is not policy:
-            rollout_policy.push(rollout_policy.weights_to_push(backend.module), policy.revision)
+    """After an update, the policies holding their own weights take the trained ones, streamed
+    by ``backend.layer_by_layer`` (under ZeRO-3 gathered one layer at a time, never the whole
+    model): the evaluation policy's full copy under ZeRO-3, and the rollout copy or vLLM
+    engine (pushed, applied at its next generate) when rollouts are asynchronous or on vLLM.
+    Collective."""
+    if policy.model is not backend.module:
+        policy.load_weights(backend.layer_by_layer(policy.weights_to_push), policy.revision)
+    if rollout_policy is not policy:
+        rollout_policy.push(backend.layer_by_layer(rollout_policy.weights_to_push), policy.revision)

@@ -21,6 +21,7 @@ round-off in gradient entries near eps (a different summation order) into up to 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -456,3 +457,70 @@ def test_a_launched_rank_ends_without_the_interpreter_teardown(leave_fails):
         assert proc.returncode == 1 and "RuntimeError: gloo said no" in proc.stderr
     else:
         assert proc.returncode == 3 and "left: True" in proc.stderr, proc.stderr[-3000:]
+
+
+def _tiny_llama(lora: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a non-zero adapter, so that the merge changes the weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_zero3_push_gathers_one_layer_at_a_time(lora):
+    """``by_unit`` (what ``DeepSpeedBackend.layer_by_layer`` streams under ZeRO-3) with
+    partitioning simulated: outside a gather every parameter holds no data, as ZeRO-3's do.
+    Counted, not timed: one gather open at a time, each holding one decoder layer or the
+    tied embeddings (or the final norm), every parameter gathered once; the stream is the
+    one-process push tensor for tensor (LoRA merged too), and the adapter-only stream too."""
+    from agent_rl.policies.models import named_weights_for_push
+    from agent_rl.policies.vllm_policy import adapter_tensors
+
+    model = _tiny_llama(lora)
+    expected = [(n, t.clone()) for n, t in named_weights_for_push(model)]
+    full = {id(p): p.data for p in model.parameters()}
+    for p in model.parameters():
+        p.data = torch.empty(0)  # partitioned: nothing to read outside a gather
+    open_now, peak, gathered = [0], [0], []
+
+    @contextlib.contextmanager
+    def gather(params):
+        open_now[0] += 1
+        peak[0] = max(peak[0], open_now[0])
+        gathered.append(sum(full[id(p)].numel() for p in params))
+        for p in params:
+            p.data = full[id(p)]
+        yield
+        for p in params:
+            p.data = torch.empty(0)
+        open_now[0] -= 1
+
+    def push(weights):
+        return [(n, t.clone()) for n, t in distributed.by_unit(model, weights, gather)]
+
+    got = push(lambda m, within: named_weights_for_push(m, within=within))
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, expected, strict=True))
+    base = model.get_base_model() if lora else model
+    layer = sum(full[id(p)].numel() for p in base.model.layers[0].parameters())
+    embeddings = 64 * 32
+    assert peak[0] == 1  # never two pieces gathered at once
+    assert gathered == [embeddings, layer, layer, layer, 32]  # embed, 3 layers, norm (head tied)
+    assert sum(gathered) == sum(t.numel() for t in full.values())  # each parameter once
+    if lora:
+        wanted = [(n, t.clone()) for n, t in adapter_tensors(_tiny_llama(True))]
+        got = push(adapter_tensors)
+        assert [n for n, _ in got] == [n for n, _ in wanted] and len(got) == 12
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, wanted, strict=True))

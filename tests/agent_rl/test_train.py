@@ -39,6 +39,7 @@ from agent_rl.run.flops import flops_per_token
 from agent_rl.run.guards import NothingTrained
 from agent_rl.training import shared, train, update
 from agent_rl.training.rollout import TrainSequence, session_advantages
+from agent_rl.training.setup import check_world
 from tests.agent_rl import toy_env
 from trajectories import Outcome, RolloutStore
 
@@ -948,12 +949,14 @@ def test_several_ranks_are_checked_before_anything_is_written(tmp_path, monkeypa
     directory is touched (and before any process group is joined)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     cases = {(): "several ranks train through backend.name: deepspeed",
-             (*DS, "rollout.tasks_per_step=3"): "does not split over WORLD_SIZE=2 ranks",
-             (*DS, "rollout.backend=vllm"): "one vLLM engine per rank is not built yet"}
+             (*DS, "rollout.tasks_per_step=3"): "does not split over WORLD_SIZE=2 ranks"}
     for overrides, message in cases.items():
         with pytest.raises(ValueError, match=message):
             train.run(make_contract(tmp_path / "run", *overrides), progress=False)
         assert not (tmp_path / "run").exists()
+    # vLLM under ZeRO-3 on several ranks: pushed layer by layer, not refused
+    check_world(make_contract(tmp_path / "run", *DS, "rollout.backend=vllm",
+                              "backend.zero_stage=3"), 2)
 
 
 @pytest.mark.parametrize("adapter", ["none", "lora"])
