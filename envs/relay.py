@@ -92,6 +92,7 @@ INSTRUCTIONS = ("You are a careful assistant. When asked for a note, copy the ne
                 "exactly, numbers included. When asked a question, reply with only the final "
                 "number.")
 ANSWER_REQUEST = "Answer with just the number."
+AFTER_RESULT_REQUEST = "Answer with just the number, or spawn another sub-agent."
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "boxes": {"fact": "The {s} box has code {n}.", "noun": "the code of the {s} box",
@@ -169,9 +170,14 @@ def optional_request(asked: str) -> str:
             "yourself. Reply with only the tool call or the final number.")
 
 
+def spawn_task(lines: str, asked: str) -> str:
+    """A sub-agent's task: ``lines`` and the question."""
+    return f"{lines} {asked} {ANSWER_REQUEST}"
+
+
 def spawn_call(lines: str, asked: str) -> str:
     """The tool call that hands ``lines`` and the question to a sub-agent."""
-    task = f"{lines} {asked} {ANSWER_REQUEST}"
+    task = spawn_task(lines, asked)
     return f'<tool_call>{json.dumps({"name": "spawn", "arguments": {"task": task}})}</tool_call>'
 
 
@@ -273,27 +279,50 @@ class RelayEnv(ToolEnv):
     def examples(self, compressions: int) -> list[tuple[str, str]]:
         """The root shows a worked note, the answering session a worked answer (same family,
         same operation, other entities); a middle session (two compressions) shows none."""
-        data = self.task.data
-        spec = FAMILIES[data["family"]]
-        facts = [spec["fact"].format(s=s, n=n)
-                 for s, n in zip(spec["example"], EXAMPLE_NUMBERS, strict=True)]
-        if 0 < compressions < len(data["batches"]):
+        if 0 < compressions < len(self.task.data["batches"]):
             return []  # a middle session (two compressions) shows none
         # as many example facts as the note must keep (root) or the question uses
-        k = len(data["needed"]) if self.branching else len(self._needed_seen(compressions))
-        picked = [0, 2] if k == 2 else [1]
+        k = (len(self.task.data["needed"]) if self.branching
+             else len(self._needed_seen(compressions)))
+        facts, picked, asked = self._example(k)
         note = " ".join(facts[j] for j in picked)
-        op = data["operation"]
-        nouns = [spec["noun"].format(s=spec["example"][j]) for j in picked]
-        asked = question(op, nouns)
         if compressions == 0 and self.branching:
             request = (optional_request(asked) if self.optional else
                        delegate_request([facts[j] for j in picked], asked))
             return [("\n".join(facts) + "\n\n" + request, spawn_call(note, asked))]
         if compressions == 0:
             return [("\n".join(facts) + "\n\n" + note_request([facts[j] for j in picked]), note)]
-        value = OPERATIONS[op][1]([EXAMPLE_NUMBERS[j] for j in picked])
+        value = self._example_value(picked)
         return [(f"Your note: {note}\n\nQuestion: {asked}\n{ANSWER_REQUEST}", str(value))]
+
+    def branch_examples(self, compressions: int) -> list[tuple[str, str]]:
+        """With ``optional``, a sub-agent's session opens with the root example's sub-task
+        answered with a bare number; plain branching shows none."""
+        if not self.optional or compressions:
+            return []
+        facts, picked, asked = self._example(len(self.task.data["needed"]))
+        return [(spawn_task(" ".join(facts[j] for j in picked), asked),
+                 str(self._example_value(picked)))]
+
+    def return_request(self) -> str | None:
+        """With ``optional``, after a sub-agent's answer the root is asked for the final
+        number (or another sub-agent); plain branching asks nothing."""
+        return AFTER_RESULT_REQUEST if self.optional else None
+
+    def _example(self, k: int) -> tuple[list[str], list[int], str]:
+        """The worked example's facts (the task's family, other entities), the ``k`` of them
+        its question uses and that question."""
+        data = self.task.data
+        spec = FAMILIES[data["family"]]
+        facts = [spec["fact"].format(s=s, n=n)
+                 for s, n in zip(spec["example"], EXAMPLE_NUMBERS, strict=True)]
+        picked = [0, 2] if k == 2 else [1]
+        nouns = [spec["noun"].format(s=spec["example"][j]) for j in picked]
+        return facts, picked, question(data["operation"], nouns)
+
+    def _example_value(self, picked: list[int]) -> int:
+        """The worked example's answer from its ``picked`` facts."""
+        return OPERATIONS[self.task.data["operation"]][1]([EXAMPLE_NUMBERS[j] for j in picked])
 
     def _cut(self, note: str) -> str:
         """What of a note crosses the boundary: its first ``note_words`` words."""
@@ -320,7 +349,8 @@ class RelayEnv(ToolEnv):
         """What the answering session saw of the last note; with ``branching`` the last
         sub-agent's task, less the question."""
         if self.branching:
-            tasks = [s.turns[1].content for s in self._recorder.sessions() if s.origin == "branch"]
+            tasks = [s.turns[s.metrics["opening_turns"] - 1].content
+                     for s in self._recorder.sessions() if s.origin == "branch"]
             return tasks[-1].replace(task.data["question"], " ") if tasks else ""
         prompt = [t.content for t in self._recorder.turns() if t.role == "user"][-1]
         return prompt.split("Your note: ", 1)[-1].split("\n\nQuestion: ", 1)[0]

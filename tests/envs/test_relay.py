@@ -9,6 +9,7 @@ import pytest
 import envs
 from envs.checks import check_env_id
 from envs.relay import (
+    AFTER_RESULT_REQUEST,
     NUMBERS,
     OPTIONAL_WEIGHTS,
     WEIGHTS,
@@ -16,6 +17,7 @@ from envs.relay import (
     numbers,
     optional_request,
     relay_reward,
+    spawn_task,
 )
 from evals.splits import default_splits
 from trajectories import Outcome
@@ -266,10 +268,11 @@ def test_hostile_spawn_tasks_cannot_raise_or_score(pool, hostile):
     task = task_of(pool, "recall", 2)
     episode, _ = play(task, [spawn(hostile), "99", str(task.target["answer"])], **OPTIONAL)
     root, sub = episode.sessions
-    assert sub.origin == "branch" and "\ud800" not in sub.turns[1].content
+    prompt = sub.turns[sub.metrics["opening_turns"] - 1]  # the task, after the worked example
+    assert sub.origin == "branch" and prompt.content == hostile.replace("\ud800", "\ufffd")
     assert episode.reward.total == pytest.approx(1.0)  # the answer alone is scored
     assert sub.used_by_final is False  # "99" did not reach the answer
-    shown = escape_terminal(sub.turns[1].content)
+    shown = escape_terminal(prompt.content)
     assert "\x1b" not in shown and "\u202e" not in shown
 
 
@@ -277,3 +280,41 @@ def test_optional_relay_passes_the_contract_checks():
     report = check_env_id(RELAY, episodes=4, env_kwargs=OPTIONAL)
     assert report.passed, str(report)
     assert "hostile_actions" in {r.name for r in report.results}
+
+
+def test_optional_sub_agents_see_a_worked_answer_and_the_root_is_asked_to_answer(pool):
+    """With optional sessions a sub-agent opens with the root example's sub-task answered by
+    a bare number, and after its result the root is asked for the final number."""
+    task = task_of(pool, "recall>transform", 2)
+    env = envs.make(RELAY, **OPTIONAL).unwrapped
+    obs, _ = env.reset(seed=0, options={"task": task})
+    example_call = json.loads(obs[2]["content"].removeprefix("<tool_call>")
+                              .removesuffix("</tool_call>"))
+    line, asked = needed_facts(task)[0], task.data["question"]
+    obs, *_ = env.step(spawn(spawn_task(line, asked)))
+    worked = [(m["role"], m["content"]) for m in obs[1:3]]
+    example_value = {"plus1": 61 + 1, "double": 61 * 2}[task.data["operation"]]
+    assert worked == [("user", example_call["arguments"]["task"]),
+                      ("assistant", str(example_value))]
+    assert obs[3]["content"] == spawn_task(line, asked)
+    obs, *_ = env.step(str(task.target["answer"]))
+    assert [(m["role"], m["content"]) for m in obs[-2:]] == [
+        ("tool", str(task.target["answer"])), ("user", AFTER_RESULT_REQUEST)]
+    assert env.reference_action() == str(task.target["answer"])
+    *_, info = env.step(env.reference_action())
+    root, sub = info["episode"].sessions
+    assert info["episode"].reward.total == pytest.approx(1.0) and sub.used_by_final
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"branching": True}], ids=["default", "branching"])
+def test_without_optional_sessions_open_and_continue_as_before(pool, kwargs):
+    """Default and plain branching Relay: no sub-agent example, no request after a result."""
+    env = envs.make(RELAY, **kwargs).unwrapped
+    assert env.branch_examples(0) == [] and env.return_request() is None
+    env.reset(seed=0, options={"task": task_of(pool, "recall", 2)})
+    assert env.branch_examples(0) == [] and env.return_request() is None
+    if kwargs:
+        obs, *_ = env.step(env.reference_action())
+        assert [m["role"] for m in obs] == ["system", "user"]
+        obs, *_ = env.step("12")
+        assert obs[-1]["role"] == "tool"
