@@ -22,8 +22,8 @@ What a subclass sets (class attributes) and implements (one-method hooks)::
                                                 session (default none)
     branch_examples(compressions) -> [(user, assistant)]   the same for a sub-agent's session
                                                 (default none)
-    return_request() -> str | None              a request put to the parent after a sub-agent
-                                                returns (default none)
+    return_request(value) -> str | None         a request put to the parent after a sub-agent
+                                                returns ``value`` (default none)
 
 Tools are methods decorated with ``@tool``; their typed arguments become a JSON schema
 (``envs.tools``: parsing, schemas, permissions, dispatch). The session tree is recorded by
@@ -42,7 +42,8 @@ Each ``step(action)`` appends the action as an assistant turn of the *active* se
 * no tool call: a sub-agent's returned value or, at the top level, the final answer, scored by
   ``score``; the episode terminates.
 
-After a sub-agent returns, ``return_request()`` (when not None) follows its result as a user turn.
+After a sub-agent returns, ``return_request(value)`` (when not None) follows its result as a
+user turn.
 
 After ``reset`` and every step the env asks for a summary when ``compression_due()``.
 ``max_turns`` assistant turns, ``max_sessions`` sessions, or a prompt the policy refused as too
@@ -219,9 +220,9 @@ class ToolEnv(gymnasium.Env):
         thread. Default none."""
         return []
 
-    def return_request(self) -> str | None:
-        """A request put to the parent as a user turn right after a sub-agent's value came
-        back as the ``spawn`` result (e.g. how to answer now). Default None: nothing."""
+    def return_request(self, value: str) -> str | None:
+        """A request put to the parent as a user turn right after a sub-agent's ``value``
+        came back as the ``spawn`` result (e.g. how to answer now). Default None: nothing."""
         return None
 
     # --- Gymnasium API -------------------------------------------------------------------
@@ -276,7 +277,8 @@ class ToolEnv(gymnasium.Env):
             rec.return_(sessions.Return(turn.content))
         else:
             return self._finish(turn.content)
-        if was_in_branch and not rec.in_branch and (request := self.return_request()):
+        returned = rec.turns()[-1].content if was_in_branch and not rec.in_branch else None
+        if returned is not None and (request := self.return_request(returned)):
             rec.ask(request)
 
         if not rec.awaiting_summary and self.compression_due():

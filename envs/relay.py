@@ -36,7 +36,12 @@ Tools
     every fact and the question, and may answer at once or first spawn sub-agents, as many as
     ``max_sessions - 1``, each seeing only the task the root wrote (the worked example spawns
     one with the needed lines and the question). A sub-agent asked about a distractor line is
-    useless; one whose wrong number the root answers with is harmful.
+    useless; one whose wrong number the root answers with is harmful. A sub-agent opens with
+    that example's sub-task answered by a bare number (``branch_examples``), and after each
+    sub-agent's result the root is asked "The sub-agent answered: N\nAnswer with just the
+    number, or spawn another sub-agent." (``return_request``), as its worked example shows in a
+    second turn; without these the base model answered sub-tasks with "1" or prose and spawned
+    again.
 
 Observation
     The active session's messages. Root: ``[system, user: example facts + request, assistant:
@@ -93,6 +98,11 @@ INSTRUCTIONS = ("You are a careful assistant. When asked for a note, copy the ne
                 "number.")
 ANSWER_REQUEST = "Answer with just the number."
 AFTER_RESULT_REQUEST = "Answer with just the number, or spawn another sub-agent."
+
+
+def result_request(value: str) -> str:
+    """What a root with optional sessions is asked after a sub-agent answered ``value``."""
+    return f"The sub-agent answered: {value}\n{AFTER_RESULT_REQUEST}"
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "boxes": {"fact": "The {s} box has code {n}.", "noun": "the code of the {s} box",
@@ -286,9 +296,12 @@ class RelayEnv(ToolEnv):
              else len(self._needed_seen(compressions)))
         facts, picked, asked = self._example(k)
         note = " ".join(facts[j] for j in picked)
+        if compressions == 0 and self.optional:  # spawn, then answer with the result
+            value = str(self._example_value(picked))
+            return [("\n".join(facts) + "\n\n" + optional_request(asked), spawn_call(note, asked)),
+                    (result_request(value), value)]
         if compressions == 0 and self.branching:
-            request = (optional_request(asked) if self.optional else
-                       delegate_request([facts[j] for j in picked], asked))
+            request = delegate_request([facts[j] for j in picked], asked)
             return [("\n".join(facts) + "\n\n" + request, spawn_call(note, asked))]
         if compressions == 0:
             return [("\n".join(facts) + "\n\n" + note_request([facts[j] for j in picked]), note)]
@@ -304,10 +317,10 @@ class RelayEnv(ToolEnv):
         return [(spawn_task(" ".join(facts[j] for j in picked), asked),
                  str(self._example_value(picked)))]
 
-    def return_request(self) -> str | None:
+    def return_request(self, value: str) -> str | None:
         """With ``optional``, after a sub-agent's answer the root is asked for the final
         number (or another sub-agent); plain branching asks nothing."""
-        return AFTER_RESULT_REQUEST if self.optional else None
+        return result_request(value) if self.optional else None
 
     def _example(self, k: int) -> tuple[list[str], list[int], str]:
         """The worked example's facts (the task's family, other entities), the ``k`` of them

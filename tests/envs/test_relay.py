@@ -9,7 +9,6 @@ import pytest
 import envs
 from envs.checks import check_env_id
 from envs.relay import (
-    AFTER_RESULT_REQUEST,
     NUMBERS,
     OPTIONAL_WEIGHTS,
     WEIGHTS,
@@ -17,6 +16,7 @@ from envs.relay import (
     numbers,
     optional_request,
     relay_reward,
+    result_request,
     spawn_task,
 )
 from evals.splits import default_splits
@@ -290,16 +290,21 @@ def test_optional_sub_agents_see_a_worked_answer_and_the_root_is_asked_to_answer
     obs, _ = env.reset(seed=0, options={"task": task})
     example_call = json.loads(obs[2]["content"].removeprefix("<tool_call>")
                               .removesuffix("</tool_call>"))
+    example_value = {"plus1": 61 + 1, "double": 61 * 2}[task.data["operation"]]
+    assert [(m["role"], m["content"]) for m in obs[3:5]] == [  # then answers with the result
+        ("user", f"The sub-agent answered: {example_value}\n"
+                 "Answer with just the number, or spawn another sub-agent."),
+        ("assistant", str(example_value))]
     line, asked = needed_facts(task)[0], task.data["question"]
     obs, *_ = env.step(spawn(spawn_task(line, asked)))
     worked = [(m["role"], m["content"]) for m in obs[1:3]]
-    example_value = {"plus1": 61 + 1, "double": 61 * 2}[task.data["operation"]]
     assert worked == [("user", example_call["arguments"]["task"]),
                       ("assistant", str(example_value))]
     assert obs[3]["content"] == spawn_task(line, asked)
     obs, *_ = env.step(str(task.target["answer"]))
     assert [(m["role"], m["content"]) for m in obs[-2:]] == [
-        ("tool", str(task.target["answer"])), ("user", AFTER_RESULT_REQUEST)]
+        ("tool", str(task.target["answer"])),
+        ("user", result_request(str(task.target["answer"])))]
     assert env.reference_action() == str(task.target["answer"])
     *_, info = env.step(env.reference_action())
     root, sub = info["episode"].sessions
@@ -310,9 +315,9 @@ def test_optional_sub_agents_see_a_worked_answer_and_the_root_is_asked_to_answer
 def test_without_optional_sessions_open_and_continue_as_before(pool, kwargs):
     """Default and plain branching Relay: no sub-agent example, no request after a result."""
     env = envs.make(RELAY, **kwargs).unwrapped
-    assert env.branch_examples(0) == [] and env.return_request() is None
+    assert env.branch_examples(0) == [] and env.return_request("12") is None
     env.reset(seed=0, options={"task": task_of(pool, "recall", 2)})
-    assert env.branch_examples(0) == [] and env.return_request() is None
+    assert env.branch_examples(0) == [] and env.return_request("12") is None
     if kwargs:
         obs, *_ = env.step(env.reference_action())
         assert [m["role"] for m in obs] == ["system", "user"]

@@ -259,8 +259,8 @@ class Coached(TinyBudget):
         return [("example sub-task", "example result")] if compressions == 0 else [
             ("example after a summary", "example continued")]
 
-    def return_request(self):
-        return "Answer now."
+    def return_request(self, value):
+        return f"It said {value}. Answer now."
 
 
 def test_branch_examples_open_a_sub_agent_and_return_request_follows_its_result():
@@ -272,7 +272,7 @@ def test_branch_examples_open_a_sub_agent_and_return_request_follows_its_result(
         ("user", "find the code")]
     obs, *_ = env.step("42")  # the sub-agent returns
     assert [(m["role"], m.get("name"), m["content"]) for m in obs[-2:]] == [
-        ("tool", "spawn", "42"), ("user", None, "Answer now.")]
+        ("tool", "spawn", "42"), ("user", None, "It said 42. Answer now.")]
     *_, info = env.step("42")
     root, branch = info["episode"].sessions
     assert branch.metrics["opening_turns"] == 4  # system, the example pair, the task
