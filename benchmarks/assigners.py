@@ -2,6 +2,8 @@
 
     python benchmarks/assigners.py                        # 5 assigners, seed 0, the demo config
     python benchmarks/assigners.py --seeds 0 1 --steps 20 --assigners broadcast terminal_only
+    python benchmarks/assigners.py --config examples/smollm2_relay_optional.yaml \
+        --seeds 0 1 2 --out runs/assigners-optional      # optional sub-agents (Relay, branching)
 
 Every run uses the same contract (``examples/smollm2_relay.yaml`` by default) but for
 ``credit.assigner``, ``optim.seed`` and ``run_dir``: the same tasks in the same order, the same
@@ -10,7 +12,8 @@ tasks, evaluated greedily and hint-free before and after. Printed per assigner: 
 before and after, the paired difference after - before, and the paired difference of its
 trained policy against broadcast's (the same held-out tasks and seeds; with several seeds,
 per-task differences are averaged over the seeds first, so a task is one unit of the
-bootstrap). ``terminal_only`` gives the note-writing session nothing but a negative advantage
+bootstrap), and the sessions per episode of the training rollouts on the first and last step
+(on a branching config: 1 + sub-agents spawned). ``terminal_only`` gives the note-writing session nothing but a negative advantage
 in rewarded groups: it is the control that shows whether credit for the note matters.
 
 Writes ``OUT/assigners.json`` (after every run) and ``OUT/assigners.md`` (the table in docs/concepts.md).
@@ -58,6 +61,7 @@ def run_one(config: Path, assigner: str, seed: int, steps: int | None, out: Path
             "seconds": time.perf_counter() - t0, "before": result.before, "after": result.after,
             "comparison": result.comparison,
             "tokens_generated": sum(m["rollout/tokens_generated"] for m in metrics),
+            "sessions_per_episode": [m["sessions/per_episode"] for m in metrics],
             "stopped": None if result.stopped is None else result.stopped.rule}
 
 
@@ -104,7 +108,10 @@ def table(results: list[dict], assigners: list[str], seeds: list[int]) -> list[d
         row = {"assigner": name, "before": before, "after": after,
                "gain": float(np.mean([g["reward_diff"] for g in gains])),
                "gain_intervals": [(g["lo"], g["hi"]) for g in gains],
-               "note_used_after": float(np.mean([r["after"]["summary_used_frac"] for r in runs])),
+               "note_used_after": (float(np.mean([r["after"]["summary_used_frac"] for r in runs]))
+                                   if any(r["after"]["compressions_per_episode"] for r in runs)
+                                   else None),  # no note was written (a branching config)
+               "sessions_first_last": first_and_last(runs),
                "tokens": int(np.mean([r["tokens_generated"] for r in runs]))}
         if name != "broadcast" and "broadcast" in assigners:
             d, lo, hi, n = against(runs, [by["broadcast", s] for s in seeds])
@@ -113,16 +120,28 @@ def table(results: list[dict], assigners: list[str], seeds: list[int]) -> list[d
     return rows
 
 
+def first_and_last(runs: list[dict]) -> tuple[float, float] | None:
+    """Sessions per training episode on the first and the last step, mean over seeds (None
+    for runs recorded before this was kept)."""
+    kept_runs = [r["sessions_per_episode"] for r in runs if r.get("sessions_per_episode")]
+    if not kept_runs:
+        return None
+    return float(np.mean([s[0] for s in kept_runs])), float(np.mean([s[-1] for s in kept_runs]))
+
+
 def markdown(rows: list[dict], seeds: list[int], steps: int) -> str:
     lines = ["| assigner | held-out before | after | after - before (95% CI, per seed) | "
-             "after vs broadcast (95% CI) | notes used after |",
-             "|---|---|---|---|---|---|"]
+             "after vs broadcast (95% CI) | notes used after | sessions/episode, step 1 -> last |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         cis = "; ".join(f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in r["gain_intervals"])
         vs = (f"{r['vs_broadcast']:+.3f} [{r['vs_lo']:+.3f}, {r['vs_hi']:+.3f}]"
               if "vs_broadcast" in r else "(baseline)")
+        notes = "-" if r["note_used_after"] is None else f"{r['note_used_after']:.2f}"
+        sessions = ("-" if r["sessions_first_last"] is None else
+                    "{:.2f} -> {:.2f}".format(*r["sessions_first_last"]))
         lines.append(f"| {r['assigner']} | {r['before']:.3f} | {r['after']:.3f} | "
-                     f"{r['gain']:+.3f} {cis} | {vs} | {r['note_used_after']:.2f} |")
+                     f"{r['gain']:+.3f} {cis} | {vs} | {notes} | {sessions} |")
     lines.append(f"\n{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {steps} steps each.")
     return "\n".join(lines)
 

@@ -20,6 +20,10 @@ What a subclass sets (class attributes) and implements (one-method hooks)::
     continuation_prompt(summary, compressions) -> str   the root thread's prompt after one
     examples(compressions) -> [(user, assistant)]   worked examples opening a root-thread
                                                 session (default none)
+    branch_examples(compressions) -> [(user, assistant)]   the same for a sub-agent's session
+                                                (default none)
+    return_request(value) -> str | None         a request put to the parent after a sub-agent
+                                                returns ``value`` (default none)
 
 Tools are methods decorated with ``@tool``; their typed arguments become a JSON schema
 (``envs.tools``: parsing, schemas, permissions, dispatch). The session tree is recorded by
@@ -37,6 +41,9 @@ Each ``step(action)`` appends the action as an assistant turn of the *active* se
   dispatched and their results come back as ``tool`` turns.
 * no tool call: a sub-agent's returned value or, at the top level, the final answer, scored by
   ``score``; the episode terminates.
+
+After a sub-agent returns, ``return_request(value)`` (when not None) follows its result as a
+user turn.
 
 After ``reset`` and every step the env asks for a summary when ``compression_due()``.
 ``max_turns`` assistant turns, ``max_sessions`` sessions, or a prompt the policy refused as too
@@ -207,6 +214,17 @@ class ToolEnv(gymnasium.Env):
         the root). They are part of the prompt: rendered, never trained on."""
         return []
 
+    def branch_examples(self, compressions: int) -> list[tuple[str, str]]:
+        """Worked examples opening a sub-agent's session after ``compressions`` compressions
+        of its thread (0: the session ``spawn`` opened), as ``examples`` does for the root
+        thread. Default none."""
+        return []
+
+    def return_request(self, value: str) -> str | None:
+        """A request put to the parent as a user turn right after a sub-agent's ``value``
+        came back as the ``spawn`` result (e.g. how to answer now). Default None: nothing."""
+        return None
+
     # --- Gymnasium API -------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """``options``: ``task`` (a TaskSpec or its dict; default: drawn from the env's split),
@@ -247,6 +265,7 @@ class ToolEnv(gymnasium.Env):
             return self._finish(None, truncated_by="max_prompt_tokens",
                                 audit={"prompt_tokens": action.get("prompt_tokens")})
         rec.add(turn, revision)
+        was_in_branch = rec.in_branch  # spawn opens branches only at the top level
         if rec.awaiting_summary:
             rec.compress(sessions.Summary(turn.content), self._continuation(turn.content))
         elif calls := self.parser.parse(turn.content):
@@ -258,6 +277,9 @@ class ToolEnv(gymnasium.Env):
             rec.return_(sessions.Return(turn.content))
         else:
             return self._finish(turn.content)
+        returned = rec.turns()[-1].content if was_in_branch and not rec.in_branch else None
+        if returned is not None and (request := self.return_request(returned)):
+            rec.ask(request)
 
         if not rec.awaiting_summary and self.compression_due():
             if rec.n_sessions >= self.max_sessions:
@@ -309,15 +331,16 @@ class ToolEnv(gymnasium.Env):
         """A session's opening turns: instructions with the tool list, examples, ``prompt``."""
         listed = self.parser.format_instructions(self.tool_schemas(in_branch))
         intro = self.branch_instructions if in_branch else self.instructions
+        worked = (self.branch_examples if in_branch else self.examples)(compressions)
         return sessions.opening_turns(intro + ("\n\n" + listed if listed else ""), prompt,
-                                      [] if in_branch else self.examples(compressions))
+                                      worked)
 
     def _continuation(self, summary: str) -> list[Turn]:
         """The opening of the session that continues the active thread from ``summary``."""
         task = self._recorder.branch_task()
-        if task is not None:
-            return self._opening(task + SUMMARY_HEADER + summary, in_branch=True)
         k = self._recorder.compressions + 1
+        if task is not None:
+            return self._opening(task + SUMMARY_HEADER + summary, in_branch=True, compressions=k)
         return self._opening(self.continuation_prompt(summary, k), compressions=k)
 
     def _finish(self, answer: str | None, truncated_by: str | None = None,

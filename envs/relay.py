@@ -32,6 +32,17 @@ Tools
     reply is the answer. The embedded model makes a valid spawn call on 60% of these tasks
     greedy, 56% at T=0.7 (``benchmarks/spawn_rate.py``; 0% on LongRecords-v0's first turn).
 
+    With ``optional=True`` as well (it needs ``branching``) sessions are optional: the root sees
+    every fact and the question, and may answer at once or first spawn sub-agents, as many as
+    ``max_sessions - 1``, each seeing only the task the root wrote (the worked example spawns
+    one with the needed lines and the question). A sub-agent asked about a distractor line is
+    useless; one whose wrong number the root answers with is harmful. A sub-agent opens with
+    that example's sub-task answered by a bare number (``branch_examples``), and after each
+    sub-agent's result the root is asked "The sub-agent answered: N\nAnswer with just the
+    number, or spawn another sub-agent." (``return_request``), as its worked example shows in a
+    second turn; without these the base model answered sub-tasks with "1" or prose and spawned
+    again.
+
 Observation
     The active session's messages. Root: ``[system, user: example facts + request, assistant:
     example note, user: facts + request]``; answering session: ``[system, user: example note +
@@ -44,14 +55,17 @@ Reward
     in the note the answering session saw, times the share of that note's numbers that were
     needed (copying every fact does not pay). With ``branching`` the note is the last
     sub-agent's task without the question (whose "plus 1" is no fact). A right bare number
-    after a clean note: 1.0.
+    after a clean note: 1.0. With ``optional`` no note is required: ``answer`` (0.9) and
+    ``format`` (0.1) only (``OPTIONAL_WEIGHTS``), whatever the sub-agents were asked.
 
 Episode end
     The answering session's first reply. Truncated after ``max_turns`` (8) assistant turns.
 
 Usage (``session_used``)
     A note-writing session is used when what crossed from it kept every needed number it had
-    seen; the answering session when it answered.
+    seen; the answering session when it answered. With ``branching`` (and ``optional``) by data
+    flow (``envs.sessions.used_by_data_flow``): a sub-agent is used when a word or number it
+    returned is in the root's final answer (or a later spawn task of the root).
 
 Version history
     v0: first release.
@@ -70,6 +84,7 @@ from envs.scoring import answer_breakdown
 from trajectories import Episode, RewardBreakdown, Session
 
 WEIGHTS = {"answer": 0.6, "format": 0.1, "relayed": 0.3}
+OPTIONAL_WEIGHTS = {"answer": 0.9, "format": 0.1}  # sessions optional: no note is required
 _NUMBER = re.compile(r"(?<!\d)-?\d{1,18}(?!\d)")  # longer digit runs are not numbers here
 
 
@@ -82,6 +97,12 @@ INSTRUCTIONS = ("You are a careful assistant. When asked for a note, copy the ne
                 "exactly, numbers included. When asked a question, reply with only the final "
                 "number.")
 ANSWER_REQUEST = "Answer with just the number."
+AFTER_RESULT_REQUEST = "Answer with just the number, or spawn another sub-agent."
+
+
+def result_request(value: str) -> str:
+    """What a root with optional sessions is asked after a sub-agent answered ``value``."""
+    return f"The sub-agent answered: {value}\n{AFTER_RESULT_REQUEST}"
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "boxes": {"fact": "The {s} box has code {n}.", "noun": "the code of the {s} box",
@@ -117,16 +138,20 @@ STRUCTURES = {"recall": ("id",), "recall>combine": ("sum", "max"),
 NUMBERS = tuple(n for n in range(12, 99) if n % 10 and n // 10 != n % 10)
 
 
+def answer_reward(reply: str, target: int) -> dict[str, float]:
+    """``answer``: the last number of ``reply`` is ``target``; ``format``: a bare number."""
+    said = numbers(reply)
+    return {"answer": float(bool(said) and said[-1] == target),
+            "format": float(re.fullmatch(r"\s*-?\d+\s*\.?\s*", reply) is not None)}
+
+
 def relay_reward(reply: str, target: int, needed: list[int], note: str) -> dict[str, float]:
     """The three reward components of a final reply (also used by evaluation); ``note`` is
     what the answering session saw of the last note."""
-    said = numbers(reply)
     carried = set(numbers(note))
     kept = len(set(needed) & carried) / len(needed)
     clean = min(1.0, len(set(needed)) / len(carried)) if carried else 0.0
-    return {"answer": float(bool(said) and said[-1] == target),
-            "format": float(re.fullmatch(r"\s*-?\d+\s*\.?\s*", reply) is not None),
-            "relayed": kept * clean}
+    return {**answer_reward(reply, target), "relayed": kept * clean}
 
 
 def _head(fact: str) -> str:
@@ -148,9 +173,21 @@ def delegate_request(facts: list[str], asked: str) -> str:
             f"{heads} and asks: {asked} Reply with only the tool call.")
 
 
+def optional_request(asked: str) -> str:
+    """What a root with optional sessions is asked: the question, sub-agents offered."""
+    return (f"Question: {asked}\nYou may use the spawn tool to start a sub-agent with a task "
+            "that copies lines and asks a question; its answer comes back to you. Or answer "
+            "yourself. Reply with only the tool call or the final number.")
+
+
+def spawn_task(lines: str, asked: str) -> str:
+    """A sub-agent's task: ``lines`` and the question."""
+    return f"{lines} {asked} {ANSWER_REQUEST}"
+
+
 def spawn_call(lines: str, asked: str) -> str:
     """The tool call that hands ``lines`` and the question to a sub-agent."""
-    task = f"{lines} {asked} {ANSWER_REQUEST}"
+    task = spawn_task(lines, asked)
     return f'<tool_call>{json.dumps({"name": "spawn", "arguments": {"task": task}})}</tool_call>'
 
 
@@ -165,7 +202,10 @@ class RelayEnv(ToolEnv):
     reward_weights = WEIGHTS
 
     def __init__(self, note_words: int = 40, max_turns: int = 8, max_facts: int = 5,
-                 **kwargs: Any):
+                 optional: bool = False, **kwargs: Any):
+        if optional and not kwargs.get("branching"):
+            raise ValueError("Relay-v0: optional=True makes sub-agents optional, so it needs "
+                             "branching=True too (env.kwargs: {branching: true, optional: true})")
         if note_words < 5:
             raise ValueError(f"note_words must be >= 5, got {note_words}")
         if not 3 <= max_facts <= 8:
@@ -173,6 +213,9 @@ class RelayEnv(ToolEnv):
         super().__init__(max_turns=max_turns, **kwargs)
         self.note_words = note_words
         self.max_facts = max_facts
+        self.optional = optional
+        if optional:
+            self.reward_weights = OPTIONAL_WEIGHTS
 
     # --- tasks -----------------------------------------------------------------------------
     def task_pool(self, n: int, seed: int = 0) -> list[TaskSpec]:
@@ -221,8 +264,9 @@ class RelayEnv(ToolEnv):
             later = [data["facts"][j] for batch in data["batches"][1:] for j in batch]
             if later:  # the facts of every batch, one list
                 self._recorder.ask("\n".join(later), separator="\n")
-            self._recorder.ask(delegate_request([data["facts"][j] for j in data["needed"]],
-                                                data["question"]))
+            self._recorder.ask(
+                optional_request(data["question"]) if self.optional else
+                delegate_request([data["facts"][j] for j in data["needed"]], data["question"]))
             obs, info = self.active_messages, self._info()
         return obs, info
 
@@ -245,26 +289,53 @@ class RelayEnv(ToolEnv):
     def examples(self, compressions: int) -> list[tuple[str, str]]:
         """The root shows a worked note, the answering session a worked answer (same family,
         same operation, other entities); a middle session (two compressions) shows none."""
-        data = self.task.data
-        spec = FAMILIES[data["family"]]
-        facts = [spec["fact"].format(s=s, n=n)
-                 for s, n in zip(spec["example"], EXAMPLE_NUMBERS, strict=True)]
-        if 0 < compressions < len(data["batches"]):
+        if 0 < compressions < len(self.task.data["batches"]):
             return []  # a middle session (two compressions) shows none
         # as many example facts as the note must keep (root) or the question uses
-        k = len(data["needed"]) if self.branching else len(self._needed_seen(compressions))
-        picked = [0, 2] if k == 2 else [1]
+        k = (len(self.task.data["needed"]) if self.branching
+             else len(self._needed_seen(compressions)))
+        facts, picked, asked = self._example(k)
         note = " ".join(facts[j] for j in picked)
-        op = data["operation"]
-        nouns = [spec["noun"].format(s=spec["example"][j]) for j in picked]
-        asked = question(op, nouns)
+        if compressions == 0 and self.optional:  # spawn, then answer with the result
+            value = str(self._example_value(picked))
+            return [("\n".join(facts) + "\n\n" + optional_request(asked), spawn_call(note, asked)),
+                    (result_request(value), value)]
         if compressions == 0 and self.branching:
             request = delegate_request([facts[j] for j in picked], asked)
             return [("\n".join(facts) + "\n\n" + request, spawn_call(note, asked))]
         if compressions == 0:
             return [("\n".join(facts) + "\n\n" + note_request([facts[j] for j in picked]), note)]
-        value = OPERATIONS[op][1]([EXAMPLE_NUMBERS[j] for j in picked])
+        value = self._example_value(picked)
         return [(f"Your note: {note}\n\nQuestion: {asked}\n{ANSWER_REQUEST}", str(value))]
+
+    def branch_examples(self, compressions: int) -> list[tuple[str, str]]:
+        """With ``optional``, a sub-agent's session opens with the root example's sub-task
+        answered with a bare number; plain branching shows none."""
+        if not self.optional or compressions:
+            return []
+        facts, picked, asked = self._example(len(self.task.data["needed"]))
+        return [(spawn_task(" ".join(facts[j] for j in picked), asked),
+                 str(self._example_value(picked)))]
+
+    def return_request(self, value: str) -> str | None:
+        """With ``optional``, after a sub-agent's answer the root is asked for the final
+        number (or another sub-agent); plain branching asks nothing."""
+        return result_request(value) if self.optional else None
+
+    def _example(self, k: int) -> tuple[list[str], list[int], str]:
+        """The worked example's facts (the task's family, other entities), the ``k`` of them
+        its question uses and that question."""
+        data = self.task.data
+        spec = FAMILIES[data["family"]]
+        facts = [spec["fact"].format(s=s, n=n)
+                 for s, n in zip(spec["example"], EXAMPLE_NUMBERS, strict=True)]
+        picked = [0, 2] if k == 2 else [1]
+        nouns = [spec["noun"].format(s=spec["example"][j]) for j in picked]
+        return facts, picked, question(data["operation"], nouns)
+
+    def _example_value(self, picked: list[int]) -> int:
+        """The worked example's answer from its ``picked`` facts."""
+        return OPERATIONS[self.task.data["operation"]][1]([EXAMPLE_NUMBERS[j] for j in picked])
 
     def _cut(self, note: str) -> str:
         """What of a note crosses the boundary: its first ``note_words`` words."""
@@ -278,16 +349,24 @@ class RelayEnv(ToolEnv):
 
     # --- scoring, usage and the solver -------------------------------------------------------
     def score(self, task: TaskSpec, answer: str, state: Any) -> RewardBreakdown:
-        if self.branching:  # what crossed: the last sub-agent's task, less the question
-            tasks = [s.turns[1].content for s in self._recorder.sessions() if s.origin == "branch"]
-            note = tasks[-1].replace(task.data["question"], " ") if tasks else ""
+        if self.optional:  # no note is required: the answer alone
+            components = answer_reward(answer, task.target["answer"])
         else:
-            prompt = [t.content for t in self._recorder.turns() if t.role == "user"][-1]
-            note = prompt.split("Your note: ", 1)[-1].split("\n\nQuestion: ", 1)[0]
-        components = relay_reward(answer, task.target["answer"], task.target["needed"], note)
-        return answer_breakdown(components, WEIGHTS, f"{self.env_id}@{self.version}",
+            components = relay_reward(answer, task.target["answer"], task.target["needed"],
+                                      self._last_note(task))
+        return answer_breakdown(components, self.reward_weights, f"{self.env_id}@{self.version}",
                                 correct=components["answer"] == 1.0,
                                 answered=bool(numbers(answer)))
+
+    def _last_note(self, task: TaskSpec) -> str:
+        """What the answering session saw of the last note; with ``branching`` the last
+        sub-agent's task, less the question."""
+        if self.branching:
+            tasks = [s.turns[s.metrics["opening_turns"] - 1].content
+                     for s in self._recorder.sessions() if s.origin == "branch"]
+            return tasks[-1].replace(task.data["question"], " ") if tasks else ""
+        prompt = [t.content for t in self._recorder.turns() if t.role == "user"][-1]
+        return prompt.split("Your note: ", 1)[-1].split("\n\nQuestion: ", 1)[0]
 
     def session_used(self, session: Session, episode: Episode) -> bool | None:
         if self.branching:  # a sub-agent is used when the answer consumes what it returned

@@ -219,7 +219,7 @@ class SessionRecorder:
         first = self._drafts[self._thread.session_ids[0]]
         if first.origin != "branch":
             return None
-        return next(t.content for t in first.turns if t.role == "user")
+        return first.turns[first.opening - 1].content  # after any worked examples
 
     def turns(self) -> list[Turn]:
         return list(self._drafts[self.active].turns)

@@ -468,3 +468,34 @@ def test_transfer_runs_as_a_smoke(tmp_path):
         assert d["mean"] == pytest.approx(means[a][d["kind"]] - means[b][d["kind"]], abs=2e-3)
     for arm in ("atomic", "composed"):
         assert (tmp_path / "runs" / arm / "checkpoints").is_dir()
+
+
+def test_assigners_table_averages_seeds_per_task_and_counts_sub_agents(monkeypatch):
+    """Two held-out tasks, two seeds. usage_weighted - broadcast per task: a (1.0-0.5,
+    1.0-0.0) -> 0.75, b (1.0-1.0, 0.0-1.0) -> -0.5; the bootstrap sees 2 units (not 4), so
+    its interval is the range of their resampled means, [-0.5, +0.75]. A branching run wrote
+    no note ("-") and its sessions per episode are read from the training steps."""
+    monkeypatch.syspath_prepend(str(EXAMPLES.parent / "benchmarks"))
+    from assigners import markdown, table
+
+    def run(assigner, seed, a, b, sessions):
+        after = {"keys": ["t:a:0", "t:b:0"], "rewards": [a, b], "reward_mean": (a + b) / 2,
+                 "summary_used_frac": 0.0, "compressions_per_episode": 0.0}
+        before = {**after, "rewards": [0.0, 0.0], "reward_mean": 0.0}
+        return {"assigner": assigner, "seed": seed, "before": before, "after": after,
+                "comparison": {"reward_diff": (a + b) / 2, "lo": 0.0, "hi": 1.0},
+                "tokens_generated": 10, "sessions_per_episode": sessions}
+
+    runs = [run("broadcast", 0, 0.5, 1.0, [2.0, 1.5]), run("broadcast", 1, 0.0, 1.0, [2.0, 2.5]),
+            run("usage_weighted", 0, 1.0, 1.0, [1.5, 1.0]),
+            run("usage_weighted", 1, 1.0, 0.0, [2.5, 1.0])]
+    rows = table(runs, ["broadcast", "usage_weighted"], [0, 1])
+    usage = rows[1]
+    assert usage["vs_broadcast"] == pytest.approx(0.125) and usage["vs_n"] == 2
+    assert (usage["vs_lo"], usage["vs_hi"]) == pytest.approx((-0.5, 0.75))
+    assert rows[0]["note_used_after"] is None
+    assert rows[0]["sessions_first_last"] == (2.0, 2.0)
+    assert usage["sessions_first_last"] == (2.0, 1.0)
+    text = markdown(rows, [0, 1], 10)
+    assert "| usage_weighted | 0.000 | 0.750 |" in text and "| - | 2.00 -> 1.00 |" in text
+    assert max(len(line) for line in text.splitlines()[2:]) < 160

@@ -247,3 +247,55 @@ def test_the_driver_can_count_the_budget_with_the_policy_tokenizer():
     mine.use_token_counter(lambda messages: 0)  # a counter given at construction stays
     _, info = mine.reset(seed=0)
     assert info["awaiting_summary"]
+
+
+class Coached(TinyBudget):
+    """A branching env whose sub-agents open with a worked example and whose root is asked
+    to answer after each sub-agent's result."""
+
+    env_id = "tests/Coached-v0"
+
+    def branch_examples(self, compressions):
+        return [("example sub-task", "example result")] if compressions == 0 else [
+            ("example after a summary", "example continued")]
+
+    def return_request(self, value):
+        return f"It said {value}. Answer now."
+
+
+def test_branch_examples_open_a_sub_agent_and_return_request_follows_its_result():
+    env = Coached(branching=True, context_budget=None)
+    env.reset(seed=0)
+    obs, *_ = env.step(call("spawn", task="find the code"))
+    assert [(m["role"], m["content"]) for m in obs[1:]] == [
+        ("user", "example sub-task"), ("assistant", "example result"),
+        ("user", "find the code")]
+    obs, *_ = env.step("42")  # the sub-agent returns
+    assert [(m["role"], m.get("name"), m["content"]) for m in obs[-2:]] == [
+        ("tool", "spawn", "42"), ("user", None, "It said 42. Answer now.")]
+    *_, info = env.step("42")
+    root, branch = info["episode"].sessions
+    assert branch.metrics["opening_turns"] == 4  # system, the example pair, the task
+    assert root.turns[-1].content == "42" and branch.used_by_final
+
+
+def test_a_compressed_sub_agent_continues_from_its_task_not_its_example():
+    env = Coached(branching=True, context_budget=10_000)
+    env.reset(seed=0)
+    env.context_budget = 10  # the sub-agent's context is over budget once it opens
+    obs, *_ = env.step(call("spawn", task="find the code"))
+    assert "summary" in obs[-1]["content"]
+    env.context_budget = 10_000
+    obs, *_ = env.step("code starts with 4")
+    assert [m["content"] for m in obs[1:3]] == ["example after a summary", "example continued"]
+    assert obs[3]["content"].startswith("find the code\n\n")  # the task, not the example
+    assert obs[3]["content"].endswith("Summary of your progress so far:\ncode starts with 4")
+
+
+def test_without_the_hooks_sub_agents_open_bare_and_results_stand_alone():
+    env = TinyBudget(branching=True)
+    env.reset(seed=0)
+    obs, *_ = env.step(call("spawn", task="find the code"))
+    assert [m["role"] for m in obs] == ["system", "user"]
+    obs, *_ = env.step("42")
+    assert [m["role"] for m in obs][-2:] == ["assistant", "tool"]
