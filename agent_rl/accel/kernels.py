@@ -36,6 +36,7 @@ be built; callers then keep plain weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import platform
@@ -72,6 +73,29 @@ def build_name() -> str:
     return f"agent_rl_kernels_{key.hexdigest()[:16]}"
 
 
+@contextlib.contextmanager
+def build_lock(name: str):
+    """Hold an ``flock`` on the build folder while torch builds or loads there. torch's own
+    lock is a file that a killed build leaves behind, after which every later process waits
+    for it forever; the kernel drops an ``flock`` with its process, so a process holding ours
+    knows no other is building and removes torch's left-over file first."""
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    with open(folder / "agent_rl.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds
+        try:
+            if (folder / "lock").exists():
+                warnings.warn(f"agent_rl.accel: removed {folder / 'lock'}, left by a build "
+                              "that was killed", RuntimeWarning, stacklevel=3)
+                (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load() -> bool:
     """Build (once per machine) and load the kernel into ``torch.ops.agent_rl_kernels``; False,
@@ -85,8 +109,9 @@ def load() -> bool:
     try:
         print("agent_rl.accel: loading our CPU kernels (built once per machine, a few seconds)",
               file=sys.stderr, flush=True)
-        build(build_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-              is_python_module=False, verbose=False)
+        with build_lock(build_name()):
+            build(build_name(), [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                  is_python_module=False, verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: plain weights
         warnings.warn(f"agent_rl.accel: could not build {SOURCE.name} ({type(exc).__name__}: "
                       f"{_first_error(str(exc))}); rollout copies keep plain weights",

@@ -52,7 +52,7 @@ def before_after_table(result):
 
     from trajectories.display import terminal_text
 
-    table = Table(title="held-out reward before/after (greedy, hint-free)")
+    table = Table(title=f"held-out reward before/after ({sampled(result)}, hint-free)")
     for column in ("split", "policy", "reward mean", "95% interval", "n", "success",
                    "95% Wilson", "notes/ep", "note tok", "notes used"):
         table.add_column(column, justify="left" if column in ("split", "policy") else "right")
@@ -80,6 +80,13 @@ def before_after_table(result):
     return table
 
 
+def sampled(result) -> str:
+    """How the held-out episodes were sampled: ``greedy``, or ``T=0.7`` under a contract's
+    ``eval.temperature`` (a summary without the key, logged before it was recorded: greedy)."""
+    temperature = (result.before or {}).get("temperature") or 0.0
+    return "greedy" if temperature == 0 else f"T={temperature:g}"
+
+
 def before_after_lines(result) -> list[str]:
     """``before_after_table`` as plain lines (a log, a narrow terminal: ``common.show``): per
     split, overall first, the key line ``held-out all: 0.371 -> 0.565, paired +0.194 [0.121,
@@ -88,7 +95,7 @@ def before_after_lines(result) -> list[str]:
     spawned sub-agents, sub-agents per episode, the share of episodes with one and the share
     of sub-agents whose answer was used."""
     comparison = result.comparison or {}
-    lines = ["held-out reward before -> after (greedy, hint-free; 95% intervals)"]
+    lines = [f"held-out reward before -> after ({sampled(result)}, hint-free; 95% intervals)"]
     for name in _splits(result):
         sides = [(tag, s) for tag, s in (("before", _split(result.before or {}, name)),
                                          ("after", _split(result.after or {}, name))) if s]

@@ -118,7 +118,7 @@ def evaluate_held_out(policy, data: RunData, section: EnvSection, evaluation: Ev
     if backend.is_main:
         write_records(records, run_dir / "evals" / f"{tag}.jsonl")
         write_episodes(episodes, run_dir / "evals" / "episodes" / f"{tag}.jsonl")
-    return summarize_eval(records, evaluation.n)
+    return summarize_eval(records, evaluation.n) | {"temperature": evaluation.temperature}
 
 
 def shard(n: int, rank: int, world_size: int) -> tuple[int, int]:

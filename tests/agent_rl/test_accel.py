@@ -7,6 +7,7 @@ test_kernels.py, test_attention.py.)"""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -99,3 +100,17 @@ def test_disabled_is_undone_on_the_way_out():
         assert fast is None
     with accel.step(backend, model, torch.float32) as fast:
         assert fast is not None
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = tmp_path / "agent_rl_kernels_test"
+    folder.mkdir()
+    (folder / "lock").touch()  # torch's baton, left by a build killed before it released it
+    with pytest.warns(RuntimeWarning, match="left by a build that was killed"):
+        with kernels.build_lock("agent_rl_kernels_test"):
+            assert not (folder / "lock").exists()  # torch's build would have waited forever
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no left-over: nothing to say
+        with kernels.build_lock("agent_rl_kernels_test"):
+            pass

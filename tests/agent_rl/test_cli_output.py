@@ -86,6 +86,16 @@ def test_before_after_shows_the_sub_agents_where_episodes_spawned_them():
     assert "notes" not in text  # no compressions, no notes line
 
 
+def test_before_after_names_a_sampled_evaluation_by_its_temperature():
+    result = demo_result()
+    assert printed(before_after_table(result), before_after_lines(result), 80,
+                   terminal=False).startswith("held-out reward before -> after (greedy, ")
+    result.before["temperature"] = 0.7
+    for terminal, width in ((False, 80), (True, 160)):  # the lines and the table
+        text = printed(before_after_table(result), before_after_lines(result), width, terminal)
+        assert "(T=0.7, hint-free" in text and "greedy" not in text
+
+
 def test_before_after_in_a_redirected_log_is_plain_even_when_the_console_is_wide():
     result = demo_result()
     text = printed(before_after_table(result), before_after_lines(result), 200, terminal=False)
