@@ -57,7 +57,7 @@ import numpy as np
 from envs.core import TaskMeta, TaskSpec, ToolEnv
 from trajectories import Outcome, RewardBreakdown
 
-__all__ = ["FAMILIES", "WEIGHTS", "CandidatesEnv", "Member", "candidate_intervals",
+__all__ = ["FAMILIES", "WEIGHTS", "CandidatesEnv", "Member",
            "split_members", "score_members", "set_reward"]
 
 WEIGHTS = {"set": 1.0, "valid": 0.0, "novel": 0.0, "count": 0.0}
@@ -188,31 +188,6 @@ def set_reward(task: dict, reply: str, verifier: str = "agent_rl/Candidates-v0@0
                Outcome.wrong if n else Outcome.format_error)
     return RewardBreakdown.from_components(components, dict(WEIGHTS), outcome, verifier,
                                            {"k": k, "members": [asdict(m) for m in members]})
-
-
-def candidate_intervals(records: Sequence, n_boot: int = 10000, seed: int = 0,
-                        conf: float = 0.95) -> dict[str, float | int]:
-    """Per-member validity over candidate sets, with a bootstrap clustered by episode.
-
-    ``records``: episodes (``trajectories.Episode``) or their rewards' audits (dicts with
-    ``k`` and ``members``). Every one of a set's k slots is a member (a missing one is
-    invalid); the interval resamples whole sets (``evals.stats.summarize``), never members
-    alone: ``{mean, lo, hi, n (members), n_clusters (sets)}``."""
-    from evals.stats import summarize
-
-    values: list[float] = []
-    clusters: list[int] = []
-    for i, record in enumerate(records):
-        audit = record.reward.audit if hasattr(record, "reward") else record
-        if "k" not in audit or "members" not in audit:
-            raise ValueError(f"records[{i}] is not a candidate set: its audit has no 'k' and "
-                             "'members' (an episode of agent_rl/Candidates-v0 has both)")
-        given = [float(m["valid"]) for m in audit["members"]]
-        values += given + [0.0] * (int(audit["k"]) - len(given))
-        clusters += [i] * int(audit["k"])
-    if not values:
-        raise ValueError("no candidate sets to summarise: records is empty")
-    return summarize(values, clusters, n_boot, seed, conf=conf)
 
 
 class CandidatesEnv(ToolEnv):

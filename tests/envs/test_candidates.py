@@ -9,7 +9,8 @@ import pytest
 from rich.console import Console
 
 import envs
-from envs.candidates import candidate_intervals, score_members, set_reward, split_members
+from envs.candidates import score_members, set_reward, split_members
+from evals.candidates import candidate_intervals
 from evals.splits import default_splits
 from evals.stats import cluster_bootstrap
 from trajectories import Outcome
