@@ -176,9 +176,8 @@ def broadcast(episode: Episode) -> dict[str, float]:
     return {s.session_id: episode.reward.total for s in episode.sessions}
 
 
-@register_assigner("candidate_set", unit="candidate_set")
-def candidate_set(episode: Episode) -> dict[str, float]:
-    return {s.session_id: episode.reward.total for s in episode.sessions}
+# broadcast's rule under the reward unit of a candidate set (the module docstring)
+candidate_set = register_assigner("candidate_set", unit="candidate_set")(broadcast)
 
 
 @register_assigner("terminal_only")
