@@ -192,18 +192,25 @@ def plain_warnings(command: str):
 
 
 class StopSignal:
-    """While active, SIGTERM raises KeyboardInterrupt, so a run stops the way Ctrl-C stops it
-    (a checkpoint being written is discarded whole; finished bundles stay)."""
+    """While active, SIGTERM and SIGINT (Ctrl-C) raise KeyboardInterrupt, so a run stops the
+    same way on either (a checkpoint being written is discarded whole; finished bundles stay),
+    and ``received`` names the signal. An interrupt that lands inside a library's lock handling
+    can surface as another error instead (tensorboard's writer queue: RuntimeError "release
+    unlocked lock"); with ``received`` set, that error is the stop too."""
+
+    received: int | None = None
 
     def __enter__(self):
         def stop(signum, frame):
+            self.received = signum
             raise KeyboardInterrupt(f"signal {signum}")
 
-        self.previous = signal.signal(signal.SIGTERM, stop)
+        self.previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGTERM, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
 
 
 def holding(run_dir: Path, resume: bool) -> contextlib.AbstractContextManager:

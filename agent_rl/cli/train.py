@@ -196,24 +196,31 @@ def run_trainer(name: str, args: argparse.Namespace, contract, run_dir: Path, ch
 
     ignore_library_deprecations()
     load_base_model(contract.model.id, contract.model.dtype)  # fail fast, before the run dir
+    stop = StopSignal()
     try:
-        with StopSignal(), plain_warnings(name):
+        with stop, plain_warnings(name):
             return run(contract, resume=args.resume, progress=not args.no_progress)
     except KeyboardInterrupt:
-        if main_rank:
-            latest = checkpoint.latest_complete(checkpoints)
-            where = f"from {latest}" if latest else f"from the start ({none_yet})"
-            echo(f"agent-rl {name}: interrupted; `agent-rl {name} {args.config} --resume` (same "
-                 f"--set options) continues {where}", file=sys.stderr)
-            if on_interrupt is not None:
-                on_interrupt()
-        return None
+        pass
     except OSError as exc:  # a full disk while writing a log line
-        if (error := no_space(exc, run_dir, checkpoints)) is None:
-            raise
-        raise error from exc
+        if stop.received is None:
+            if (error := no_space(exc, run_dir, checkpoints)) is None:
+                raise
+            raise error from exc
     except (ValueError, ImportError, checkpoint.BundleError, gymnasium.error.Error) as exc:
-        raise CLIError(str(exc)) from exc  # a bad env id, run dir, resume point or missing extra
+        if stop.received is None:  # a bad env id, run dir, resume point or missing extra
+            raise CLIError(str(exc)) from exc
+    except Exception:
+        if stop.received is None:
+            raise
+    if main_rank:  # interrupted
+        latest = checkpoint.latest_complete(checkpoints)
+        where = f"from {latest}" if latest else f"from the start ({none_yet})"
+        echo(f"agent-rl {name}: interrupted; `agent-rl {name} {args.config} --resume` (same "
+             f"--set options) continues {where}", file=sys.stderr)
+        if on_interrupt is not None:
+            on_interrupt()
+    return None
 
 
 def stopped_code(trip) -> int:

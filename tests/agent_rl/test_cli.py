@@ -146,6 +146,55 @@ def test_guard_stop_exits_3_with_the_rule(tmp_path):
     assert guard["keys"] == ["guards.max_truncated_frac", "rollout.max_response_tokens"]
 
 
+def run_stopped_by(error: type[Exception] | None, tmp_path, capsys):
+    """``run_trainer`` around a run that signals itself SIGTERM; while that interrupt unwinds,
+    the run raises ``error`` (None: the plain KeyboardInterrupt). What run_trainer returned and
+    printed."""
+    import argparse
+
+    from agent_rl.cli.train import run_trainer
+    from agent_rl import ExperimentContract
+
+    def run(contract, resume, progress):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler interrupts this
+        except KeyboardInterrupt:
+            if error is None:
+                raise
+            raise error("release unlocked lock") from None  # what tensorboard's queue raised
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    args = argparse.Namespace(resume=False, no_progress=True, config=str(TINY))
+    result = run_trainer("train", args, ExperimentContract.from_yaml(TINY), tmp_path,
+                         tmp_path / "checkpoints", run, "none yet")
+    return result, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError, OSError, ValueError])
+def test_an_error_raised_while_sigterm_unwinds_is_still_the_stop(tmp_path, capsys, error):
+    before = signal.getsignal(signal.SIGTERM)
+    result, err = run_stopped_by(error, tmp_path, capsys)
+    assert result is None  # train exits 130
+    assert "interrupted" in err and "--resume" in err and "none yet" in err
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_the_same_error_without_a_signal_is_raised(tmp_path):
+    import argparse
+
+    from agent_rl.cli.train import run_trainer
+    from agent_rl import ExperimentContract
+
+    def run(contract, resume, progress):
+        raise RuntimeError("a real failure")
+
+    args = argparse.Namespace(resume=False, no_progress=True, config=str(TINY))
+    with pytest.raises(RuntimeError, match="a real failure"):
+        run_trainer("train", args, ExperimentContract.from_yaml(TINY), tmp_path,
+                    tmp_path / "checkpoints", run, "none yet")
+
+
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_and_points_at_resume(tmp_path):
     run_dir = tmp_path / "r"
