@@ -5,6 +5,7 @@ stop, 130 an interrupted run)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 
 import envs
+from agent_rl import ExperimentContract
+from agent_rl.cli.train import run_trainer
 from agent_rl.run import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,11 +153,6 @@ def run_stopped_by(error: type[Exception] | None, tmp_path, capsys):
     """``run_trainer`` around a run that signals itself SIGTERM; while that interrupt unwinds,
     the run raises ``error`` (None: the plain KeyboardInterrupt). What run_trainer returned and
     printed."""
-    import argparse
-
-    from agent_rl.cli.train import run_trainer
-    from agent_rl import ExperimentContract
-
     def run(contract, resume, progress):
         try:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -181,11 +179,6 @@ def test_an_error_raised_while_sigterm_unwinds_is_still_the_stop(tmp_path, capsy
 
 
 def test_the_same_error_without_a_signal_is_raised(tmp_path):
-    import argparse
-
-    from agent_rl.cli.train import run_trainer
-    from agent_rl import ExperimentContract
-
     def run(contract, resume, progress):
         raise RuntimeError("a real failure")
 
