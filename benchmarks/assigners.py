@@ -16,6 +16,11 @@ bootstrap), and the sessions per episode of the training rollouts on the first a
 (on a branching config: 1 + sub-agents spawned). ``terminal_only`` gives the note-writing session nothing but a negative advantage
 in rewarded groups: it is the control that shows whether credit for the note matters.
 
+The starting policy is evaluated once, by the first run, and every other run reuses that
+evaluation (``train.run(before=...)``, which checks it scored the same held-out tasks at the
+same temperature): every arm starts from the same base model, so its evaluation would be the
+same, and on CPU it is a third of an arm's time.
+
 Writes ``OUT/assigners.json`` (after every run) and ``OUT/assigners.md`` (the table in docs/concepts.md).
 Rerunning with the same ``--out`` reuses every run that finished under the same contract, so
 an interrupted ablation picks up where it stopped.
@@ -43,7 +48,7 @@ ASSIGNERS = ("broadcast", "terminal_only", "uniform_split", "discounted", "usage
 
 
 def run_one(config: Path, assigner: str, seed: int, steps: int | None, out: Path,
-            earlier: dict[str, dict]) -> dict:
+            earlier: dict[str, dict], before: dict | None) -> dict:
     overrides = [f"credit.assigner={assigner}", f"optim.seed={seed}",
                  f"run_dir={out / f'{assigner}-seed{seed}'}"]
     if steps is not None:
@@ -53,7 +58,7 @@ def run_one(config: Path, assigner: str, seed: int, steps: int | None, out: Path
         print("   finished earlier under the same contract: reusing its result", flush=True)
         return earlier[contract.contract_hash()]
     t0 = time.perf_counter()
-    result = train.run(contract, progress=True)
+    result = train.run(contract, progress=True, before=before)
     metrics = [json.loads(line) for line in
                (contract.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"assigner": assigner, "seed": seed, "contract_hash": contract.contract_hash(),
@@ -162,10 +167,10 @@ def main() -> None:
     for seed in args.seeds:
         for name in args.assigners:
             print(f"== {name}, seed {seed}", flush=True)
-            results.append(run_one(args.config, name, seed, args.steps, args.out, earlier))
+            before = next((r["before"] for r in [*results, *earlier.values()]), None)
+            results.append(run_one(args.config, name, seed, args.steps, args.out, earlier,
+                                   before))
             (args.out / "assigners.json").write_text(json.dumps(kept(results, earlier), indent=1))
-    befores = {json.dumps(r["before"]["rewards"]) for r in results if r["seed"] == args.seeds[0]}
-    print(f"before-training evaluations identical across assigners: {len(befores) == 1}")
     rows = table(results, args.assigners, args.seeds)
     md = markdown(rows, args.seeds, results[0]["steps"])
     (args.out / "assigners.json").write_text(

@@ -33,10 +33,13 @@ Tools
     greedy, 56% at T=0.7 (``benchmarks/spawn_rate.py``; 0% on LongRecords-v0's first turn).
 
     With ``optional=True`` as well (it needs ``branching``) sessions are optional: the root sees
-    every fact and the question, and may answer at once or first spawn sub-agents, as many as
-    ``max_sessions - 1``, each seeing only the task the root wrote (the worked example spawns
-    one with the needed lines and the question). A sub-agent asked about a distractor line is
-    useless; one whose wrong number the root answers with is harmful. A sub-agent opens with
+    every fact and is asked to spawn a sub-agent with a task that copies "the line it needs"
+    and the question, the line not named, so picking it is the root's work (the worked example
+    spawns one with the needed line). Nothing requires the spawn: a root that answers at once
+    is scored the same, and after each result it may answer or spawn again, as many as
+    ``max_sessions - 1`` sub-agents, each seeing only the task the root wrote. A sub-agent
+    asked about a distractor line is useless; one whose wrong number the root answers with is
+    harmful. A sub-agent opens with
     that example's sub-task answered by a bare number (``branch_examples``), and after each
     sub-agent's result the root is asked "The sub-agent answered: N\nAnswer with just the
     number, or spawn another sub-agent." (``return_request``), as its worked example shows in a
@@ -174,10 +177,10 @@ def delegate_request(facts: list[str], asked: str) -> str:
 
 
 def optional_request(asked: str) -> str:
-    """What a root with optional sessions is asked: the question, sub-agents offered."""
-    return (f"Question: {asked}\nYou may use the spawn tool to start a sub-agent with a task "
-            "that copies lines and asks a question; its answer comes back to you. Or answer "
-            "yourself. Reply with only the tool call or the final number.")
+    """What a root with optional sessions is asked: delegate the question with the line it
+    needs, which the root picks itself (no line is named; a direct answer scores as well)."""
+    return (f"Use the spawn tool to start a sub-agent with a task that copies the line it needs "
+            f"and asks: {asked} Reply with only the tool call.")
 
 
 def spawn_task(lines: str, asked: str) -> str:

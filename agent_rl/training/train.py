@@ -102,17 +102,22 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
 
 
-def run(contract: ExperimentContract, resume: bool = False, progress: bool = True) -> RunResult:
+def run(contract: ExperimentContract, resume: bool = False, progress: bool = True,
+        before: dict[str, Any] | None = None) -> RunResult:
     """Train under ``contract`` (the module docstring), holding its run directory for the whole
     run (``runlock``): a second process there is refused at once naming this one, a folder
     that cannot be written before anything else is done; a resource plan that cannot fit the
-    device (``setup.check_plan``) before that."""
+    device (``setup.check_plan``) before that. ``before``: the held-out summary of the same
+    starting policy from another run of the same model, env and eval sections (runs that
+    differ only in credit or seed, as an ablation's, share it), used instead of evaluating
+    again; one that does not cover this run's held-out tasks at its temperature is refused."""
     check_plan(contract, launched_world_size())
     with hold_if_main(contract.check_run_dir(), resume):
-        return _run(contract, resume, progress)
+        return _run(contract, resume, progress, before)
 
 
-def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResult:
+def _run(contract: ExperimentContract, resume: bool, progress: bool,
+         before: dict[str, Any] | None = None) -> RunResult:
     # --- 0. data: the train split and the held-out splits come from evals; checked (empty
     # splits, leakage between train and evaluation, context budget vs. prompt limit) before
     # anything is written ----------------------------------------------------------------------
@@ -138,7 +143,8 @@ def _run(contract: ExperimentContract, resume: bool, progress: bool) -> RunResul
 
     # --- 3. evaluate the starting policy on the held-out tasks -------------------------------
     if state.before is None:
-        state.before = evaluate(run, "before", progress)
+        state.before = (evaluate(run, "before", progress) if before is None else
+                        same_held_out(before, run.data.eval_sets, contract.eval.temperature))
         run.log("eval.jsonl", {"step": state.step, "tag": "before", **state.before})
 
     # --- 4. the loop -------------------------------------------------------------------------
@@ -304,6 +310,25 @@ def evaluate(run: Run, tag: str, progress: bool = False) -> dict[str, Any]:
     """The held-out summary of the policy now (``shared.evaluate_held_out``), hint-free."""
     return evaluate_held_out(run.policy, run.data, run.contract.env, run.contract.eval,
                              run.eval_sampling, tag, run.run_dir, run.backend, progress)
+
+
+def same_held_out(before: dict[str, Any], eval_sets: dict[str, list], temperature: float
+                  ) -> dict[str, Any]:
+    """``before`` (a held-out summary from another run) when it scored exactly this run's
+    held-out tasks, split by split, at ``temperature``; else a ValueError naming what
+    differs."""
+    theirs = {(key.split(":", 1)[0], key.split(":", 1)[1].rsplit(":", 1)[0])
+              for key in before.get("keys", [])}  # SPLIT:TASK_ID:SAMPLE_ID
+    mine = {(split, task.task_id) for split, tasks in eval_sets.items() for task in tasks}
+    if theirs != mine:
+        raise ValueError(f"train.run(before=...): the summary scored {len(theirs)} held-out "
+                         f"tasks, this run holds out {len(mine)}, {len(theirs ^ mine)} of them "
+                         "not in both: it is another eval section or env, so it cannot stand "
+                         "for this run's evaluation before training")
+    if before.get("temperature") != temperature:
+        raise ValueError(f"train.run(before=...): the summary was sampled at temperature "
+                         f"{before.get('temperature')}, this run evaluates at {temperature}")
+    return before
 
 
 def save(run: Run, state: State, step: int, extra: dict[str, Any] | None = None) -> None:

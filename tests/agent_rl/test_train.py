@@ -301,6 +301,28 @@ def test_resume_after_a_stop_is_the_straight_run(straight, tmp_path):
     assert ours == theirs
 
 
+def test_a_shared_before_evaluation_is_the_run_that_evaluated(straight, tmp_path):
+    """An ablation's arms share one evaluation of the starting policy: a run given the
+    straight run's ``before`` trains the same and reports the same comparison, without
+    evaluating before (no before records of its own)."""
+    contract, reference = straight
+    shared = train.run(make_contract(tmp_path / "run"), progress=False, before=reference.before)
+    assert shared.before == reference.before and shared.after == reference.after
+    assert shared.comparison == reference.comparison and shared.losses == reference.losses
+    assert not (tmp_path / "run" / "evals" / "before.jsonl").exists()
+    assert (reference.run_dir / "evals" / "before.jsonl").exists()
+
+
+def test_a_before_evaluation_of_other_tasks_or_temperature_is_refused(straight, tmp_path):
+    _, reference = straight
+    fewer = {**reference.before, "keys": reference.before["keys"][1:]}
+    with pytest.raises(ValueError, match="held-out tasks"):
+        train.run(make_contract(tmp_path / "a"), progress=False, before=fewer)
+    hotter = {**reference.before, "temperature": 1.5}
+    with pytest.raises(ValueError, match="temperature 1.5"):
+        train.run(make_contract(tmp_path / "b"), progress=False, before=hotter)
+
+
 KILLED_RUN = """
 import sys, time
 import envs

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import envs
+from envs import relay
 from envs.checks import check_env_id
 from envs.relay import (
     NUMBERS,
@@ -208,7 +209,10 @@ def test_optional_root_sees_every_fact_and_may_answer_at_once(pool):
     obs, info = env.reset(seed=0, options={"task": task})
     assert [t["function"]["name"] for t in info["tools"]] == ["spawn"]
     assert all(fact in obs[-1]["content"] for fact in task.data["facts"])
-    assert obs[-1]["content"].endswith(optional_request(task.data["question"]))
+    request = optional_request(task.data["question"])
+    assert obs[-1]["content"].endswith(request)
+    assert "the line it needs" in request  # picking the line is the root's work: none is named
+    assert not any(f'"{relay._head(fact)}"' in request for fact in task.data["facts"])
     assert '"name": "spawn"' in obs[2]["content"]  # the worked example spawns one sub-agent
     *_, terminated, _, info = env.step(str(task.target["answer"]))  # no sub-agent at all
     episode = info["episode"]
