@@ -281,7 +281,8 @@ def make_rollout_policy(contract: ExperimentContract, model, tokenizer, policy: 
             and contract.model.adapter != "lora"):
         return policy
     if rollout.backend == "vllm":
-        from agent_rl.policies.vllm_policy import VLLMPolicy, engine_sleeps, pushes_adapter_only
+        from agent_rl.policies.engine_weights import pushes_adapter_only
+        from agent_rl.policies.vllm_policy import VLLMPolicy, engine_sleeps
 
         engine = VLLMPolicy.from_model(model, tokenizer, engine_folder(run_dir),
                                        adapter_only=pushes_adapter_only(rollout.vllm_lora, model),

@@ -23,12 +23,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from agent_rl.policies.vllm_policy import (
-    VLLMPolicy,
-    named_weights_for_push,
-    rank_launch_options,
-    tensors_hash,
-)
+from agent_rl.policies.engine_weights import tensors_hash
+from agent_rl.policies.models import named_weights_for_push
+from agent_rl.policies.vllm_policy import VLLMPolicy, rank_launch_options
 from envs.runner import Sampling
 from tests.agent_rl.test_vllm_policy import conversations, perturbed, tiny_vllm_llama
 

@@ -485,8 +485,8 @@ def test_a_zero3_push_gathers_one_layer_at_a_time(lora):
     Counted, not timed: one gather open at a time, each holding one decoder layer or the
     tied embeddings (or the final norm), every parameter gathered once; the stream is the
     one-process push tensor for tensor (LoRA merged too), and the adapter-only stream too."""
+    from agent_rl.policies.engine_weights import adapter_tensors
     from agent_rl.policies.models import named_weights_for_push
-    from agent_rl.policies.vllm_policy import adapter_tensors
 
     model = _tiny_llama(lora)
     expected = [(n, t.clone()) for n, t in named_weights_for_push(model)]

@@ -15,12 +15,8 @@ import json
 import pytest
 import torch
 
-from agent_rl.policies.vllm_policy import (
-    lora_rank_slot,
-    named_weights_for_push,
-    pushes_adapter_only,
-    tensors_hash,
-)
+from agent_rl.policies.engine_weights import lora_rank_slot, pushes_adapter_only, tensors_hash
+from agent_rl.policies.models import named_weights_for_push
 from agent_rl.run.contract import ExperimentContract
 from agent_rl.run.overrides import ContractError
 from envs.runner import Sampling

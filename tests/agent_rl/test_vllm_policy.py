@@ -23,10 +23,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from agent_rl.policies.engine_weights import tensors_hash
 from agent_rl.policies.hf import HFPolicy, sequence_logprobs
-from agent_rl.policies.models import tiny_tokenizer
+from agent_rl.policies.models import named_weights_for_push, tiny_tokenizer
 from agent_rl.policies.render import chat_ids
-from agent_rl.policies.vllm_policy import named_weights_for_push, tensors_hash
 from envs.core import PROMPT_TOO_LONG
 from envs.runner import Sampling
 

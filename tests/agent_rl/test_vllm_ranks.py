@@ -195,7 +195,7 @@ def test_each_rank_keeps_its_engine_in_a_folder_of_its_own(monkeypatch, tmp_path
 def test_a_streamed_push_is_checked_name_by_name():
     """A push streamed into an engine (ZeRO-3: one layer at a time) cannot be listed first:
     an unknown name stops it before its tensor is passed on, a missing one at its end."""
-    from agent_rl.policies.vllm_policy import push_names_checked
+    from agent_rl.policies.engine_weights import push_names_checked
 
     t = torch.zeros(1)
     expected, optional = frozenset({"a", "b"}), frozenset({"lm_head.weight"})
