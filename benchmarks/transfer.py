@@ -17,8 +17,10 @@ on A and C are the warm start's "before" evaluation (same tasks, same greedy sam
     python benchmarks/transfer.py --scale tiny    # the tiny random Llama: a smoke run
 
 ``--out DIR`` of an earlier invocation reuses its warm start when that run finished (its
-``result.json``, its bundle intact) under the same contract (its ``contract.yaml``); the GRPO
-arms always run anew.
+``result.json``, its bundle intact) under the same contract (its ``contract.yaml``), and each
+GRPO arm continues from its newest checkpoint (every eighth of its steps) when it ran under the
+same contract, so a scale longer than a machine's session is run by rerunning the same command
+(``seconds`` then counts this invocation's part).
 
 The scale that ran is printed with the table; the last line is one JSON object.
 """
@@ -96,7 +98,7 @@ def grpo_contract(scale: dict[str, Any], arm: str, held_out: list[str], eval_spl
                     "max_response_tokens": scale["max_response"], "truncation": "keep",
                     "dynamic_sampling": False},
         "optim": {"lr": scale["lr"], "max_steps": scale["steps"], "seed": 0},
-        "checkpoint": {"every": 0, "keep": 1},
+        "checkpoint": {"every": max(1, scale["steps"] // 8), "keep": 1},  # a rerun resumes
         # a warm-started policy is peaked (the solver's replies at ~0.01 nats a token): its
         # entropy is near 0 and a LoRA step at this lr moves it by up to ~1 nat, so the
         # entropy and KL bounds are loosened; every stop a guard still makes is reported
@@ -142,6 +144,20 @@ def finished_warm_start(contract):
                      r["after"], r["comparison"], losses)
 
 
+def resumable(contract) -> bool:
+    """Whether a GRPO arm continues the run in its folder: one an earlier invocation wrote
+    under this same contract (from its newest checkpoint; a finished one re-reports its
+    result). Any other folder there, from another contract or cut short before its contract
+    was written, is this benchmark's own and starts over."""
+    from agent_rl.run.rundir import pinned_contract_hash
+
+    run_dir = contract.resolved_run_dir
+    if run_dir.is_dir() and pinned_contract_hash(run_dir) == contract.contract_hash():
+        return True
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
@@ -182,8 +198,7 @@ def main() -> None:
         contract = grpo_contract(scale, arm, held_out, eval_split, ids_file, warm.bundle, out)
         trained = {t.meta.structure for t in contract.env.splits(envs.make(ENV))["train"]}
         assert trained <= set(ATOMIC if arm == "atomic" else TRAIN_COMPOSED), trained
-        shutil.rmtree(contract.resolved_run_dir, ignore_errors=True)  # this benchmark's own run
-        result = train.run(contract, progress=True)
+        result = train.run(contract, resume=resumable(contract), progress=True)
         rewards[f"grpo_{arm}"] = evaluate(result.run_dir, tasks, scale)
         seconds[f"grpo_{arm}"] = time.perf_counter() - t1
         trained_steps[arm] = {"steps": result.steps, "stopped_by": result.stopped.rule

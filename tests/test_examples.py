@@ -468,6 +468,21 @@ def test_transfer_runs_as_a_smoke(tmp_path):
         assert d["mean"] == pytest.approx(means[a][d["kind"]] - means[b][d["kind"]], abs=2e-3)
     for arm in ("atomic", "composed"):
         assert (tmp_path / "runs" / arm / "checkpoints").is_dir()
+    # the same command again: the warm start reused, both finished arms resumed (no step
+    # trained again: their logs untouched), the same table
+    logs = {arm: (tmp_path / "runs" / arm / "metrics.jsonl").stat().st_mtime_ns
+            for arm in ("atomic", "composed")}
+    again = subprocess.run([sys.executable, str(script), "--scale", "tiny", "--out",
+                            str(tmp_path / "runs")], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    t = json.loads(again.stdout.strip().splitlines()[-1])
+    assert "reusing the warm start" in again.stdout
+    assert t["means"] == s["means"] and t["grpo"] == s["grpo"]
+    for arm in ("atomic", "composed"):
+        metrics = (tmp_path / "runs" / arm / "metrics.jsonl").read_text().splitlines()
+        assert len(metrics) == s["config"]["steps"]  # no step logged twice
+        assert (tmp_path / "runs" / arm / "metrics.jsonl").stat().st_mtime_ns == logs[arm]
 
 
 def test_assigners_table_averages_seeds_per_task_and_counts_sub_agents(monkeypatch):
