@@ -22,8 +22,9 @@ same temperature): every arm starts from the same base model, so its evaluation 
 same, and on CPU it is a third of an arm's time.
 
 Writes ``OUT/assigners.json`` (after every run) and ``OUT/assigners.md`` (the table in docs/concepts.md).
-Rerunning with the same ``--out`` reuses every run that finished under the same contract, so
-an interrupted ablation picks up where it stopped.
+Rerunning with the same ``--out`` reuses every run that finished under the same contract and
+continues the one that was cut short (from its newest checkpoint, else from its start), so an
+interrupted ablation picks up where it stopped.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from agent_rl.run.contract import ExperimentContract  # noqa: E402
+from agent_rl.run.rundir import pinned_contract_hash  # noqa: E402
 from agent_rl.training import train  # noqa: E402
 from evals.stats import paired_bootstrap  # noqa: E402
 
@@ -58,7 +60,9 @@ def run_one(config: Path, assigner: str, seed: int, steps: int | None, out: Path
         print("   finished earlier under the same contract: reusing its result", flush=True)
         return earlier[contract.contract_hash()]
     t0 = time.perf_counter()
-    result = train.run(contract, progress=True, before=before)
+    run_dir = contract.resolved_run_dir  # a run cut short under this contract continues
+    resume = run_dir.is_dir() and pinned_contract_hash(run_dir) == contract.contract_hash()
+    result = train.run(contract, resume=resume, progress=True, before=before)
     metrics = [json.loads(line) for line in
                (contract.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"assigner": assigner, "seed": seed, "contract_hash": contract.contract_hash(),

@@ -485,6 +485,24 @@ def test_transfer_runs_as_a_smoke(tmp_path):
         assert (tmp_path / "runs" / arm / "metrics.jsonl").stat().st_mtime_ns == logs[arm]
 
 
+@pytest.mark.slow
+def test_an_interrupted_assigner_ablation_continues(tmp_path):
+    """A run the ablation started but did not record (killed mid-run) is continued by the
+    same command, not refused as a run directory in use, and recorded."""
+    import json
+
+    script = EXAMPLES.parent / "benchmarks" / "assigners.py"
+    cmd = [sys.executable, str(script), "--config", str(EXAMPLES / "tiny.yaml"), "--assigners",
+           "broadcast", "--seeds", "0", "--steps", "1", "--out", str(tmp_path / "abl")]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert first.returncode == 0, first.stderr[-4000:]
+    (tmp_path / "abl" / "assigners.json").unlink()  # as if killed before it was recorded
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    runs = json.loads((tmp_path / "abl" / "assigners.json").read_text())["runs"]
+    assert [(r["assigner"], r["seed"], r["steps"]) for r in runs] == [("broadcast", 0, 1)]
+
+
 def test_assigners_table_averages_seeds_per_task_and_counts_sub_agents(monkeypatch):
     """Two held-out tasks, two seeds. usage_weighted - broadcast per task: a (1.0-0.5,
     1.0-0.0) -> 0.75, b (1.0-1.0, 0.0-1.0) -> -0.5; the bootstrap sees 2 units (not 4), so
