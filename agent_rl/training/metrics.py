@@ -291,6 +291,12 @@ def summarize_eval(records: list[EvalRecord], requested: int | None = None) -> d
 
 
 
+def held_out_task(key: str) -> tuple[str, str]:
+    """``(split, task_id)`` of a summary's key ``SPLIT:TASK_ID:SAMPLE_ID`` (``summarize_eval``)."""
+    split, rest = key.split(":", 1)
+    return split, rest.rsplit(":", 1)[0]
+
+
 def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
     """Paired bootstrap of after - before over the tasks both scored (same tasks, same
     sampling seeds), overall and per split. None when no task was scored by both (every

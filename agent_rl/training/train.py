@@ -61,6 +61,7 @@ from agent_rl.training import curriculum
 from agent_rl.training.metrics import (
     TrainStatus,
     compare,
+    held_out_task,
     note_untrained,
     progress_bar,
     scale_metrics,
@@ -314,16 +315,19 @@ def evaluate(run: Run, tag: str, progress: bool = False) -> dict[str, Any]:
 
 def same_held_out(before: dict[str, Any], eval_sets: dict[str, list], temperature: float
                   ) -> dict[str, Any]:
-    """``before`` (a held-out summary from another run) when it scored exactly this run's
-    held-out tasks, split by split, at ``temperature``; else a ValueError naming what
-    differs."""
-    theirs = {(key.split(":", 1)[0], key.split(":", 1)[1].rsplit(":", 1)[0])
-              for key in before.get("keys", [])}  # SPLIT:TASK_ID:SAMPLE_ID
+    """``before`` (a held-out summary from another run) when it evaluated exactly this run's
+    held-out tasks, split by split (its scored tasks among them, the rest infrastructure
+    faults), at ``temperature``; else a ValueError naming what differs."""
+    evaluated = {split: len(tasks) for split, tasks in eval_sets.items()}
     mine = {(split, task.task_id) for split, tasks in eval_sets.items() for task in tasks}
-    if theirs != mine:
-        raise ValueError(f"train.run(before=...): the summary scored {len(theirs)} held-out "
-                         f"tasks, this run holds out {len(mine)}, {len(theirs ^ mine)} of them "
-                         "not in both: it is another eval section or env, so it cannot stand "
+    keys = before.get("keys", [])
+    scored = {held_out_task(key) for key in keys}
+    if (before.get("n_evaluated") != evaluated or not scored <= mine
+            or len(keys) + before.get("infra_faults", 0) != sum(evaluated.values())):
+        raise ValueError(f"train.run(before=...): the summary evaluated "
+                         f"{before.get('n_evaluated')} held-out tasks ({len(scored)} scored, "
+                         f"{len(scored - mine)} not held out here), this run holds out "
+                         f"{evaluated}: it is another eval section or env, so it cannot stand "
                          "for this run's evaluation before training")
     if before.get("temperature") != temperature:
         raise ValueError(f"train.run(before=...): the summary was sampled at temperature "

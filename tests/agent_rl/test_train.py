@@ -313,11 +313,21 @@ def test_a_shared_before_evaluation_is_the_run_that_evaluated(straight, tmp_path
     assert (reference.run_dir / "evals" / "before.jsonl").exists()
 
 
+def held_out_of(contract) -> tuple[dict, float]:
+    from agent_rl.training.shared import load_data
+
+    data = load_data(contract.env, contract.eval, contract.rollout.max_prompt_tokens)
+    return data.eval_sets, contract.eval.temperature
+
+
 def test_a_before_evaluation_of_other_tasks_or_temperature_is_refused(straight, tmp_path):
-    _, reference = straight
+    contract, reference = straight
     fewer = {**reference.before, "keys": reference.before["keys"][1:]}
     with pytest.raises(ValueError, match="held-out tasks"):
         train.run(make_contract(tmp_path / "a"), progress=False, before=fewer)
+    # a task the other run lost to an infrastructure fault is still the same evaluation
+    faulted = {**reference.before, "keys": reference.before["keys"][1:], "infra_faults": 1}
+    assert train.same_held_out(faulted, *held_out_of(contract)) is faulted
     hotter = {**reference.before, "temperature": 1.5}
     with pytest.raises(ValueError, match="temperature 1.5"):
         train.run(make_contract(tmp_path / "b"), progress=False, before=hotter)
