@@ -10,11 +10,12 @@ Every run uses the same contract (``examples/smollm2_relay.yaml`` by default) bu
 rollout budget (steps x tasks x group size), the same sampling seeds and the same held-out
 tasks, evaluated greedily and hint-free before and after. Printed per assigner: held-out reward
 before and after, the paired difference after - before, and the paired difference of its
-trained policy against broadcast's (the same held-out tasks and seeds; with several seeds,
-per-task differences are averaged over the seeds first, so a task is one unit of the
-bootstrap), and the sessions per episode of the training rollouts on the first and last step
-(on a branching config: 1 + sub-agents spawned). ``terminal_only`` gives the note-writing session nothing but a negative advantage
-in rewarded groups: it is the control that shows whether credit for the note matters.
+trained policy against broadcast's (the same held-out tasks and seeds). With several seeds a
+task's differences are averaged over the seeds first, so a task is one unit of the bootstrap.
+Also: the share of held-out roots that spawn a sub-agent after training, and the sessions per
+episode of the training rollouts on the first and last step (on a branching config: 1 +
+sub-agents spawned). ``terminal_only`` gives the note-writing session nothing but a negative
+advantage in rewarded groups: it is the control that shows whether credit for the note matters.
 
 The starting policy is evaluated once, by the first run, and every other run reuses that
 evaluation (``train.run(before=...)``, which checks it scored the same held-out tasks at the
@@ -94,11 +95,12 @@ def per_task(summary: dict) -> dict[str, float]:
     return dict(zip(summary["keys"], summary["rewards"], strict=True))
 
 
-def against(runs: list[dict], baseline: list[dict]) -> tuple[float, float, float, int]:
-    """Paired after - after(baseline) over held-out tasks, seeds averaged per task first."""
+def seed_averaged(pairs: list[tuple[dict, dict]]) -> tuple[float, float, float, int]:
+    """Paired a - b over held-out tasks, one (a, b) evaluation pair per seed: a task's
+    differences are averaged over the seeds first, so a task is one unit of the bootstrap."""
     diffs: dict[str, list[float]] = {}
-    for run, base in zip(runs, baseline, strict=True):
-        mine, theirs = per_task(run["after"]), per_task(base["after"])
+    for a, b in pairs:
+        mine, theirs = per_task(a), per_task(b)
         for key in mine.keys() & theirs.keys():
             diffs.setdefault(key, []).append(mine[key] - theirs[key])
     values = [float(np.mean(v)) for v in diffs.values()]
@@ -113,17 +115,22 @@ def table(results: list[dict], assigners: list[str], seeds: list[int]) -> list[d
         runs = [by[name, s] for s in seeds]
         before = float(np.mean([r["before"]["reward_mean"] for r in runs]))
         after = float(np.mean([r["after"]["reward_mean"] for r in runs]))
-        gains = [r["comparison"] for r in runs]
+        gain, lo, hi, _ = seed_averaged([(r["after"], r["before"]) for r in runs])
         row = {"assigner": name, "before": before, "after": after,
-               "gain": float(np.mean([g["reward_diff"] for g in gains])),
-               "gain_intervals": [(g["lo"], g["hi"]) for g in gains],
+               "gain": gain, "gain_lo": lo, "gain_hi": hi,
+               "gain_intervals": [(r["comparison"]["lo"], r["comparison"]["hi"]) for r in runs],
                "note_used_after": (float(np.mean([r["after"]["summary_used_frac"] for r in runs]))
                                    if any(r["after"]["compressions_per_episode"] for r in runs)
                                    else None),  # no note was written (a branching config)
+               "spawning_after": (float(np.mean([r["after"]["branched_frac"] for r in runs]))
+                                  if any(r[when].get("branches_per_episode")
+                                         for r in runs for when in ("before", "after"))
+                                  else None),  # nothing spawned (not a branching config)
                "sessions_first_last": first_and_last(runs),
                "tokens": int(np.mean([r["tokens_generated"] for r in runs]))}
         if name != "broadcast" and "broadcast" in assigners:
-            d, lo, hi, n = against(runs, [by["broadcast", s] for s in seeds])
+            d, lo, hi, n = seed_averaged([(r["after"], by["broadcast", r["seed"]]["after"])
+                                          for r in runs])
             row.update({"vs_broadcast": d, "vs_lo": lo, "vs_hi": hi, "vs_n": n})
         rows.append(row)
     return rows
@@ -139,19 +146,24 @@ def first_and_last(runs: list[dict]) -> tuple[float, float] | None:
 
 
 def markdown(rows: list[dict], seeds: list[int], steps: int) -> str:
-    lines = ["| assigner | held-out before | after | after - before (95% CI, per seed) | "
-             "after vs broadcast (95% CI) | notes used after | sessions/episode, step 1 -> last |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| assigner | held-out before | after | after - before (95% CI) | per seed | "
+             "after vs broadcast (95% CI) | notes used after | roots spawning after | "
+             "sessions/episode, step 1 -> last |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cis = "; ".join(f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in r["gain_intervals"])
         vs = (f"{r['vs_broadcast']:+.3f} [{r['vs_lo']:+.3f}, {r['vs_hi']:+.3f}]"
               if "vs_broadcast" in r else "(baseline)")
         notes = "-" if r["note_used_after"] is None else f"{r['note_used_after']:.2f}"
+        spawning = ("-" if r.get("spawning_after") is None
+                    else f"{100 * r['spawning_after']:.0f}%")
         sessions = ("-" if r["sessions_first_last"] is None else
                     "{:.2f} -> {:.2f}".format(*r["sessions_first_last"]))
         lines.append(f"| {r['assigner']} | {r['before']:.3f} | {r['after']:.3f} | "
-                     f"{r['gain']:+.3f} {cis} | {vs} | {notes} | {sessions} |")
-    lines.append(f"\n{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {steps} steps each.")
+                     f"{r['gain']:+.3f} [{r['gain_lo']:+.3f}, {r['gain_hi']:+.3f}] | {cis} | "
+                     f"{vs} | {notes} | {spawning} | {sessions} |")
+    lines.append(f"\n{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {steps} steps each; "
+                 "intervals over held-out tasks, each task's difference averaged over the "
+                 "seeds first.")
     return "\n".join(lines)
 
 

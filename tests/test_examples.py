@@ -506,29 +506,40 @@ def test_an_interrupted_assigner_ablation_continues(tmp_path):
 def test_assigners_table_averages_seeds_per_task_and_counts_sub_agents(monkeypatch):
     """Two held-out tasks, two seeds. usage_weighted - broadcast per task: a (1.0-0.5,
     1.0-0.0) -> 0.75, b (1.0-1.0, 0.0-1.0) -> -0.5; the bootstrap sees 2 units (not 4), so
-    its interval is the range of their resampled means, [-0.5, +0.75]. A branching run wrote
-    no note ("-") and its sessions per episode are read from the training steps."""
+    its interval is the range of their resampled means, [-0.5, +0.75]. after - before the
+    same way: broadcast a (0.5, 0.0) -> 0.25, b (1.0, 1.0) -> 1.0: +0.625 [+0.25, +1.0]. A
+    branching run wrote no note ("-"); its held-out roots spawning after are averaged over the
+    seeds and its sessions per episode are read from the training steps."""
     monkeypatch.syspath_prepend(str(EXAMPLES.parent / "benchmarks"))
     from assigners import markdown, table
 
-    def run(assigner, seed, a, b, sessions):
+    def run(assigner, seed, a, b, sessions, spawning):
         after = {"keys": ["t:a:0", "t:b:0"], "rewards": [a, b], "reward_mean": (a + b) / 2,
-                 "summary_used_frac": 0.0, "compressions_per_episode": 0.0}
+                 "summary_used_frac": 0.0, "compressions_per_episode": 0.0,
+                 "branched_frac": spawning, "branches_per_episode": spawning}
         before = {**after, "rewards": [0.0, 0.0], "reward_mean": 0.0}
         return {"assigner": assigner, "seed": seed, "before": before, "after": after,
                 "comparison": {"reward_diff": (a + b) / 2, "lo": 0.0, "hi": 1.0},
                 "tokens_generated": 10, "sessions_per_episode": sessions}
 
-    runs = [run("broadcast", 0, 0.5, 1.0, [2.0, 1.5]), run("broadcast", 1, 0.0, 1.0, [2.0, 2.5]),
-            run("usage_weighted", 0, 1.0, 1.0, [1.5, 1.0]),
-            run("usage_weighted", 1, 1.0, 0.0, [2.5, 1.0])]
+    runs = [run("broadcast", 0, 0.5, 1.0, [2.0, 1.5], 0.5),
+            run("broadcast", 1, 0.0, 1.0, [2.0, 2.5], 0.0),
+            run("usage_weighted", 0, 1.0, 1.0, [1.5, 1.0], 0.25),
+            run("usage_weighted", 1, 1.0, 0.0, [2.5, 1.0], 0.25)]
     rows = table(runs, ["broadcast", "usage_weighted"], [0, 1])
     usage = rows[1]
     assert usage["vs_broadcast"] == pytest.approx(0.125) and usage["vs_n"] == 2
     assert (usage["vs_lo"], usage["vs_hi"]) == pytest.approx((-0.5, 0.75))
+    assert rows[0]["gain"] == pytest.approx(0.625)
+    assert (rows[0]["gain_lo"], rows[0]["gain_hi"]) == pytest.approx((0.25, 1.0))
     assert rows[0]["note_used_after"] is None
+    assert rows[0]["spawning_after"] == pytest.approx(0.25)
     assert rows[0]["sessions_first_last"] == (2.0, 2.0)
     assert usage["sessions_first_last"] == (2.0, 1.0)
     text = markdown(rows, [0, 1], 10)
-    assert "| usage_weighted | 0.000 | 0.750 |" in text and "| - | 2.00 -> 1.00 |" in text
+    assert "| broadcast | 0.000 | 0.625 | +0.625 [+0.250, +1.000] |" in text
+    assert "| - | 25% | 2.00 -> 1.00 |" in text
     assert max(len(line) for line in text.splitlines()[2:]) < 160
+    no_spawn = [{**r, "before": {**r["before"], "branches_per_episode": 0.0},
+                 "after": {**r["after"], "branches_per_episode": 0.0}} for r in runs]
+    assert table(no_spawn, ["broadcast"], [0, 1])[0]["spawning_after"] is None
