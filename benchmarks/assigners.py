@@ -146,21 +146,29 @@ def first_and_last(runs: list[dict]) -> tuple[float, float] | None:
 
 
 def markdown(rows: list[dict], seeds: list[int], steps: int) -> str:
-    lines = ["| assigner | held-out before | after | after - before (95% CI) | per seed | "
-             "after vs broadcast (95% CI) | notes used after | roots spawning after | "
-             "sessions/episode, step 1 -> last |", "|---|---|---|---|---|---|---|---|---|"]
+    """The table; a column no row has a value for (notes on a branching config, spawning
+    on a compression config) is left out."""
+    columns = ["assigner", "held-out before", "after", "after - before (95% CI)", "per seed",
+               "after vs broadcast (95% CI)"]
+    notes = any(r["note_used_after"] is not None for r in rows)
+    spawning = any(r.get("spawning_after") is not None for r in rows)
+    columns += (["notes used after"] * notes + ["roots spawning after"] * spawning
+                + ["sessions/episode, step 1 -> last"])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        cis = "; ".join(f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in r["gain_intervals"])
-        vs = (f"{r['vs_broadcast']:+.3f} [{r['vs_lo']:+.3f}, {r['vs_hi']:+.3f}]"
-              if "vs_broadcast" in r else "(baseline)")
-        notes = "-" if r["note_used_after"] is None else f"{r['note_used_after']:.2f}"
-        spawning = ("-" if r.get("spawning_after") is None
-                    else f"{100 * r['spawning_after']:.0f}%")
-        sessions = ("-" if r["sessions_first_last"] is None else
-                    "{:.2f} -> {:.2f}".format(*r["sessions_first_last"]))
-        lines.append(f"| {r['assigner']} | {r['before']:.3f} | {r['after']:.3f} | "
-                     f"{r['gain']:+.3f} [{r['gain_lo']:+.3f}, {r['gain_hi']:+.3f}] | {cis} | "
-                     f"{vs} | {notes} | {spawning} | {sessions} |")
+        cells = [r["assigner"], f"{r['before']:.3f}", f"{r['after']:.3f}",
+                 f"{r['gain']:+.3f} [{r['gain_lo']:+.3f}, {r['gain_hi']:+.3f}]",
+                 "; ".join(f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in r["gain_intervals"]),
+                 (f"{r['vs_broadcast']:+.3f} [{r['vs_lo']:+.3f}, {r['vs_hi']:+.3f}]"
+                  if "vs_broadcast" in r else "(baseline)")]
+        if notes:
+            cells.append("-" if r["note_used_after"] is None else f"{r['note_used_after']:.2f}")
+        if spawning:
+            cells.append("-" if r.get("spawning_after") is None
+                         else f"{100 * r['spawning_after']:.0f}%")
+        cells.append("-" if r["sessions_first_last"] is None else
+                     "{:.2f} -> {:.2f}".format(*r["sessions_first_last"]))
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\n{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {steps} steps each; "
                  "intervals over held-out tasks, each task's difference averaged over the "
                  "seeds first.")

@@ -508,8 +508,8 @@ def test_assigners_table_averages_seeds_per_task_and_counts_sub_agents(monkeypat
     1.0-0.0) -> 0.75, b (1.0-1.0, 0.0-1.0) -> -0.5; the bootstrap sees 2 units (not 4), so
     its interval is the range of their resampled means, [-0.5, +0.75]. after - before the
     same way: broadcast a (0.5, 0.0) -> 0.25, b (1.0, 1.0) -> 1.0: +0.625 [+0.25, +1.0]. A
-    branching run wrote no note ("-"); its held-out roots spawning after are averaged over the
-    seeds and its sessions per episode are read from the training steps."""
+    branching run wrote no note (no such column); its held-out roots spawning after are
+    averaged over the seeds and its sessions per episode are read from the training steps."""
     monkeypatch.syspath_prepend(str(EXAMPLES.parent / "benchmarks"))
     from assigners import markdown, table
 
@@ -538,7 +538,9 @@ def test_assigners_table_averages_seeds_per_task_and_counts_sub_agents(monkeypat
     assert usage["sessions_first_last"] == (2.0, 1.0)
     text = markdown(rows, [0, 1], 10)
     assert "| broadcast | 0.000 | 0.625 | +0.625 [+0.250, +1.000] |" in text
-    assert "| - | 25% | 2.00 -> 1.00 |" in text
+    assert text.splitlines()[0].endswith("| roots spawning after | sessions/episode, step 1 -> last |")
+    assert "notes used after" not in text  # no row wrote a note
+    assert "| +0.125 [-0.500, +0.750] | 25% | 2.00 -> 1.00 |" in text
     assert max(len(line) for line in text.splitlines()[2:]) < 160
     no_spawn = [{**r, "before": {**r["before"], "branches_per_episode": 0.0},
                  "after": {**r["after"], "branches_per_episode": 0.0}} for r in runs]
