@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from agent_rl.run.contract import ExperimentContract  # noqa: E402
-from agent_rl.run.rundir import pinned_contract_hash  # noqa: E402
+from agent_rl.run.rundir import pinned_to  # noqa: E402
 from agent_rl.training import train  # noqa: E402
 from evals.stats import paired_bootstrap  # noqa: E402
 
@@ -61,8 +61,7 @@ def run_one(config: Path, assigner: str, seed: int, steps: int | None, out: Path
         print("   finished earlier under the same contract: reusing its result", flush=True)
         return earlier[contract.contract_hash()]
     t0 = time.perf_counter()
-    run_dir = contract.resolved_run_dir  # a run cut short under this contract continues
-    resume = run_dir.is_dir() and pinned_contract_hash(run_dir) == contract.contract_hash()
+    resume = pinned_to(contract.resolved_run_dir, contract.contract_hash())  # cut short: continue
     result = train.run(contract, resume=resume, progress=True, before=before)
     metrics = [json.loads(line) for line in
                (contract.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]

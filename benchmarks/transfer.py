@@ -149,12 +149,11 @@ def resumable(contract) -> bool:
     under this same contract (from its newest checkpoint; a finished one re-reports its
     result). Any other folder there, from another contract or cut short before its contract
     was written, is this benchmark's own and starts over."""
-    from agent_rl.run.rundir import pinned_contract_hash
+    from agent_rl.run.rundir import pinned_to
 
-    run_dir = contract.resolved_run_dir
-    if run_dir.is_dir() and pinned_contract_hash(run_dir) == contract.contract_hash():
+    if pinned_to(contract.resolved_run_dir, contract.contract_hash()):
         return True
-    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(contract.resolved_run_dir, ignore_errors=True)
     return False
 
 

@@ -119,6 +119,11 @@ def pinned_contract_hash(run_dir: Path) -> str | None:
         return None
 
 
+def pinned_to(run_dir: Path, contract_hash: str) -> bool:
+    """Whether ``run_dir`` holds a run pinned to this contract (one to resume, not refuse)."""
+    return run_dir.is_dir() and pinned_contract_hash(run_dir) == contract_hash
+
+
 def pin_run_dir(run_dir: Path, contract: ExperimentContract | SFTContract, contract_hash: str,
                 base_model: dict[str, Any]) -> None:
     """Write what the run is pinned to, once ``check_run_dir`` and the checkpoint accepted it:
